@@ -1,0 +1,269 @@
+"""Frozen configuration records.
+
+ModelConfig comes from a checkpoint's config.json; CacheConfig and SchedulerConfig fix
+the compiled envelope at start; AdmissionPolicy holds the live, operator-tunable knobs.
+Validation raises ValueError naming the field, never `assert`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # qwen2 has q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    add_bos_token: bool = False
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _check(getattr(self, f) > 0, f, "must be positive")
+        _check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+               f"{self.num_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
+        _check(self.architecture in ("llama", "qwen2"), "architecture",
+               f"unsupported architecture {self.architecture!r} (supported: llama, qwen2)")
+
+    # --- sizes used by inspect, the engine log and the planner -----------------
+    def param_count(self) -> int:
+        d, f, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.attention_bias else 0)
+        per_layer = attn + 3 * d * f + 2 * d
+        emb = v * d * (1 if self.tie_word_embeddings else 2)
+        return L * per_layer + emb + d
+
+    def kv_bytes_per_token(self, kv_dtype: str = "bfloat16") -> int:
+        """2 (K and V) x layers x KV heads x head dim x bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        _check(not unknown, "config.json", f"unknown fields {sorted(unknown)}")
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "ModelConfig":
+        return cls.from_json(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    kv_dtype: str = "float32"
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (8, 16, 32, 64), "block_size", "must be one of 8, 16, 32, 64")
+        _check(self.num_blocks >= 2, "num_blocks", "must be at least 2")
+        _check(self.kv_dtype in DTYPE_BYTES, "kv_dtype", f"must be one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.block_size * self.num_blocks
+
+    def bytes_per_block(self, model: ModelConfig) -> int:
+        return model.kv_bytes_per_token(self.kv_dtype) * self.block_size
+
+    @classmethod
+    def from_memory(cls, model: ModelConfig, memory_bytes: int, block_size: int = 16,
+                    kv_dtype: str = "float32", enable_prefix_cache: bool = True) -> "CacheConfig":
+        per_block = model.kv_bytes_per_token(kv_dtype) * block_size
+        n = int(memory_bytes // per_block)
+        _check(n >= 2, "kv_cache_memory",
+               f"{memory_bytes} bytes hold {n} blocks of {per_block} bytes; need at least 2")
+        return cls(block_size=block_size, num_blocks=n, kv_dtype=kv_dtype,
+                   enable_prefix_cache=enable_prefix_cache)
+
+
+def parse_memory(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G', '123456' -> bytes."""
+    t = text.strip().lower().replace(" ", "")
+    units = {"gib": GiB, "gb": 10**9, "g": GiB, "mib": 1 << 20, "mb": 10**6, "m": 1 << 20,
+             "kib": 1 << 10, "kb": 10**3, "k": 1 << 10, "b": 1}
+    for suffix, mult in units.items():
+        if t.endswith(suffix):
+            t, scale = t[: -len(suffix)], mult
+            break
+    else:
+        scale = 1
+    try:
+        value = float(t)
+    except ValueError:
+        raise ValueError(f"kv_cache_memory: cannot parse {text!r} (use bytes or e.g. 2GiB, 512MiB)") from None
+    _check(value > 0, "kv_cache_memory", "must be positive")
+    return int(value * scale)
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The compiled envelope: shapes XLA compiles once at start."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 2048
+    # Power-of-two buckets; every (seqs, tokens) pair with seqs <= tokens is compiled.
+    min_token_bucket: int = 8
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+               f"must be >= max_num_seqs ({self.max_num_seqs})")
+        _check(self.max_model_len >= 16, "max_model_len", "must be >= 16")
+
+    @property
+    def seq_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(1, self.max_num_seqs)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(1, self.max_num_batched_tokens)
+
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        """(num_seqs, num_tokens) shapes. Pure-decode steps have tokens == seqs; mixed
+        steps use token buckets >= min_token_bucket."""
+        pairs = set()
+        for s in self.seq_buckets:
+            pairs.add((s, s))
+            for t in self.token_buckets:
+                if t >= max(s, self.min_token_bucket):
+                    pairs.add((s, t))
+        return sorted(pairs)
+
+    def bucket_for(self, num_seqs: int, num_tokens: int) -> tuple[int, int]:
+        s = next(b for b in self.seq_buckets if b >= num_seqs)
+        if num_tokens == num_seqs:
+            return s, s
+        t = next(b for b in self.token_buckets if b >= max(num_tokens, s, self.min_token_bucket))
+        return s, t
+
+
+AdmissionMode = Literal["reserve", "optimistic"]
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """Live knobs; replaced whole (never mutated) at a step boundary."""
+
+    watermark: float = 0.05
+    admission_mode: AdmissionMode = "optimistic"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    long_prefill_token_threshold: int = 128
+    max_admissions_per_step: int = 8
+    max_queue_len: int = 1024
+    max_queued_tokens: int = 1 << 20
+
+    # (low, high) allowed ranges, shown by the console next to each field.
+    @staticmethod
+    def ranges(envelope: SchedulerConfig) -> dict[str, tuple[Any, Any]]:
+        return {
+            "watermark": (0.0, 0.95),
+            "admission_mode": ("reserve", "optimistic"),
+            "max_num_seqs": (1, envelope.max_num_seqs),
+            "max_num_batched_tokens": (1, envelope.max_num_batched_tokens),
+            "long_prefill_token_threshold": (1, envelope.max_num_batched_tokens),
+            "max_admissions_per_step": (1, 4096),
+            "max_queue_len": (0, 1_000_000),
+            "max_queued_tokens": (0, 1 << 40),
+        }
+
+    def validate(self, envelope: SchedulerConfig) -> None:
+        for name, (lo, hi) in self.ranges(envelope).items():
+            value = getattr(self, name)
+            if name == "admission_mode":
+                _check(value in (lo, hi), name, f"must be 'reserve' or 'optimistic', got {value!r}")
+                continue
+            if name == "watermark":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            _check(ok, name, f"must be a {'number' if name == 'watermark' else 'whole number'}, got {value!r}")
+            _check(lo <= value <= hi, name, f"must be between {lo} and {hi}, got {value}")
+
+    def replace(self, envelope: SchedulerConfig, **changes: Any) -> "AdmissionPolicy":
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown policy field (known: {', '.join(sorted(known))})")
+        new = dataclasses.replace(self, **changes)
+        new.validate(envelope)
+        return new
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    attention_backend: str = "auto"  # auto | xla | pallas
+    dtype: str = "float32"
