@@ -1,0 +1,156 @@
+"""Paged attention in plain XLA: the CPU path, same signature as the Pallas kernel.
+
+One call serves a ragged batch of decode tokens and prefill chunks. It is split in two
+so each part gives XLA large, regular products and touches only the KV blocks in use:
+
+* path A -- the LAST query token of every sequence (all of a decode step) attends to its
+  whole context; batched over sequences, looping over KV chunks of `kv_chunk_blocks`
+  blocks with an online softmax. The loop's trip count is the batch's longest context,
+  so no static max-context dimension is compiled in.
+* path B -- the remaining tokens of prefill chunks, in query tiles of `q_tile` rows that
+  never straddle two sequences; a dynamic loop over tiles (zero iterations in a pure
+  decode step), each over its own causal KV range.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e30  # finite "minus infinity": fully masked rows give weights 0, not NaN
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter new K/V rows [T, Hkv, D] into caches [NB, BS, Hkv, D] at flat slots
+    (block * BS + offset); slot -1 (padding) is dropped."""
+    nb, bs, hkv, d = k_cache.shape
+    idx = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)  # out of range -> dropped
+    kf = k_cache.reshape(nb * bs, hkv, d).at[idx].set(k.astype(k_cache.dtype), mode="drop")
+    vf = v_cache.reshape(nb * bs, hkv, d).at[idx].set(v.astype(v_cache.dtype), mode="drop")
+    return kf.reshape(k_cache.shape), vf.reshape(v_cache.shape)
+
+
+def _online_update(m, l, acc, s, vals):
+    """One online-softmax step. s [..., R, C] scores, vals [..., C, D]."""
+    m_new = jnp.maximum(m, s.max(-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    l = l * alpha + p.sum(-1)
+    acc = acc * alpha[..., None] + jnp.einsum("...rc,...cd->...rd", p, vals)
+    return m_new, l, acc
+
+
+def _gather_chunk(cache: jax.Array, block_ids: jax.Array) -> jax.Array:
+    """cache [NB, BS, Hkv, D], block_ids [..., CB] -> [..., Hkv, CB*BS, D]."""
+    g = cache[block_ids]  # [..., CB, BS, Hkv, D]
+    g = g.reshape(*block_ids.shape[:-1], -1, *cache.shape[2:])  # [..., C, Hkv, D]
+    return jnp.moveaxis(g, -2, -3).astype(jnp.float32)
+
+
+def _last_token_attention(q_last, k_cache, v_cache, kv_lens, block_tables, sm_scale, cb):
+    """q_last [S, Hq, D] -> [S, Hq, D] over each sequence's full context (path A)."""
+    S, Hq, D = q_last.shape
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    qg = q_last.reshape(S, hkv, Hq // hkv, D).astype(jnp.float32) * sm_scale
+    chunk = cb * bs
+    n_chunks = (jnp.max(kv_lens) + chunk - 1) // chunk
+
+    def body(c, carry):
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(block_tables, c * cb, cb, axis=1)  # [S, CB]
+        k = _gather_chunk(k_cache, ids)  # [S, Hkv, C, D]
+        v = _gather_chunk(v_cache, ids)
+        s = jnp.einsum("skgd,skcd->skgc", qg, k)
+        pos = c * chunk + jnp.arange(chunk)
+        s = jnp.where(pos[None, None, None, :] < kv_lens[:, None, None, None], s, NEG)
+        return _online_update(m, l, acc, s, v)
+
+    init = (jnp.full((S, hkv, Hq // hkv), NEG), jnp.zeros((S, hkv, Hq // hkv)),
+            jnp.zeros((S, hkv, Hq // hkv, D)))
+    m, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]
+    return out.reshape(S, Hq, D)
+
+
+def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm_scale, cb, qt):
+    """Path B: every non-last query token, tile by tile. Returns [T, Hq, D] (zeros elsewhere)."""
+    T, Hq, D = q.shape
+    S = kv_lens.shape[0]
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    g = Hq // hkv
+    chunk = cb * bs
+    q_len = qsl[1:] - qsl[:-1]
+    live = jnp.arange(S) < num_seqs
+    body_len = jnp.where(live, jnp.maximum(q_len - 1, 0), 0)  # tokens before the last one
+    tiles = (body_len + qt - 1) // qt
+    tile_end = jnp.cumsum(tiles)
+    n_tiles = tile_end[-1]
+    max_tiles = T // qt + S  # static bound for the tile arrays
+    t_idx = jnp.arange(max_tiles)
+    t_seq = jnp.minimum(jnp.searchsorted(tile_end, t_idx, side="right"), S - 1)
+    t_first = qsl[t_seq] + (t_idx - (tile_end[t_seq] - tiles[t_seq])) * qt
+    t_rows = jnp.minimum(qt, qsl[t_seq] + body_len[t_seq] - t_first)
+
+    q_pad = jnp.concatenate([q, jnp.zeros((qt, Hq, D), q.dtype)]).astype(jnp.float32) * sm_scale
+    out = jnp.zeros((T + qt, Hq, D), jnp.float32)
+
+    def tile_body(i, out):
+        s, first, rows = t_seq[i], t_first[i], t_rows[i]
+        start_pos = kv_lens[s] - q_len[s] + (first - qsl[s])  # absolute position of row 0
+        qg = jax.lax.dynamic_slice_in_dim(q_pad, first, qt).reshape(qt, hkv, g, D)
+        qg = jnp.moveaxis(qg, 0, 1).reshape(hkv, qt * g, D)  # rows = (token, group)
+        row_pos = start_pos + jnp.repeat(jnp.arange(qt), g)
+        n_chunks = (start_pos + rows + chunk - 1) // chunk
+        table = block_tables[s]
+
+        def kv_body(c, carry):
+            m, l, acc = carry
+            ids = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
+            k = _gather_chunk(k_cache, ids)  # [Hkv, C, D]
+            v = _gather_chunk(v_cache, ids)
+            sc = jnp.einsum("krd,kcd->krc", qg, k)
+            pos = c * chunk + jnp.arange(chunk)
+            sc = jnp.where(pos[None, None, :] <= row_pos[None, :, None], sc, NEG)
+            return _online_update(m, l, acc, sc, v)
+
+        init = (jnp.full((hkv, qt * g), NEG), jnp.zeros((hkv, qt * g)), jnp.zeros((hkv, qt * g, D)))
+        m, l, acc = jax.lax.fori_loop(0, n_chunks, kv_body, init)
+        res = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(hkv, qt, g, D)
+        res = jnp.moveaxis(res, 1, 0).reshape(qt, Hq, D)
+        old = jax.lax.dynamic_slice_in_dim(out, first, qt)
+        keep = (jnp.arange(qt) < rows)[:, None, None]
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, res, old), first, axis=0)
+
+    out = jax.lax.fori_loop(0, n_tiles, tile_body, out)
+    return out[:T]
+
+
+@partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "q_tile"))
+def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
+                               block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array,
+                               *, sm_scale: float, kv_chunk_blocks: int = 8, q_tile: int = 32) -> jax.Array:
+    """q [T,Hq,D]; caches [NB,BS,Hkv,D]; kv_lens [S]; block_tables [S,MB]; query_start_loc [S+1];
+    num_seqs [1]. Returns [T,Hq,D] in q.dtype; padding rows are 0. See pallas_kernels.paged_attention
+    for the full contract."""
+    T = q.shape[0]
+    S, mb = block_tables.shape
+    cb = min(kv_chunk_blocks, mb)
+    pad = (-mb) % cb
+    if pad:  # the chunk loop slices whole chunks of the table
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    n = num_seqs.reshape(())
+    live = jnp.arange(S) < n
+    kv_lens = jnp.where(live, kv_lens, 0)
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    has_query = live & (q_len > 0)
+
+    last = jnp.clip(query_start_loc[1:] - 1, 0, T - 1)
+    out_last = _last_token_attention(q[last], k_cache, v_cache, jnp.where(has_query, kv_lens, 0),
+                                     block_tables, sm_scale, cb)
+    out = _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, n, sm_scale, cb,
+                         min(q_tile, T))
+    out = out.at[jnp.where(has_query, last, T)].set(out_last, mode="drop")
+    return out.astype(q.dtype)

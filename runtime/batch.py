@@ -1,0 +1,98 @@
+"""The one typed structure that crosses from host to device each step.
+
+`StepInput` holds only arrays (a registered pytree dataclass), padded to a compiled
+(num_seqs, num_tokens) bucket; `build_step_input` fills it from the scheduler's plan
+with numpy on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from runtime.sampling import SamplingInputs
+
+# penalty-state kinds for input tokens
+TOKEN_PAD, TOKEN_PROMPT, TOKEN_OUTPUT = 0, 1, 2
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepInput:
+    token_ids: jax.Array        # [T] int32 flattened tokens of all scheduled sequences, padded
+    positions: jax.Array        # [T] int32 absolute position of each token
+    slot_mapping: jax.Array     # [T] int32 KV slot (block * block_size + offset); -1 = padding
+    token_kind: jax.Array       # [T] int32 TOKEN_PAD | TOKEN_PROMPT | TOKEN_OUTPUT (penalty state)
+    token_row: jax.Array        # [T] int32 penalty-state row of the token's sequence
+    query_start_loc: jax.Array  # [S+1] int32 cumulative token offsets per sequence
+    kv_lens: jax.Array          # [S] int32 context length after this step's tokens; 0 = padding
+    block_tables: jax.Array     # [S, MB] int32 block ids per sequence (0-padded)
+    num_seqs: jax.Array         # [1] int32 real sequences in this step
+    logits_indices: jax.Array   # [S] int32 index in [T] of each sequence's last token
+    state_rows: jax.Array       # [S] int32 penalty-state row per sequence (R-1 = scratch row)
+    reset_rows: jax.Array       # [S] bool clear that row's penalty state before this step
+    sample_mask: jax.Array      # [S] bool the sampled token is kept (chunk reached the end)
+    sampling: SamplingInputs    # per-sequence sampling parameters, [S] each
+
+
+@dataclass
+class ScheduledSeq:
+    """Host-side description of one sequence's work this step (from the scheduler)."""
+
+    token_ids: Sequence[int]     # the tokens to compute this step
+    start_pos: int               # position of token_ids[0]
+    block_ids: Sequence[int]     # the sequence's whole block table
+    prompt_len: int              # tokens before this index are prompt (for penalty kinds)
+    state_row: int
+    reset_row: bool
+    sample: bool
+    sampling_row: object         # runtime.sampling row for make_sampling_inputs
+    count_from: int = 0          # tokens before this offset are already in the penalty state
+
+
+def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tokens_bucket: int,
+                     max_blocks_per_seq: int, block_size: int, scratch_row: int) -> StepInput:
+    from runtime.sampling import make_sampling_inputs
+
+    S, T = num_seqs_bucket, num_tokens_bucket
+    token_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slots = np.full(T, -1, np.int32)
+    kind = np.zeros(T, np.int32)
+    token_row = np.full(T, scratch_row, np.int32)
+    qsl = np.zeros(S + 1, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    tables = np.zeros((S, max_blocks_per_seq), np.int32)
+    logits_idx = np.zeros(S, np.int32)
+    rows = np.full(S, scratch_row, np.int32)
+    reset = np.zeros(S, bool)
+    sample_mask = np.zeros(S, bool)
+    t = 0
+    for i, sq in enumerate(seqs):
+        n = len(sq.token_ids)
+        pos = np.arange(sq.start_pos, sq.start_pos + n, dtype=np.int32)
+        blocks = np.asarray(sq.block_ids, np.int32)
+        token_ids[t:t + n] = sq.token_ids
+        positions[t:t + n] = pos
+        slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
+        kind[t:t + n] = np.where(pos < sq.prompt_len, TOKEN_PROMPT, TOKEN_OUTPUT)
+        kind[t:t + min(sq.count_from, n)] = TOKEN_PAD
+        token_row[t:t + n] = sq.state_row
+        tables[i, :len(blocks)] = blocks
+        kv_lens[i] = sq.start_pos + n
+        t += n
+        qsl[i + 1] = t
+        logits_idx[i] = t - 1
+        rows[i], reset[i], sample_mask[i] = sq.state_row, sq.reset_row, sq.sample
+    qsl[len(seqs) + 1:] = t
+    sampling = make_sampling_inputs([sq.sampling_row for sq in seqs], S)
+    return StepInput(token_ids, positions, slots, kind, token_row, qsl, kv_lens, tables,
+                     np.array([len(seqs)], np.int32), logits_idx, rows, reset, sample_mask, sampling)
+
+
+def describe(inp: StepInput) -> dict[str, tuple[int, ...]]:
+    return {f.name: np.shape(getattr(inp, f.name)) for f in dataclasses.fields(inp) if f.name != "sampling"}

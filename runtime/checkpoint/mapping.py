@@ -1,0 +1,157 @@
+"""Declarative source-name -> parameter-path tables for GGUF and Hugging Face files.
+
+Each row: (source pattern with `{i}` for the layer index, parameter path, transform).
+Transforms turn a source matrix [out, in] into our [in, out] layout; `unpermute_q/k`
+undo llama.cpp's interleaved rotary row order so Q/K match the rotate-half convention.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from runtime.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A one-line, user-facing problem with a checkpoint or source file."""
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: rows grouped (head, pair, half) -> (head, half, pair)."""
+    out_dim = w.shape[0]
+    head_dim = out_dim // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+TRANSFORMS: dict[str, Transform] = {
+    "copy": lambda w, c: w,
+    "t": lambda w, c: w.T,
+    "unpermute_q_t": lambda w, c: unpermute_rows(w, c.num_heads).T,
+    "unpermute_k_t": lambda w, c: unpermute_rows(w, c.num_kv_heads).T,
+    "unpermute_q": lambda w, c: unpermute_rows(w, c.num_heads),
+    "unpermute_k": lambda w, c: unpermute_rows(w, c.num_kv_heads),
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    source: str          # e.g. "blk.{i}.attn_q.weight"
+    path: str            # e.g. "layers/wq" (layered) or "embed"
+    transform: str = "copy"
+    optional: bool = False
+
+    @property
+    def layered(self) -> bool:
+        return "{i}" in self.source
+
+    def regex(self) -> re.Pattern[str]:
+        return re.compile("^" + re.escape(self.source).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+GGUF_RULES = (
+    Rule("token_embd.weight", "embed"),
+    Rule("output_norm.weight", "final_norm"),
+    Rule("output.weight", "lm_head", "t", optional=True),
+    Rule("blk.{i}.attn_norm.weight", "layers/attn_norm"),
+    Rule("blk.{i}.attn_q.weight", "layers/wq", "unpermute_q_t"),
+    Rule("blk.{i}.attn_k.weight", "layers/wk", "unpermute_k_t"),
+    Rule("blk.{i}.attn_v.weight", "layers/wv", "t"),
+    Rule("blk.{i}.attn_output.weight", "layers/wo", "t"),
+    Rule("blk.{i}.attn_q.bias", "layers/bq", "unpermute_q", optional=True),
+    Rule("blk.{i}.attn_k.bias", "layers/bk", "unpermute_k", optional=True),
+    Rule("blk.{i}.attn_v.bias", "layers/bv", optional=True),
+    Rule("blk.{i}.ffn_norm.weight", "layers/mlp_norm"),
+    Rule("blk.{i}.ffn_gate.weight", "layers/w_gate", "t"),
+    Rule("blk.{i}.ffn_up.weight", "layers/w_up", "t"),
+    Rule("blk.{i}.ffn_down.weight", "layers/w_down", "t"),
+)
+
+HF_RULES = (
+    Rule("model.embed_tokens.weight", "embed"),
+    Rule("model.norm.weight", "final_norm"),
+    Rule("lm_head.weight", "lm_head", "t", optional=True),
+    Rule("model.layers.{i}.input_layernorm.weight", "layers/attn_norm"),
+    Rule("model.layers.{i}.self_attn.q_proj.weight", "layers/wq", "t"),
+    Rule("model.layers.{i}.self_attn.k_proj.weight", "layers/wk", "t"),
+    Rule("model.layers.{i}.self_attn.v_proj.weight", "layers/wv", "t"),
+    Rule("model.layers.{i}.self_attn.o_proj.weight", "layers/wo", "t"),
+    Rule("model.layers.{i}.self_attn.q_proj.bias", "layers/bq", optional=True),
+    Rule("model.layers.{i}.self_attn.k_proj.bias", "layers/bk", optional=True),
+    Rule("model.layers.{i}.self_attn.v_proj.bias", "layers/bv", optional=True),
+    Rule("model.layers.{i}.post_attention_layernorm.weight", "layers/mlp_norm"),
+    Rule("model.layers.{i}.mlp.gate_proj.weight", "layers/w_gate", "t"),
+    Rule("model.layers.{i}.mlp.up_proj.weight", "layers/w_up", "t"),
+    Rule("model.layers.{i}.mlp.down_proj.weight", "layers/w_down", "t"),
+)
+
+# Sources that carry no weights we need (rotary caches some exporters write).
+IGNORED = re.compile(r"(rotary_emb\.inv_freq|rope_freqs\.weight)$")
+
+
+class ParamAssembler:
+    """Collects converted tensors by rule and stacks layers into the model's tree."""
+
+    def __init__(self, cfg: ModelConfig, rules: tuple[Rule, ...], dtype: np.dtype):
+        self.cfg, self.rules, self.dtype = cfg, rules, dtype
+        self._compiled = [(r, r.regex()) for r in rules]
+        self.flat: dict[str, np.ndarray] = {}
+        self.layered: dict[str, dict[int, np.ndarray]] = {}
+
+    def match(self, name: str) -> tuple[Rule, int | None] | None:
+        for rule, rx in self._compiled:
+            m = rx.match(name)
+            if m:
+                return rule, (int(m.group(1)) if rule.layered else None)
+        return None
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        hit = self.match(name)
+        if hit is None:
+            if IGNORED.search(name):
+                return
+            raise CheckpointError(f"unexpected tensor {name!r}: not part of a {self.cfg.architecture} model")
+        rule, layer = hit
+        w = TRANSFORMS[rule.transform](np.asarray(array, dtype=np.float32), self.cfg).astype(self.dtype)
+        if layer is None:
+            self.flat[rule.path] = w
+        else:
+            if layer >= self.cfg.num_layers:
+                raise CheckpointError(f"tensor {name!r} names layer {layer}, model has {self.cfg.num_layers}")
+            self.layered.setdefault(rule.path, {})[layer] = np.ascontiguousarray(w)
+
+    def finish(self, expected_shapes: dict) -> dict:
+        params: dict = {"layers": {}}
+        for rule in self.rules:
+            if rule.layered:
+                got = self.layered.get(rule.path, {})
+                if not got and rule.optional:
+                    continue
+                missing = sorted(set(range(self.cfg.num_layers)) - set(got))
+                if missing:
+                    raise CheckpointError(f"missing tensor {rule.source.format(i=missing[0])!r}")
+                params["layers"][rule.path.split("/")[1]] = np.stack([got[i] for i in range(self.cfg.num_layers)])
+            elif rule.path in self.flat:
+                params[rule.path] = self.flat[rule.path]
+            elif not rule.optional:
+                raise CheckpointError(f"missing tensor {rule.source!r}")
+        if "lm_head" in params and self.cfg.tie_word_embeddings:
+            del params["lm_head"]  # tied: some exporters still write a copy
+        check_shapes(params, expected_shapes)
+        return params
+
+
+def check_shapes(params: dict, expected: dict, prefix: str = "") -> None:
+    for key, want in expected.items():
+        if key not in params:
+            raise CheckpointError(f"missing parameter {prefix}{key}")
+        if isinstance(want, dict):
+            check_shapes(params[key], want, f"{prefix}{key}/")
+        elif tuple(params[key].shape) != tuple(want):
+            raise CheckpointError(
+                f"parameter {prefix}{key} has shape {tuple(params[key].shape)}, config implies {tuple(want)}")

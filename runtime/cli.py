@@ -1,0 +1,217 @@
+"""`pagedjax` command line: pull, convert, inspect, generate, serve, bench, plan.
+
+User errors print one line and exit 2; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from runtime.checkpoint.mapping import CheckpointError
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    pass
+
+
+def _fail(msg: str) -> int:
+    print(f"pagedjax: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+# --- pull / convert / inspect ------------------------------------------------------
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from runtime.checkpoint.pull import pull
+
+    out = pull(args.model, Path(args.out) if args.out else None)
+    print(out)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from runtime.checkpoint.store import convert
+
+    src_path = Path(args.src)
+    if not src_path.exists():
+        raise CheckpointError(f"{src_path}: no such file or directory")
+    if args.source == "gguf":
+        from runtime.checkpoint.gguf_source import GGUFSource
+        source = GGUFSource(src_path)
+    else:
+        from runtime.checkpoint.hf_source import HFSource
+        source = HFSource(src_path)
+    out = convert(source, Path(args.out), dtype=args.dtype, force=args.force)
+    print(out)
+    return 0
+
+
+def inspect_text(path: Path) -> str:
+    from runtime.checkpoint.store import load_config
+
+    cfg = load_config(path)
+    meta = (path / "pagedjax.json")
+    dtype = "float32"
+    if meta.is_file():
+        import json
+        dtype = json.loads(meta.read_text()).get("dtype", dtype)
+    from runtime.config import DTYPE_BYTES
+    n = cfg.param_count()
+    kv_tok = cfg.kv_bytes_per_token(dtype)
+    rows = [
+        ("checkpoint", str(path)),
+        ("name", cfg.name),
+        ("architecture", cfg.architecture),
+        ("layers", cfg.num_layers),
+        ("hidden size", cfg.hidden_size),
+        ("heads / KV heads", f"{cfg.num_heads} / {cfg.num_kv_heads} (GQA {cfg.num_heads // cfg.num_kv_heads}:1)"),
+        ("head dim", cfg.head_dim),
+        ("MLP size", cfg.intermediate_size),
+        ("vocab", cfg.vocab_size),
+        ("context length", cfg.max_position_embeddings),
+        ("rope theta", cfg.rope_theta),
+        ("tied embeddings", cfg.tie_word_embeddings),
+        ("parameters", f"{n:,} ({n / 1e6:.1f} M)"),
+        ("dtype", dtype),
+        ("weight bytes", f"{n * DTYPE_BYTES[dtype]:,} ({n * DTYPE_BYTES[dtype] / 2**20:.1f} MiB)"),
+        ("KV bytes per token", f"{kv_tok:,} ({kv_tok / 1024:.1f} KiB, {dtype})"),
+        ("KV bytes per 1,000-token seq", f"{kv_tok * 1000:,} ({kv_tok * 1000 / 2**20:.1f} MiB)"),
+        ("KV bytes per 16-token block", f"{kv_tok * 16:,}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    print(inspect_text(Path(args.checkpoint)))
+    return 0
+
+
+# --- generate ------------------------------------------------------------------------
+
+def resolve_checkpoint(arg: str | None) -> Path:
+    from runtime.checkpoint.pull import default_checkpoint, pull
+
+    if arg:
+        return Path(arg)
+    path = default_checkpoint()
+    if not (path / "config.json").is_file():
+        print(f"no --checkpoint given; pulling the default model into {path}", file=sys.stderr)
+        pull()
+    return path
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from runtime.engine import LLMEngine
+    from runtime.engine_args import engine_config_from_args
+    from runtime.sampling import SamplingParams
+
+    path = resolve_checkpoint(args.checkpoint)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed)
+    engine = LLMEngine.from_checkpoint(path, engine_config_from_args(args), warmup=False)
+    tok = engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    for delta in engine.generate_text(tok.encode(text), params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+# --- parser ----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from runtime.engine_args import add_engine_arguments
+    from runtime.planner import add_plan_arguments
+
+    p = argparse.ArgumentParser(prog="pagedjax", description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("pull", help="download and convert a known model (default: smollm2)")
+    s.add_argument("model", nargs="?", default="smollm2")
+    s.add_argument("--out", help="checkpoint directory (default: checkpoints/<name>)")
+    s.set_defaults(func=cmd_pull)
+
+    s = sub.add_parser("convert", help="convert GGUF or Hugging Face safetensors into a pagedjax checkpoint")
+    s.add_argument("--from", dest="source", choices=("gguf", "hf"), required=True)
+    s.add_argument("src", help="GGUF file or Hugging Face model directory")
+    s.add_argument("--out", required=True, help="output checkpoint directory, e.g. checkpoints/NAME")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    s.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("inspect", help="show a checkpoint's architecture and sizes")
+    s.add_argument("checkpoint")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    s.add_argument("--checkpoint", help="checkpoint directory (default: the pulled default model)")
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None)
+    add_engine_arguments(s, serving=False)
+    s.set_defaults(func=cmd_generate)
+
+    try:
+        from console.serve import add_serve_parser
+        add_serve_parser(sub)
+    except ImportError:  # the web layer is optional for the engine-only install
+        pass
+    try:
+        from runtime.bench.cli import add_bench_parser
+        add_bench_parser(sub)
+    except ImportError:
+        pass
+
+    s = sub.add_parser("plan", help="capacity planning from the serving formulas")
+    add_plan_arguments(s)
+    from runtime.planner import run_plan
+    s.set_defaults(func=run_plan)
+    return p
+
+
+def quiet_libraries() -> None:
+    """orbax/absl and jax log chatty INFO lines; keep the terminal for our own."""
+    for name in ("absl", "jax", "jax._src.xla_bridge", "orbax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    enable_compilation_cache()
+
+
+def enable_compilation_cache() -> None:
+    """JAX persistent compilation cache: a restart reuses compiled step programs."""
+    import jax
+
+    path = os.environ.get("PAGEDJAX_JAX_CACHE", str(Path.home() / ".cache" / "pagedjax" / "jax"))
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    quiet_libraries()
+    try:
+        return int(args.func(args) or 0)
+    except (CheckpointError, UserError, ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

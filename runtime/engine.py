@@ -1,0 +1,376 @@
+"""The engine: `add_request` / `abort` / `step()`.
+
+`LLMEngine.step()` is the whole loop body: take pending aborts and policy changes, ask
+the scheduler for a plan, run the jitted step, commit tokens, and emit each request's
+output (token ids, text delta, finish reason, usage) through its callback. `AsyncEngine`
+(runtime/async_engine.py) runs it on a background thread that owns the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from runtime.batch import ScheduledSeq
+from runtime.block_pool import BlockPool
+from runtime.config import AdmissionPolicy, EngineConfig
+from runtime.metrics import EngineMetrics, StepSample
+from runtime.model_runner import ModelRunner, compilations
+from runtime.request import Request, Status
+from runtime.sampling import SamplingParams, SamplingRow
+from runtime.scheduler import Overloaded, Scheduler
+from runtime.snapshot import EngineSnapshot, take_snapshot
+from runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+log = logging.getLogger(__name__)
+__all__ = ["LLMEngine", "RequestOutput", "Overloaded"]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]                 # new tokens since the last output
+    text: str                            # new text since the last output
+    finished: bool = False
+    finish_reason: str | None = None     # stop | length | abort | error
+    stop_reason: Any = None              # the stop string or token id that ended it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class AuditEntry:
+    time: float
+    who: str
+    changes: dict[str, tuple[Any, Any]]  # field -> (old, new)
+
+
+@dataclass(eq=False)
+class _Tracked:
+    req: Request
+    detok: IncrementalDetokenizer
+    emitted: int = 0                    # characters of detok.text already sent
+    stop_hold: int = 0                  # characters held back (could begin a stop string)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, params: Any, tokenizer: TextTokenizer, *,
+                 warmup: bool = True, progress: bool = True, dtype: Any = None):
+        import jax.numpy as jnp
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.envelope = config.scheduler
+        self.pool = BlockPool(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
+        self._policy = config.policy
+        self._policy.validate(self.envelope)
+        self.scheduler = Scheduler(config.cache, self.envelope, self._policy, self.pool)
+        dtype = dtype or {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.dtype]
+        self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
+                                  config.attention_backend, dtype)
+        self.metrics = EngineMetrics()
+        self.lock = threading.RLock()
+        self._tracked: dict[str, _Tracked] = {}
+        self._aborts: list[str] = []
+        # Output callbacks outlive _finish (which drops the tracked entry) until delivered.
+        self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
+        self._pending_policy: AdmissionPolicy | None = None
+        self.audit: list[AuditEntry] = []
+        self._rng = random.Random()
+        self._ids = itertools.count()
+        self._last = dict(queries=0, hits=0, evictions=0, preemptions=0, rejections={})
+        self.warmup_seconds = 0.0
+        self.compilations_at_ready = 0
+        self._log_capacity()
+        if warmup:
+            self.warmup(progress)
+
+    # --- construction -----------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, path: Path, config: "EngineConfig | Callable", **kw: Any) -> "LLMEngine":
+        """`config` is an EngineConfig or a callable building one from the ModelConfig."""
+        from runtime.checkpoint.store import load_checkpoint
+
+        model_cfg, params, tok = load_checkpoint(Path(path))
+        cfg = config(model_cfg) if callable(config) else config
+        return cls(cfg, params, tok, **kw)
+
+    def _log_capacity(self) -> None:
+        c, m = self.config.cache, self.config.model
+        per_tok = m.kv_bytes_per_token(c.kv_dtype)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); %d sequences of 1,000 tokens fit",
+                 c.num_blocks, c.block_size, c.num_tokens, self.runner.kv_cache_bytes() / 2**20, c.kv_dtype,
+                 c.num_tokens // 1000 if per_tok else 0)
+
+    def warmup(self, progress: bool = True) -> None:
+        self.warmup_seconds = self.runner.warmup(progress)
+        self.compilations_at_ready = compilations()
+        self.metrics.compilations.set(self.compilations_at_ready)
+        log.info("warm-up compiled %d step shapes in %.1f s", len(self.envelope.bucket_pairs()),
+                 self.warmup_seconds)
+
+    # --- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+                    priority: str = "interactive", cache_salt: str | None = None,
+                    on_output: Callable[[RequestOutput], None] | None = None) -> Request:
+        """Queue a request. Raises ValueError (bad input) or Overloaded (queue limits)."""
+        if not prompt_ids:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.config.model.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        req = Request(request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", [int(t) for t in prompt_ids],
+                      params.with_seed(self._rng), priority, cache_salt)
+        with self.lock:
+            if req.request_id in self._tracked:
+                raise ValueError(f"request_id: {req.request_id!r} is already in use")
+            try:
+                self.scheduler.add(req)
+            except Overloaded as exc:
+                self.metrics.admission_rejections.labels(exc.reason).inc()
+                raise
+            except ValueError:
+                self.metrics.admission_rejections.labels("too_long").inc()
+                raise
+            self._tracked[req.request_id] = _Tracked(req, self.tokenizer.detokenizer(req.prompt_ids))
+            if on_output is not None:
+                self._callbacks[req.request_id] = on_output
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request's blocks return to the pool at the next step boundary."""
+        with self.lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self.lock:
+            return bool(self._tracked)
+
+    # --- live policy -------------------------------------------------------------------------
+    @property
+    def policy(self) -> AdmissionPolicy:
+        with self.lock:
+            return self._pending_policy or self._policy
+
+    def update_policy(self, who: str, **changes: Any) -> AdmissionPolicy:
+        """Validate and queue a policy change for the next step boundary. On any error
+        (ValueError naming the field) the current policy stays."""
+        with self.lock:
+            old = self._pending_policy or self._policy
+            new = old.replace(self.envelope, **changes)
+            diff = {k: (getattr(old, k), getattr(new, k)) for k in changes if getattr(old, k) != getattr(new, k)}
+            self._pending_policy = new
+            self.audit.append(AuditEntry(time.time(), who, diff))
+            log.info("policy change by %s: %s", who, {k: f"{a} -> {b}" for k, (a, b) in diff.items()})
+            return new
+
+    def reset_prefix_cache(self) -> int:
+        with self.lock:
+            return self.pool.reset_prefix_cache()
+
+    # --- the loop body -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        with self.lock:
+            self._apply_boundary(outputs)
+            plan = self.scheduler.schedule()
+            if not plan.scheduled:
+                self._refresh_gauges()
+                self._deliver(outputs)
+                return outputs
+            seqs = [self._scheduled_seq(r, n) for r, n in plan.scheduled]
+            s_b, t_b = self.envelope.bucket_for(len(seqs), plan.num_batched_tokens)
+        try:
+            result = self.runner.run(seqs, s_b, t_b)
+        except Exception as exc:  # noqa: BLE001 -- one bad step must not kill the loop
+            log.exception("engine step failed; failing its %d requests", len(plan.scheduled))
+            with self.lock:
+                if self.runner.recover():
+                    self.scheduler.preempt_all()
+                    self.pool.reset_prefix_cache()
+                for req, _ in plan.scheduled:
+                    if not req.is_finished:
+                        outputs.append(self._finish(req, "error", error=f"engine step failed: {exc}"))
+            self._deliver(outputs)
+            return outputs
+        with self.lock:
+            now = time.monotonic()
+            new_tokens = 0
+            for i, (req, n) in enumerate(plan.scheduled):
+                if req.is_finished:
+                    continue  # aborted while the device ran
+                is_prompt = req.num_computed_tokens < len(req.prompt_ids)
+                if is_prompt:
+                    self.metrics.prompt_tokens.inc(min(n, len(req.prompt_ids) - req.num_computed_tokens))
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                    self.metrics.queue_time.observe(now - req.arrival_time)
+                if self.scheduler.commit(req, n):
+                    new_tokens += 1
+                    out = self._append_token(req, result, i, now)
+                    if out is not None:
+                        outputs.append(out)
+            self.metrics.generation_tokens.inc(new_tokens)
+            dt = time.perf_counter() - t0
+            self.metrics.step_time.observe(dt)
+            self.metrics.step_tokens.observe(plan.num_batched_tokens)
+            self._refresh_gauges(dt, plan.num_batched_tokens, new_tokens)
+        self._deliver(outputs)
+        return outputs
+
+    def _apply_boundary(self, outputs: list[RequestOutput]) -> None:
+        if self._pending_policy is not None:
+            self._policy = self.scheduler.policy = self._pending_policy
+            self._pending_policy = None
+        aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            t = self._tracked.get(rid)
+            if t is not None and not t.req.is_finished:
+                outputs.append(self._finish(t.req, "abort"))
+
+    def _scheduled_seq(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        seq = ScheduledSeq(
+            token_ids=req.all_token_ids[start:start + n], start_pos=start, block_ids=req.block_ids,
+            prompt_len=len(req.prompt_ids), state_row=req.state_row, reset_row=req.needs_row_reset,
+            sample=start + n == req.num_tokens, sampling_row=SamplingRow(req.params, len(req.output_ids)),
+            count_from=max(0, req.row_counted_upto - start))
+        req.row_counted_upto = max(req.row_counted_upto, start + n)
+        return seq
+
+    def _append_token(self, req: Request, result: dict, i: int, now: float) -> RequestOutput | None:
+        tok = int(result["token_ids"][i])
+        req.output_ids.append(tok)
+        req.row_counted_upto = req.num_tokens  # the device counted the sampled token
+        if req.params.logprobs is not None:
+            k = req.params.logprobs
+            top = [(int(a), float(b)) for a, b in zip(result["top_ids"][i][:k], result["top_logprobs"][i][:k])]
+            req.logprobs.append((float(result["logprobs"][i]), top))
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival_time)
+            self.metrics.window.ttft.append((now, now - req.arrival_time))
+        else:
+            self.metrics.itl.observe(now - req.last_token_time)
+            self.metrics.window.itl.append((now, now - req.last_token_time))
+        req.last_token_time = now
+        p = req.params
+        t = self._tracked[req.request_id]
+        reason, stop_reason = None, None
+        if tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
+            reason, stop_reason = "stop", None
+        elif tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        t.detok.push([tok] if reason is None else [])
+        text_end = len(t.detok.text)
+        if reason is None and p.stop:
+            for s in p.stop:
+                idx = t.detok.text.find(s, max(0, t.emitted - len(s)))
+                if idx >= 0 and idx < text_end:
+                    reason, stop_reason, text_end = "stop", s, idx
+            hold = 0 if reason else max(len(s) for s in p.stop) - 1
+            text_end = text_end if reason else max(t.emitted, len(t.detok.text) - hold)
+        if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.envelope.max_model_len):
+            reason = "length"
+            text_end = len(t.detok.text)
+        if reason is not None:
+            return self._finish(req, reason, stop_reason=stop_reason, text_end=text_end, new_ids=[tok])
+        return self._output(t, [tok], text_end)
+
+    def _output(self, t: _Tracked, ids: list[int], text_end: int, **kw: Any) -> RequestOutput:
+        req = t.req
+        text = t.detok.text[t.emitted:text_end] if text_end > t.emitted else ""
+        t.emitted = max(t.emitted, text_end)
+        lp = req.logprobs[-len(ids):] if (req.params.logprobs is not None and ids) else []
+        return RequestOutput(req.request_id, ids, text, prompt_tokens=len(req.prompt_ids),
+                             completion_tokens=len(req.output_ids), cached_tokens=max(req.num_cached_tokens, 0),
+                             logprobs=lp, **kw)
+
+    def _finish(self, req: Request, reason: str, *, stop_reason: Any = None, error: str | None = None,
+                text_end: int | None = None, new_ids: list[int] | None = None) -> RequestOutput:
+        self.scheduler.finish(req, reason)
+        req.finish_time = time.monotonic()
+        t = self._tracked.pop(req.request_id)
+        end = len(t.detok.text) if text_end is None else text_end
+        self.metrics.request_success.labels(reason).inc()
+        self.metrics.e2e.observe(req.finish_time - req.arrival_time)
+        req.stop_reason = stop_reason
+        return self._output(t, new_ids or [], end, finished=True, finish_reason=reason,
+                            stop_reason=stop_reason, error=error)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            cb = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
+            if cb is not None:
+                try:
+                    cb(out)
+                except Exception:  # noqa: BLE001 -- a consumer's bug must not stop the engine
+                    log.exception("output callback for %s failed", out.request_id)
+
+    def _refresh_gauges(self, step_time: float = 0.0, num_tokens: int = 0, new_tokens: int = 0) -> None:
+        m, s, pool = self.metrics, self.scheduler, self.pool
+        c = s.counters
+        m.num_requests_running.set(len(s.running))
+        m.num_requests_waiting.set(s.num_waiting)
+        m.num_requests_preempted.set(len(s.resumed))
+        m.kv_cache_usage_perc.set(pool.usage())
+        m.kv_blocks.labels("used").set(pool.num_used_blocks)
+        m.kv_blocks.labels("cached").set(pool.num_cached_blocks)
+        m.kv_blocks.labels("free").set(pool.num_free_blocks - pool.num_cached_blocks)
+        last = self._last
+        m.prefix_cache_queries.inc(c.prefix_queries - last["queries"])
+        m.prefix_cache_hits.inc(c.prefix_hits - last["hits"])
+        m.num_preemptions.inc(c.preemptions - last["preemptions"])
+        new_ev = pool.num_evictions - last["evictions"]
+        if new_ev:
+            m.prefix_cache_evictions.inc(new_ev)
+            for age in list(pool.evicted_ages)[-min(new_ev, len(pool.evicted_ages)):]:
+                m.evicted_block_age.observe(age)
+        last.update(queries=c.prefix_queries, hits=c.prefix_hits, preemptions=c.preemptions,
+                    evictions=pool.num_evictions)
+        m.compilations.set(compilations())
+        m.window.add_step(StepSample(time.monotonic(), step_time, num_tokens, len(s.running), s.num_waiting,
+                                     new_tokens, c.prefix_queries, c.prefix_hits, pool.num_evictions,
+                                     pool.num_used_blocks, pool.num_cached_blocks))
+
+    # --- views -------------------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        with self.lock:
+            return take_snapshot(self)
+
+    # --- synchronous helpers (CLI, tests, offline batch) -------------------------------------------
+    def run_until_done(self) -> None:
+        while self.has_unfinished():
+            self.step()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 **kw: Any) -> list[Request]:
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp, **kw) for p, sp in zip(prompts, plist)]
+        self.run_until_done()
+        return reqs
+
+    def generate_text(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[str]:
+        chunks: list[RequestOutput] = []
+        req = self.add_request(prompt_ids, params, on_output=chunks.append)
+        while not req.is_finished or chunks:
+            if not chunks:
+                self.step()
+            while chunks:
+                out = chunks.pop(0)
+                if out.error:
+                    raise RuntimeError(out.error)
+                if out.text:
+                    yield out.text

@@ -1,0 +1,75 @@
+"""Command-line flags shared by `generate`, `serve` and `bench` -> EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, GiB, ModelConfig, SchedulerConfig,
+                            parse_memory)
+
+CPU_DEFAULT_KV_MEMORY = 1 * GiB
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache budget in bytes or with a unit (e.g. 2GiB); default 1GiB on CPU, "
+                        "60%% of free device memory on GPU")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model, 4096))")
+    g.add_argument("--max-num-seqs", type=int, default=32 if serving else 4, help="compiled sequence envelope")
+    g.add_argument("--max-num-batched-tokens", type=int, default=256 if serving else 128,
+                   help="compiled per-step token envelope")
+    g.add_argument("--attention-backend", choices=("auto", "xla", "pallas"), default="auto")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="compute dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    a = p.add_argument_group("admission policy (live-tunable from the console)")
+    a.add_argument("--watermark", type=float, default=0.05)
+    a.add_argument("--admission-mode", choices=("reserve", "optimistic"), default="optimistic")
+    a.add_argument("--long-prefill-token-threshold", type=int, default=None)
+    a.add_argument("--max-admissions-per-step", type=int, default=8)
+    a.add_argument("--max-queue-len", type=int, default=1024)
+    a.add_argument("--max-queued-tokens", type=int, default=1 << 22)
+
+
+def _default_kv_memory(model: ModelConfig) -> int:
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform == "gpu":
+        stats = dev.memory_stats() or {}
+        limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
+        weights = model.param_count() * 2
+        if limit:
+            return max(int(0.6 * (limit - used - weights)), 64 << 20)
+    return CPU_DEFAULT_KV_MEMORY
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig], EngineConfig]:
+    """Returns a builder: the model's config is known only once the checkpoint is read."""
+
+    def build(model: ModelConfig) -> EngineConfig:
+        import jax
+
+        dtype = args.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+        memory = parse_memory(args.kv_cache_memory) if args.kv_cache_memory else _default_kv_memory(model)
+        cache = CacheConfig.from_memory(model, memory, args.block_size, kv_dtype=dtype,
+                                        enable_prefix_cache=not args.no_prefix_cache)
+        max_len = args.max_model_len or min(model.max_position_embeddings, 4096)
+        if max_len > model.max_position_embeddings:
+            raise ValueError(f"max_model_len: {max_len} exceeds the model's {model.max_position_embeddings}")
+        envelope = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
+        policy = AdmissionPolicy(
+            watermark=args.watermark, admission_mode=args.admission_mode,
+            max_num_seqs=envelope.max_num_seqs, max_num_batched_tokens=envelope.max_num_batched_tokens,
+            long_prefill_token_threshold=args.long_prefill_token_threshold or envelope.max_num_batched_tokens,
+            max_admissions_per_step=args.max_admissions_per_step, max_queue_len=args.max_queue_len,
+            max_queued_tokens=args.max_queued_tokens)
+        policy.validate(envelope)
+        return EngineConfig(model, cache, envelope, policy, args.attention_backend, dtype)
+
+    return build

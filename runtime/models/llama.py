@@ -1,0 +1,178 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2) as Flax NNX + pure functions.
+
+Parameters are one pytree with the layers stacked on a leading axis, so the decoder runs
+under `jax.lax.scan` and compile time does not grow with depth. The math lives in pure
+functions over that pytree (what the jitted engine step calls); `Llama` is the NNX module
+that owns the parameters for construction, random init and inspection.
+
+Weight layout is [in, out]; Q/K rows follow the Hugging Face (rotate-half) RoPE order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from runtime.config import ModelConfig
+
+Params = dict[str, Any]
+# attention(q [T,Hq,D], k_new [T,Hkv,D], v_new [T,Hkv,D], layer) -> out [T,Hq,D]; it also
+# receives and returns whatever cache state it carries through the layer scan.
+AttentionFn = Callable[..., tuple[jax.Array, Any]]
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    L, d, f, v = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = {
+        "attn_norm": (L, d), "wq": (L, d, q), "wk": (L, d, kv), "wv": (L, d, kv), "wo": (L, q, d),
+        "mlp_norm": (L, d), "w_gate": (L, d, f), "w_up": (L, d, f), "w_down": (L, f, d),
+    }
+    if cfg.attention_bias:
+        layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    shapes: dict[str, Any] = {"embed": (v, d), "layers": layers, "final_norm": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, v)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = np.float32) -> Params:
+    """Random weights (numpy) with the checkpoint's exact tree: tiny test models use it."""
+    rng = np.random.default_rng(seed)
+
+    def make(path: str, shape: tuple[int, ...]) -> np.ndarray:
+        if path.endswith("norm"):
+            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(dtype)
+        fan_in = shape[-2] if len(shape) >= 2 and not path == "embed" else shape[-1]
+        return (rng.standard_normal(shape) / math.sqrt(fan_in)).astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(
+        lambda p, s: make(jax.tree_util.keystr(p, simple=True, separator="/"), s),
+        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+
+# --- building blocks ---------------------------------------------------------------
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    s = cfg.rope_scaling
+    if s is not None:  # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, smooth between.
+        low_wl = s.original_max_position_embeddings / s.low_freq_factor
+        high_wl = s.original_max_position_embeddings / s.high_freq_factor
+        wl = 2 * math.pi / inv
+        smooth = (s.original_max_position_embeddings / wl - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        scaled = np.where(wl > low_wl, inv / s.factor, inv)
+        mid = (wl <= low_wl) & (wl >= high_wl)
+        inv = np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [T, H, D], positions [T]; rotate-half convention."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def qkv_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array,
+                   inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    T = x.shape[0]
+    q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+    if "bq" in lp:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def mlp(lp: Params, x: jax.Array) -> jax.Array:
+    return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+
+
+def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, positions: jax.Array,
+                   attention: AttentionFn, cache: Any) -> tuple[jax.Array, Any]:
+    """Run the decoder over flattened tokens [T]; returns final-normed hidden [T, d] and the
+    cache as threaded through `attention(q, k, v, layer, cache) -> (out, cache)`."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    x = params["embed"][token_ids]
+    T = token_ids.shape[0]
+
+    def layer_step(carry, scanned):
+        h, cache = carry
+        lp, layer = scanned
+        y = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = qkv_projection(cfg, lp, y, positions, inv_freq)
+        attn, cache = attention(q, k, v, layer, cache)
+        h = h + attn.reshape(T, -1) @ lp["wo"]
+        h = h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
+        return (h, cache), None
+
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (params["layers"], layers))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
+    """hidden [N, d] -> float32 logits [N, V]."""
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+
+
+def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, num_segments_mask: jax.Array
+                           ) -> jax.Array:
+    """Plain softmax attention for one sequence: q [T,Hq,D], k/v [T,Hkv,D]."""
+    T, Hq, D = q.shape
+    group = Hq // k.shape[1]
+    k = jnp.repeat(k, group, axis=1)
+    v = jnp.repeat(v, group, axis=1)
+    s = jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(D)
+    s = jnp.where(num_segments_mask[None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("hts,shd->thd", p, v.astype(jnp.float32)).astype(q.dtype)
+
+
+def dense_logits(cfg: ModelConfig, params: Params, token_ids: jax.Array) -> jax.Array:
+    """Reference forward without any cache: token_ids [T] -> logits [T, V] (float32).
+    Used by parity tests and the dense (non-paged) greedy baseline."""
+    T = token_ids.shape[0]
+    mask = jnp.tril(jnp.ones((T, T), dtype=bool))
+
+    def attention(q, k, v, layer, cache):
+        return dense_causal_attention(q, k, v, mask), cache
+
+    hidden, _ = forward_hidden(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
+    return lm_head(cfg, params, hidden)
+
+
+class Llama(nnx.Module):
+    """NNX owner of the stacked parameters. `params()` gives the pure pytree the engine jits."""
+
+    def __init__(self, cfg: ModelConfig, params: Params | None = None, *, seed: int = 0):
+        self.cfg = cfg
+        tree = params if params is not None else init_params(cfg, seed)
+        self.weights = nnx.data(jax.tree_util.tree_map(lambda a: nnx.Param(jnp.asarray(a)), tree))
+
+    def params(self) -> Params:
+        return jax.tree_util.tree_map(lambda p: p[...], self.weights,
+                                      is_leaf=lambda x: isinstance(x, nnx.Param))
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:
+        return dense_logits(self.cfg, self.params(), token_ids)

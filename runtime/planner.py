@@ -1,0 +1,364 @@
+"""Capacity planner behind `pagedjax plan`: the memory-bandwidth model of decode.
+
+Formulas (DESIGN.md "Capacity formulas"), in plain bytes: KV/token = 2*L*N_kv*H*bytes,
+C_seq = S*KV/token, B_max = floor((M - weights - overhead)/C_seq), B* = weights/C_seq,
+step(B) = (weights + B*C_seq)/W, TPS(B) = B/step(B) -> W/C_seq, prefill = 2*P*S/peak_flops,
+fleet = ceil(RPS*output_tokens/TPS(B_max)).
+
+The seeds' Llama-2-13B/H100/S=1000 example mixes units ("0.78 GB" per sequence is
+819.2e6 B = 781 MiB; "54 GB free" is 80 - 26). Here GPU memory is the HBM capacity in
+binary units (80 GiB = 85.9e9 B), weights = param_count*bytes (26.03e9 B) and the default
+GPU overhead is 3e9 B: 56.9e9 B left for KV gives the seeds' B_max = 69 (80e9 B and no
+overhead: 65; the other seed's "~50 GB free" at S=1024: 59). B=1 step 8.0 ms; TPS at
+B_max ~2,800 (seeds ~2,900) and W/C_seq ~4,090 (seeds 4,295): both seed figures come from
+C_seq = 0.78e9 B, which the pure formulas below reproduce when given it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.config import DTYPE_BYTES, GiB, ModelConfig
+
+GB = 10**9
+BLOCK_SIZE = 16
+WEIGHT_DTYPE_BYTES: dict[str, float] = {**DTYPE_BYTES, "int4": 0.5}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
+                 "fp32": "float32", "f32": "float32", "float": "float32", "float8": "fp8", "i8": "int8"}
+
+
+def _llama(name: str, vocab: int, d: int, ffn: int, layers: int, heads: int, kv: int, *,
+           head_dim: int = 128, max_pos: int = 4096, theta: float = 10000.0,
+           tied: bool = False) -> ModelConfig:
+    return ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=d, intermediate_size=ffn,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+                       max_position_embeddings=max_pos, rope_theta=theta,
+                       tie_word_embeddings=tied, name=name)
+
+
+MODELS: dict[str, ModelConfig] = {m.name: m for m in (
+    _llama("llama-2-7b", 32000, 4096, 11008, 32, 32, 32),
+    _llama("llama-2-13b", 32000, 5120, 13824, 40, 40, 40),
+    _llama("llama-2-70b", 32000, 8192, 28672, 80, 64, 8),
+    _llama("llama-3-8b", 128256, 4096, 14336, 32, 32, 8, max_pos=8192, theta=500000.0),
+    _llama("llama-3-70b", 128256, 8192, 28672, 80, 64, 8, max_pos=8192, theta=500000.0),
+    _llama("smollm2-135m", 49152, 576, 1536, 30, 9, 3, head_dim=64, max_pos=8192,
+           theta=100000.0, tied=True),
+)}
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+    peak_flops: float
+
+
+DEVICES: dict[str, DeviceProfile] = {d.name: d for d in (
+    DeviceProfile("h100", 80 * GiB, 3.35e12, 989e12),   # SXM5, dense bf16
+    DeviceProfile("h200", 141 * GiB, 4.8e12, 989e12),
+    DeviceProfile("a100", 80 * GiB, 2.0e12, 312e12),    # 80 GB SXM
+)}
+DEVICE_NAMES = (*DEVICES, "cpu")
+
+
+def _total_ram_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _best_seconds(fn: Any, repeats: int) -> float:
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def measure_cpu(size_mb: int = 512, repeats: int = 5, matmul_n: int = 1024) -> DeviceProfile:
+    """Measure this machine: read bandwidth = best time to sum a size_mb float32 array,
+    peak FLOP/s = best float32 matmul (rough), memory = MemTotal from /proc/meminfo."""
+    a = np.ones(max(1, size_mb * (1 << 20) // 4), dtype=np.float32)
+    bandwidth = a.nbytes / _best_seconds(a.sum, repeats)
+    del a
+    x = np.ones((matmul_n, matmul_n), dtype=np.float32)
+    flops = 2 * matmul_n**3 / _best_seconds(lambda: x @ x, 3)
+    return DeviceProfile("cpu", _total_ram_bytes(), bandwidth, flops)
+
+
+def device_profile(name: str, *, size_mb: int = 512) -> DeviceProfile:
+    key = name.lower()
+    if key == "cpu":
+        return measure_cpu(size_mb=size_mb)
+    if key not in DEVICES:
+        raise ValueError(f"device: unknown device {name!r} (known: {', '.join(DEVICE_NAMES)})")
+    return DEVICES[key]
+
+
+def normalize_dtype(name: str, *, weights: bool = False) -> str:
+    key = DTYPE_ALIASES.get(name.lower(), name.lower())
+    table = WEIGHT_DTYPE_BYTES if weights else DTYPE_BYTES
+    if key not in table:
+        what = "weight_dtype" if weights else "kv_dtype"
+        raise ValueError(f"{what}: unknown dtype {name!r} (known: {', '.join(sorted(table))})")
+    return key
+
+
+# --- the formulas, usable on their own (the seeds' literal numbers go straight in) ------
+def step_time_s(batch: int, weight_bytes: float, kv_bytes_per_seq: float, bandwidth: float) -> float:
+    return (weight_bytes + batch * kv_bytes_per_seq) / bandwidth
+
+
+def tokens_per_s(batch: int, weight_bytes: float, kv_bytes_per_seq: float, bandwidth: float) -> float:
+    return batch / step_time_s(batch, weight_bytes, kv_bytes_per_seq, bandwidth) if batch > 0 else 0.0
+
+
+def fleet_size(rps: float, output_tokens: int, tps_per_gpu: float, headroom: float = 0.0) -> int:
+    """ceil(rps * output_tokens / tps_per_gpu), then ceil(that * (1 + headroom))."""
+    if tps_per_gpu <= 0:
+        raise ValueError("tps_per_gpu: must be positive (the model does not fit on the device?)")
+    base = math.ceil(rps * output_tokens / tps_per_gpu - 1e-9)
+    return math.ceil(base * (1.0 + headroom) - 1e-9)
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    batch: int
+    step_time_s: float
+    tps: float
+    memory_fits: bool
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    model: str
+    device: DeviceProfile
+    context_len: int
+    output_tokens: int
+    weight_dtype: str
+    kv_dtype: str
+    overhead_bytes: int
+    headroom: float
+    target_rps: float | None
+    param_count: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_token_mha: int  # same model with N_kv = N_heads, to show what GQA saves
+    kv_bytes_per_seq: int
+    kv_bytes_per_block: int
+    kv_budget_bytes: int  # memory - weights - overhead (may be negative: does not fit)
+    b_max: int
+    b_star: float  # crossover: KV bytes per step == weight bytes
+    rows: tuple[SweepRow, ...]
+    step_time_b1_s: float
+    tps_ceiling: float  # TPS at B_max: the practical per-device ceiling used for the fleet
+    tps_asymptote: float  # W / C_seq, the B -> infinity limit (ignores memory)
+    prefill_time_s: float  # 2 * P * S / peak_flops for one S-token prompt
+    min_devices_for_weights: int
+    fleet: int | None
+    fleet_with_headroom: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_dtype: str = "bfloat16",
+         kv_dtype: str = "bfloat16", overhead_bytes: int = 3 * GB, target_rps: float | None = None,
+         output_tokens: int = 200, headroom: float = 0.2,
+         batch_sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)) -> CapacityPlan:
+    """Capacity of one device (rows also include B_max when it is not in batch_sweep)."""
+    for name, value in (("context_len", context_len), ("output_tokens", output_tokens)):
+        if value < 1:
+            raise ValueError(f"{name}: must be >= 1, got {value}")
+    if overhead_bytes < 0 or headroom < 0:
+        raise ValueError("overhead/headroom: must be >= 0")
+    if target_rps is not None and target_rps <= 0:
+        raise ValueError(f"rps: must be positive, got {target_rps}")
+    wd, kd = normalize_dtype(weight_dtype, weights=True), normalize_dtype(kv_dtype)
+    params = model.param_count()
+    weights = int(params * WEIGHT_DTYPE_BYTES[wd])
+    per_token = model.kv_bytes_per_token(kd)
+    mha = dataclasses.replace(model, num_kv_heads=model.num_heads).kv_bytes_per_token(kd)
+    c_seq = per_token * context_len
+    budget = device.memory_bytes - weights - int(overhead_bytes)
+    b_max = max(0, budget // c_seq)
+    bw = device.bandwidth_bytes_per_s
+    batches = sorted({int(b) for b in batch_sweep if b >= 1} | ({b_max} if b_max else set()))
+    rows = tuple(SweepRow(b, step_time_s(b, weights, c_seq, bw), tokens_per_s(b, weights, c_seq, bw),
+                          b <= b_max) for b in batches)
+    ceiling = tokens_per_s(b_max, weights, c_seq, bw)
+    fleet = fleet_h = None
+    if target_rps is not None and ceiling > 0:
+        fleet = fleet_size(target_rps, output_tokens, ceiling)
+        fleet_h = fleet_size(target_rps, output_tokens, ceiling, headroom)
+    return CapacityPlan(
+        model=model.name, device=device, context_len=context_len, output_tokens=output_tokens,
+        weight_dtype=wd, kv_dtype=kd, overhead_bytes=int(overhead_bytes), headroom=headroom,
+        target_rps=target_rps, param_count=params, num_layers=model.num_layers,
+        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        weight_bytes=weights, kv_bytes_per_token=per_token, kv_bytes_per_token_mha=mha,
+        kv_bytes_per_seq=c_seq, kv_bytes_per_block=per_token * BLOCK_SIZE, kv_budget_bytes=budget,
+        b_max=b_max, b_star=weights / c_seq, rows=rows,
+        step_time_b1_s=step_time_s(1, weights, c_seq, bw), tps_ceiling=ceiling,
+        tps_asymptote=bw / c_seq, prefill_time_s=2 * params * context_len / device.peak_flops,
+        min_devices_for_weights=math.ceil((weights + overhead_bytes) / device.memory_bytes),
+        fleet=fleet, fleet_with_headroom=fleet_h)
+
+
+# --- output -----------------------------------------------------------------------------
+def _bin(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_plan(p: CapacityPlan) -> str:
+    d = p.device
+    group = p.num_heads // p.num_kv_heads
+    attn = "MHA" if group == 1 else f"GQA {group}:1"
+    kv_note = (f"MHA ({p.num_heads} KV heads) would be {_bin(p.kv_bytes_per_token_mha)}, {group}x more"
+               if group > 1 else "no GQA: every query head has its own K/V")
+    lines = [
+        f"Capacity plan: {p.model} on {d.name}, weights {p.weight_dtype}, KV {p.kv_dtype}, "
+        f"context {p.context_len} tokens",
+        f"  model         {p.param_count / 1e9:.3f} B params, L={p.num_layers}, "
+        f"N_heads={p.num_heads}, N_kv={p.num_kv_heads} ({attn}), head_dim={p.head_dim}",
+        f"  device        {d.memory_bytes / GB:.1f} GB ({_bin(d.memory_bytes)}), "
+        f"{d.bandwidth_bytes_per_s / 1e12:.3g} TB/s, {d.peak_flops / 1e12:.3g} TFLOP/s",
+        f"  weights       {p.weight_bytes / GB:.2f} GB  (+ overhead {p.overhead_bytes / GB:.2f} GB)",
+        f"  KV / token    {_bin(p.kv_bytes_per_token)} = 2 x {p.num_layers} x {p.num_kv_heads} x "
+        f"{p.head_dim} x {DTYPE_BYTES[p.kv_dtype]} B  [{kv_note}]",
+        f"  KV / block    {_bin(p.kv_bytes_per_block)} ({BLOCK_SIZE} tokens)",
+        f"  KV / seq      {p.kv_bytes_per_seq / GB:.3f} GB ({_bin(p.kv_bytes_per_seq)}) at "
+        f"{p.context_len} tokens",
+        f"  KV budget     {p.kv_budget_bytes / GB:.2f} GB  -> B_max = {p.b_max} sequences",
+        f"  crossover     B* = weights / C_seq = {p.b_star:.1f}",
+        f"  decode        B=1 step {p.step_time_b1_s * 1e3:.2f} ms; TPS at B_max {p.tps_ceiling:,.0f} "
+        f"tokens/s; W/C_seq limit {p.tps_asymptote:,.0f} tokens/s",
+        f"  prefill       {p.prefill_time_s * 1e3:.1f} ms for a {p.context_len}-token prompt "
+        f"(2*P*S / peak FLOP/s)",
+    ]
+    if p.b_max == 0:
+        lines.append(f"  DOES NOT FIT  weights + overhead + one sequence exceed one {d.name}; "
+                     f"weights alone need >= {p.min_devices_for_weights} devices (tensor parallel)")
+    if p.target_rps is not None:
+        need = p.target_rps * p.output_tokens
+        if p.fleet is None:
+            lines.append(f"  fleet         {need:,.0f} output tokens/s needed; no single-device replica fits")
+        else:
+            lines.append(f"  fleet         {p.target_rps:g} req/s x {p.output_tokens} tokens = {need:,.0f} "
+                         f"tokens/s -> {p.fleet} x {d.name}, {p.fleet_with_headroom} with "
+                         f"{p.headroom:.0%} headroom")
+    lines.append(f"  {'batch':>7} {'step ms':>9} {'tokens/s':>10}  fits")
+    for r in p.rows:
+        mark = " (B_max)" if r.batch == p.b_max else ""
+        lines.append(f"  {r.batch:>7} {r.step_time_s * 1e3:>9.2f} {r.tps:>10,.0f}  "
+                     f"{'yes' if r.memory_fits else 'no'}{mark}")
+    return "\n".join(lines)
+
+
+def plot_plan(p: CapacityPlan, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = [r.batch for r in p.rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].axhline(p.tps_asymptote, ls=":", c="gray", label="W / C_seq")
+    for ax, ys, label in zip(axes, ([r.tps for r in p.rows], [r.step_time_s * 1e3 for r in p.rows]),
+                             ("tokens/s", "decode step (ms)")):
+        ax.plot(b, ys, "o-")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="batch (concurrent sequences)", ylabel=label)
+        if p.b_max:
+            ax.axvline(p.b_max, c="red", ls="--", label=f"B_max={p.b_max}")
+        ax.axvline(p.b_star, c="green", ls="--", label=f"B*={p.b_star:.1f}")
+        ax.legend()
+    fig.suptitle(f"{p.model} on {p.device.name}, S={p.context_len}, KV {p.kv_dtype}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --- CLI glue ---------------------------------------------------------------------------
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help=f"named config: {', '.join(MODELS)}")
+    parser.add_argument("--checkpoint", help="checkpoint directory (reads DIR/config.json)")
+    parser.add_argument("--device", default="h100", help=f"{'|'.join(DEVICE_NAMES)} (cpu is measured)")
+    parser.add_argument("--context-len", type=int, default=1000, help="tokens of KV per sequence (S)")
+    parser.add_argument("--output-tokens", type=int, default=200, help="mean output tokens per request")
+    parser.add_argument("--rps", type=float, default=None, help="target requests/s (sizes a fleet)")
+    parser.add_argument("--weight-dtype", default="bfloat16", help="bfloat16|float16|float32|int8|fp8|int4")
+    parser.add_argument("--kv-dtype", default="bfloat16", help="bf16|bfloat16|int8|fp8|float32")
+    parser.add_argument("--overhead", type=float, default=None,
+                        help="GB (1e9 B) held back besides weights; default 3 for GPUs, 1 for cpu")
+    parser.add_argument("--headroom", type=float, default=0.2, help="fleet burst headroom (0.2 = 20%%)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot TPS and step time vs batch (matplotlib)")
+
+
+def _load_model(args: argparse.Namespace) -> ModelConfig:
+    if args.checkpoint:
+        ckpt = Path(args.checkpoint)
+        if not (ckpt / "config.json").is_file():
+            raise ValueError(f"checkpoint: {ckpt}/config.json not found")
+        try:
+            cfg = ModelConfig.load(ckpt / "config.json")
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"checkpoint: cannot read {ckpt}/config.json: {e}") from None
+        return cfg if cfg.name != "model" else dataclasses.replace(cfg, name=ckpt.name)
+    if not args.model:
+        raise ValueError("model: give --model NAME or --checkpoint DIR")
+    if args.model.lower() not in MODELS:
+        raise ValueError(f"model: unknown model {args.model!r} (known: {', '.join(MODELS)})")
+    return MODELS[args.model.lower()]
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("plan: --plot needs matplotlib, which is not installed", file=sys.stderr)
+            return 2
+    try:
+        model = _load_model(args)
+        device = device_profile(args.device)
+        overhead = args.overhead if args.overhead is not None else (1.0 if device.name == "cpu" else 3.0)
+        p = plan(model, device, context_len=args.context_len, weight_dtype=args.weight_dtype,
+                 kv_dtype=args.kv_dtype, overhead_bytes=int(overhead * GB), target_rps=args.rps,
+                 output_tokens=args.output_tokens, headroom=args.headroom)
+    except ValueError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(p.to_json(), indent=2) if args.json else format_plan(p))
+    if args.plot:
+        try:
+            plot_plan(p, args.plot)
+        except OSError as e:
+            print(f"plan: cannot write plot {args.plot}: {e}", file=sys.stderr)
+            return 2
+    return 0

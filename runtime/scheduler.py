@@ -1,0 +1,269 @@
+"""Continuous batching with KV-aware admission control.
+
+Every step: running sequences first (decodes and unfinished prefill chunks), growing
+their block tables and preempting by priority when blocks run out (optimistic mode);
+then admissions from the waiting queue -- preempted requests first, then interactive,
+then batch -- while the free blocks left after prefix-cache hits stay above the
+watermark. `reserve` mode admits only when prompt + max_tokens fit alongside what the
+running sequences may still grow into, so it never preempts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.block_pool import BlockPool, NoFreeBlocks
+from runtime.config import AdmissionPolicy, CacheConfig, SchedulerConfig
+from runtime.request import Request, Status
+
+PRIORITY_RANK = {"interactive": 0, "batch": 1}
+
+
+class Overloaded(Exception):
+    """The admission policy's queue limits are reached (HTTP 429)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_admitted: int = 0
+
+
+@dataclass
+class SchedulerCounters:
+    prefix_queries: int = 0     # prompt tokens looked up
+    prefix_hits: int = 0        # of which served from cache
+    preemptions: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, cache: CacheConfig, envelope: SchedulerConfig, policy: AdmissionPolicy,
+                 pool: BlockPool):
+        self.cache, self.envelope, self.policy, self.pool = cache, envelope, policy, pool
+        self.bs = cache.block_size
+        self.resumed: deque[Request] = deque()
+        self.waiting: dict[str, deque[Request]] = {p: deque() for p in PRIORITY_RANK}
+        self.running: list[Request] = []
+        self.free_rows = list(range(envelope.max_num_seqs - 1, -1, -1))
+        self.counters = SchedulerCounters()
+        self.queued_tokens = 0
+
+    # --- queue ---------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.bs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.resumed) + sum(len(q) for q in self.waiting.values())
+
+    def waiting_requests(self) -> list[Request]:
+        return [*self.resumed, *self.waiting["interactive"], *self.waiting["batch"]]
+
+    def _reject(self, reason: str) -> None:
+        self.counters.rejections[reason] = self.counters.rejections.get(reason, 0) + 1
+
+    def add(self, req: Request) -> None:
+        total = req.max_total_tokens()
+        if total > self.envelope.max_model_len:
+            self._reject("too_long")
+            raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) "
+                             f"exceeds the maximum context length of {self.envelope.max_model_len} tokens")
+        if self.blocks_for(total) > self.pool.num_blocks:
+            self._reject("too_long")
+            raise ValueError(f"prompt + max_tokens ({total} tokens) can never fit in the KV cache "
+                             f"({self.pool.num_blocks * self.bs} tokens)")
+        p = self.policy
+        if self.num_waiting >= p.max_queue_len:
+            self._reject("queue_full")
+            raise Overloaded("queue_full", f"the waiting queue is full ({p.max_queue_len} requests)")
+        if self.queued_tokens + len(req.prompt_ids) > p.max_queued_tokens:
+            self._reject("queued_tokens")
+            raise Overloaded("queued_tokens", f"queued prompt tokens would exceed {p.max_queued_tokens}")
+        self.queued_tokens += len(req.prompt_ids)
+        self.waiting[req.priority].append(req)
+
+    def _pop_waiting(self, req: Request) -> None:
+        q = self.resumed if req.status is Status.PREEMPTED else self.waiting[req.priority]
+        q.remove(req)
+        self.queued_tokens -= len(req.prompt_ids)
+
+    def _peek_waiting(self) -> Request | None:
+        for q in (self.resumed, self.waiting["interactive"], self.waiting["batch"]):
+            if q:
+                return q[0]
+        return None
+
+    # --- lifecycle -------------------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        if req.state_row >= 0:
+            self.free_rows.append(req.state_row)
+            req.state_row = -1
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        elif req.status in (Status.WAITING, Status.PREEMPTED):
+            self._pop_waiting(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
+        req.num_preemptions += 1
+        req.status = Status.PREEMPTED
+        self.resumed.appendleft(req)
+        self.queued_tokens += len(req.prompt_ids)
+        self.counters.preemptions += 1
+        out.preempted.append(req)
+
+    def preempt_all(self) -> None:
+        """The device lost the KV cache: every running request recomputes."""
+        out = SchedulerOutput()
+        for req in list(self.running):
+            self._preempt(req, out)
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        """Batch tier first, then the one whose preemption loses the least work."""
+        return max(candidates, key=lambda r: (PRIORITY_RANK[r.priority], -r.num_computed_tokens))
+
+    # --- the step ----------------------------------------------------------------------
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        n = min(req.num_tokens - start, budget)
+        if n > 1:
+            n = min(n, self.policy.long_prefill_token_threshold)
+        return max(n, 0)
+
+    def _grow(self, req: Request, tokens: int) -> bool:
+        need = self.blocks_for(tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
+        try:
+            req.block_ids.extend(self.pool.allocate(need))
+            return True
+        except NoFreeBlocks:
+            return False
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        p = self.policy
+        budget = min(p.max_num_batched_tokens, self.envelope.max_num_batched_tokens)
+        max_seqs = min(p.max_num_seqs, self.envelope.max_num_seqs)
+        self.running.sort(key=lambda r: (PRIORITY_RANK[r.priority], r.arrival_time))
+        i = 0
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
+            req = self.running[i]
+            n = self._chunk(req, req.num_computed_tokens, budget)
+            while not self._grow(req, req.num_computed_tokens + n):
+                if p.admission_mode == "reserve":
+                    n = 0  # cannot happen with exact reservations; never preempt in reserve mode
+                    break
+                victim = self._pick_victim(self.running[i:])
+                self._preempt(victim, out)
+                if victim is req:
+                    n = 0
+                    break
+            if n == 0:
+                if req.status is Status.RUNNING:
+                    i += 1
+                continue
+            out.scheduled.append((req, n))
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit(out, budget, max_seqs)
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        return out
+
+    def _reserved_growth(self) -> int:
+        return sum(max(0, self.blocks_for(r.max_total_tokens()) - len(r.block_ids)) for r in self.running)
+
+    def _admit(self, out: SchedulerOutput, budget: int, max_seqs: int) -> None:
+        p = self.policy
+        watermark_blocks = math.ceil(p.watermark * self.pool.num_blocks)
+        outstanding = self._reserved_growth() if p.admission_mode == "reserve" else 0
+        while (budget > 0 and len(self.running) < max_seqs and len(out.scheduled) < max_seqs
+               and out.num_admitted < p.max_admissions_per_step):
+            req = self._peek_waiting()
+            if req is None or not self.free_rows:
+                return
+            hits = self._prefix_hits(req)
+            cached = len(hits) * self.bs
+            n = self._chunk(req, cached, budget)
+            revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+            free_after = self.pool.num_free_blocks - revived
+            target = req.max_total_tokens() if p.admission_mode == "reserve" else req.num_tokens
+            need = self.blocks_for(target) - len(hits) + outstanding
+            reserve = watermark_blocks if self.running else 0  # never starve an idle engine
+            if free_after - need < reserve:
+                return  # head of line waits: FCFS within its tier
+            self._pop_waiting(req)
+            self.pool.touch(hits)
+            req.block_ids = list(hits)
+            if not self._grow(req, cached + n):
+                self.pool.free(req.block_ids)
+                req.block_ids = []
+                self._requeue_front(req)
+                return
+            if p.admission_mode == "reserve":
+                outstanding += self.blocks_for(req.max_total_tokens()) - len(req.block_ids)
+            self._start(req, cached)
+            out.scheduled.append((req, n))
+            out.num_admitted += 1
+            budget -= n
+
+    def _requeue_front(self, req: Request) -> None:
+        (self.resumed if req.status is Status.PREEMPTED else self.waiting[req.priority]).appendleft(req)
+        self.queued_tokens += len(req.prompt_ids)
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        if not self.cache.enable_prefix_cache or req.uses_penalties:
+            return []  # penalty state is built from computed tokens, so compute them all
+        req.extend_block_hashes(self.bs)
+        usable = (req.num_tokens - 1) // self.bs  # the last token is always computed: its logits are needed
+        return self.pool.lookup_prefix(req.block_hashes[:usable], req.all_token_ids)
+
+    def _start(self, req: Request, cached: int) -> None:
+        first = req.num_cached_tokens < 0
+        if first:
+            req.num_cached_tokens = cached
+            self.counters.prefix_queries += len(req.prompt_ids)
+            self.counters.prefix_hits += cached
+        req.num_computed_tokens = cached
+        req.num_registered_blocks = cached // self.bs
+        req.state_row = self.free_rows.pop()
+        req.needs_row_reset = True
+        req.row_counted_upto = 0
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    # --- after the device step --------------------------------------------------------
+    def commit(self, req: Request, n: int) -> bool:
+        """Account `n` computed tokens; register newly full blocks in the prefix cache.
+        Returns True when the sampled token belongs to the request (the chunk reached
+        the end of its known tokens)."""
+        req.num_computed_tokens += n
+        req.needs_row_reset = False
+        if self.cache.enable_prefix_cache:
+            full = req.num_computed_tokens // self.bs
+            if full > req.num_registered_blocks:
+                req.extend_block_hashes(self.bs)
+                toks = req.all_token_ids
+                for b in range(req.num_registered_blocks, full):
+                    self.pool.cache_block(req.block_ids[b], req.block_hashes[b],
+                                          toks[b * self.bs:(b + 1) * self.bs])
+                req.num_registered_blocks = full
+        return req.num_computed_tokens == req.num_tokens

@@ -1,0 +1,134 @@
+"""Tokenizer: `tokenizers` encode/decode, incremental detokenization, chat templates."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# Split regexes for GGUF `tokenizer.ggml.pre` values whose merges were learned on them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):  # digits one by one, then GPT-2 splitting
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    split = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+             "qwen2": _QWEN2_SPLIT}.get(pre)
+    if split:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return byte_level
+
+
+def build_byte_level_bpe(tokens: list[str], merges: list[str], specials: list[str], pre: str) -> Tokenizer:
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    return tok
+
+
+@dataclass
+class ChatTemplate:
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+    _compiled: Any = field(default=None, repr=False)
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self._compiled is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(message: str) -> None:
+                raise ValueError(f"messages: {message}")
+
+            env.globals["raise_exception"] = raise_exception
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+            self._compiled = env.from_string(self.source)
+        try:
+            return self._compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"messages: chat template failed: {exc}") from None
+
+
+class TextTokenizer:
+    """What the engine and web layer use: ids <-> text and the chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None,
+                 bos_token_id: int | None = None, eos_token_ids: Sequence[int] = (), add_bos: bool = False):
+        self.tok = tokenizer
+        self.add_bos = add_bos and bos_token_id is not None
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        bos = tokenizer.id_to_token(bos_token_id) if bos_token_id is not None else ""
+        eos = tokenizer.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        self.chat = ChatTemplate(chat_template, bos or "", eos or "") if chat_template else None
+
+    @classmethod
+    def from_checkpoint(cls, ckpt_dir: Path, bos_token_id: int | None, eos_token_ids: Sequence[int],
+                        add_bos: bool) -> "TextTokenizer":
+        tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
+        tpl = ckpt_dir / "chat_template.jinja"
+        return cls(tok, tpl.read_text() if tpl.exists() else None, bos_token_id, eos_token_ids, add_bos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        # Special tokens written in the text (e.g. a rendered chat template) stay whole.
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if self.add_bos else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.chat is None:
+            raise ValueError("messages: this checkpoint has no chat template; use /v1/completions")
+        return self.chat.render(messages, add_generation_prompt)
+
+    def detokenizer(self, prompt_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, list(prompt_ids))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas without ever emitting half a UTF-8
+    character: text is emitted only once decoding no longer ends in U+FFFD, and words
+    are decoded with a few tokens of left context so byte-level merges render right."""
+
+    CONTEXT = 5
+
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = prompt_ids[-self.CONTEXT:]
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self.ids.extend(token_ids)
+        dec = self.tokenizer.decode
+        prefix_text = dec(self.ids[self.prefix_offset:self.read_offset])
+        new_text = dec(self.ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,194 @@
+"""Capacity planner: the seeds' worked numbers, GQA/int8 effects, and the `plan` CLI glue."""
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import pytest
+
+from runtime.config import GiB
+from runtime.planner import (DEVICES, MODELS, CapacityPlan, DeviceProfile, add_plan_arguments,
+                             device_profile, fleet_size, format_plan, measure_cpu, plan, run_plan,
+                             step_time_s, tokens_per_s)
+
+GB = 10**9
+H100 = DEVICES["h100"]
+
+
+def _13b(**kw) -> CapacityPlan:
+    return plan(MODELS["llama-2-13b"], H100, context_len=1000, **kw)
+
+
+def test_llama2_13b_h100_matches_seeds():
+    p = _13b()
+    assert p.num_kv_heads == 40 and p.weight_bytes == pytest.approx(26e9, rel=0.01)
+    assert p.kv_bytes_per_token == 2 * 40 * 40 * 128 * 2
+    # seeds: "0.78 GB" (= 781 MiB) / "0.82 GB" per sequence at S=1000
+    assert 0.78e9 <= p.kv_bytes_per_seq <= 0.84e9
+    assert p.kv_bytes_per_seq / (1 << 20) == pytest.approx(781.25)
+    # default GPU overhead 3 GB on 80 GiB HBM reproduces the seeds' B_max = 69
+    assert p.overhead_bytes == 3 * GB and p.b_max == 69
+    assert p.step_time_b1_s == pytest.approx(8.0e-3, abs=0.1e-3)
+    assert p.b_star == pytest.approx(31, abs=1.5)  # seeds: B* ~ 31
+    assert p.prefill_time_s == pytest.approx(26e-3, abs=1e-3)  # seeds: ~26 ms per 1000 tokens
+    # W / C_seq: seeds 4,295 using C_seq = 0.78e9 B; exact bytes give ~4,090
+    assert 4000 <= p.tps_asymptote <= 4400
+    # TPS at B_max: seeds ~2,900 (with 0.78e9 B); exact bytes give ~2,800
+    assert 2700 <= p.tps_ceiling <= 2950
+    rows = {r.batch: r for r in p.rows}
+    assert rows[1].tps == pytest.approx(125, rel=0.02)
+    assert rows[16].step_time_s == pytest.approx(11.5e-3, rel=0.03)
+    assert rows[64].memory_fits and not rows[128].memory_fits and rows[69].memory_fits
+    assert [r.batch for r in p.rows] == sorted(r.batch for r in p.rows)
+
+
+def test_b_max_under_other_overhead_assumptions():
+    model = MODELS["llama-2-13b"]
+    # spec-sheet 80e9 B with nothing held back: 65 (the seeds' range is 64-69)
+    p = plan(model, DeviceProfile("h100-dec", 80 * GB, 3.35e12, 989e12), context_len=1000,
+             overhead_bytes=0)
+    assert 64 <= p.b_max <= 69
+    # the other seed: "~50 GB free" for KV at S=1024 -> 59 sequences
+    w = plan(model, H100, context_len=1024).weight_bytes
+    p = plan(model, H100, context_len=1024, overhead_bytes=H100.memory_bytes - w - 50 * GB)
+    assert p.kv_bytes_per_seq == pytest.approx(838.9e6, rel=1e-3) and p.b_max == 59
+
+
+def test_formulas_with_the_seeds_literal_numbers():
+    w, c, bw = 26e9, 0.78e9, 3.35e12
+    assert step_time_s(1, w, c, bw) == pytest.approx(8.0e-3, abs=0.05e-3)
+    assert step_time_s(64, w, c, bw) == pytest.approx(22.7e-3, abs=0.1e-3)
+    assert tokens_per_s(69, w, c, bw) == pytest.approx(2900, rel=0.01)
+    assert bw / c == pytest.approx(4295, abs=1)  # the seeds' "theoretical TPS ceiling"
+    assert tokens_per_s(64, w, c, bw) / tokens_per_s(1, w, c, bw) == pytest.approx(22.6, abs=0.1)
+    assert tokens_per_s(0, w, c, bw) == 0.0
+
+
+def test_llama3_8b_kv_per_token_and_block():
+    p = plan(MODELS["llama-3-8b"], H100, context_len=1000)
+    assert p.kv_bytes_per_token == 128 * 1024
+    assert p.kv_bytes_per_block == 2 * (1 << 20)
+    assert p.num_kv_heads == 8 and p.kv_bytes_per_token_mha == 4 * p.kv_bytes_per_token
+
+
+def test_fleet_size_seed_example():
+    assert fleet_size(500, 200, 2900) == 35
+    assert fleet_size(500, 200, 2900, headroom=0.2) == 42
+    assert fleet_size(500, 200, 2900, headroom=0.3) == 46
+    assert fleet_size(100, 1, 100.0) == 1  # exact division does not round up
+    with pytest.raises(ValueError):
+        fleet_size(1, 1, 0)
+    p = _13b(target_rps=500, output_tokens=200, headroom=0.2)
+    assert p.fleet == fleet_size(500, 200, p.tps_ceiling) == 36  # ~2,800 tokens/s per H100
+    assert 34 <= p.fleet <= 38 and p.fleet_with_headroom == fleet_size(500, 200, p.tps_ceiling, 0.2)
+    assert _13b().fleet is None
+
+
+def test_int8_kv_halves_and_b_max_grows():
+    bf, i8 = _13b(), _13b(kv_dtype="int8")
+    assert i8.kv_bytes_per_token * 2 == bf.kv_bytes_per_token
+    assert i8.kv_bytes_per_seq * 2 == bf.kv_bytes_per_seq
+    assert i8.b_max >= 2 * bf.b_max and i8.tps_ceiling > bf.tps_ceiling
+    assert _13b(kv_dtype="bf16").kv_bytes_per_token == bf.kv_bytes_per_token  # alias
+    with pytest.raises(ValueError, match="kv_dtype"):
+        _13b(kv_dtype="int3")
+
+
+def test_gqa_effect_70b_vs_mha():
+    gqa = MODELS["llama-2-70b"]
+    mha = dataclasses.replace(gqa, num_kv_heads=64, name="mha-70b")
+    h200 = DEVICES["h200"]
+    a, b = plan(gqa, h200, context_len=1000), plan(mha, h200, context_len=1000)
+    assert b.kv_bytes_per_token == 8 * a.kv_bytes_per_token == a.kv_bytes_per_token_mha
+    assert a.b_max > 7 * b.b_max
+    text = format_plan(a)
+    assert "N_kv=8" in text and "320.00 KiB" in text and "GQA 8:1" in text
+
+
+def test_model_that_does_not_fit():
+    p = plan(MODELS["llama-2-70b"], H100, context_len=1000, target_rps=10)
+    assert p.b_max == 0 and p.tps_ceiling == 0 and p.fleet is None
+    assert p.min_devices_for_weights == 2 and not any(r.memory_fits for r in p.rows)
+    assert "DOES NOT FIT" in format_plan(p)
+    json.dumps(p.to_json())
+
+
+def test_named_configs():
+    assert {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b",
+            "smollm2-135m"} <= set(MODELS)
+    assert all(m.architecture == "llama" for m in MODELS.values())
+    s = MODELS["smollm2-135m"]
+    assert (s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim) == (30, 576, 9, 3, 64)
+    assert s.tie_word_embeddings and s.param_count() == pytest.approx(134.5e6, rel=0.01)
+    assert MODELS["llama-2-7b"].param_count() == pytest.approx(6.74e9, rel=0.01)
+    assert MODELS["llama-3-8b"].param_count() == pytest.approx(8.03e9, rel=0.01)
+    assert MODELS["llama-3-70b"].param_count() == pytest.approx(70.6e9, rel=0.01)
+
+
+def test_cpu_profile_measures():
+    d = measure_cpu(size_mb=8, repeats=2, matmul_n=128)
+    assert d.name == "cpu" and d.bandwidth_bytes_per_s > 0 and d.peak_flops > 0
+    assert d.memory_bytes > 256 * (1 << 20)
+    with pytest.raises(ValueError, match="device"):
+        device_profile("tpu9")
+    assert device_profile("H100") == H100 and DEVICES["a100"].memory_bytes == 80 * GiB
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_json(capsys):
+    assert run_plan(_args("--model", "llama-2-13b", "--rps", "500", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("weight_bytes", "kv_bytes_per_token", "kv_bytes_per_seq", "kv_bytes_per_block",
+                "b_max", "b_star", "rows", "tps_ceiling", "prefill_time_s", "fleet",
+                "fleet_with_headroom"):
+        assert key in out
+    assert out["b_max"] == 69 and out["device"]["name"] == "h100"
+    assert out["rows"][0] == {"batch": 1, "step_time_s": pytest.approx(8.0e-3, abs=1e-4),
+                              "tps": pytest.approx(125, rel=0.02), "memory_fits": True}
+
+
+def test_cli_table_and_options(capsys):
+    assert run_plan(_args("--model", "llama-3-8b", "--kv-dtype", "int8", "--overhead", "0",
+                          "--device", "a100", "--context-len", "2000")) == 0
+    out = capsys.readouterr().out
+    assert "llama-3-8b on a100" in out and "64.00 KiB" in out and "B_max" in out
+
+
+def test_cli_checkpoint(tmp_path, capsys):
+    MODELS["smollm2-135m"].save(tmp_path / "config.json")
+    assert run_plan(_args("--checkpoint", str(tmp_path), "--json", "--device", "h100")) == 0
+    assert json.loads(capsys.readouterr().out)["param_count"] == MODELS["smollm2-135m"].param_count()
+
+
+@pytest.mark.parametrize("argv", [
+    ("--model", "gpt-5"),
+    ("--checkpoint", "/nonexistent/dir"),
+    (),
+    ("--model", "llama-2-7b", "--device", "tpu"),
+    ("--model", "llama-2-7b", "--kv-dtype", "int3"),
+    ("--model", "llama-2-7b", "--context-len", "0"),
+])
+def test_cli_bad_input(argv, capsys):
+    assert run_plan(_args(*argv)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+
+
+def test_cli_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    assert run_plan(_args("--model", "llama-2-7b", "--plot", str(tmp_path / "p.png"))) == 2
+    captured = capsys.readouterr()
+    assert "matplotlib" in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_cli_plot_with_matplotlib(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert run_plan(_args("--model", "llama-2-7b", "--plot", str(tmp_path / "p.png"))) == 0
+    assert (tmp_path / "p.png").stat().st_size > 0
