@@ -134,7 +134,7 @@ class _Plan:
     return b
 
 
-def _make_plan(q, k_cache, block_tables, *, sm_scale, interpret, kv_tile_tokens,
+def _make_plan(q, k_cache, v_cache, block_tables, *, sm_scale, interpret, kv_tile_tokens,
                num_stages, num_kv_splits) -> _Plan:
   t, hq, d = q.shape
   nb, bs, hkv, _ = k_cache.shape
@@ -143,8 +143,9 @@ def _make_plan(q, k_cache, block_tables, *, sm_scale, interpret, kv_tile_tokens,
     raise ValueError(
         f"kernel supports bfloat16/float16 inputs, got {q.dtype} (use the"
         " plain-XLA attention for float32)")
-  if k_cache.dtype != q.dtype:
-    raise ValueError(f"cache dtype {k_cache.dtype} != q dtype {q.dtype}")
+  if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} != q dtype"
+                     f" {q.dtype}")
   if d not in SUPPORTED_HEAD_DIMS:
     raise ValueError(f"unsupported head dim {d}; supported: {SUPPORTED_HEAD_DIMS}")
   group = hq // hkv
@@ -224,7 +225,7 @@ def _kernel_body(plan: _Plan, meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
   def issue(step):
     slot = lax.rem(step, jnp.int32(stages))
     first_page = (t_begin + step) * plan.pages_per_tile
-    for p in range(plan.pages_per_tile):
+    for p in range(max(1, plan.pages_per_tile - 1)):
       block_id = bt_ref[seq, first_page + p]
       dst = pl.ds(p * BS, BS)
       plgpu.copy_gmem_to_smem(k_ref.at[block_id, pl.ds(0, BS), h],
@@ -461,7 +462,7 @@ def ragged_paged_attention(
   """
   _validate_common(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                    num_seqs, sm_scale)
-  plan = _make_plan(q, k_cache, block_tables, sm_scale=sm_scale,
+  plan = _make_plan(q, k_cache, v_cache, block_tables, sm_scale=sm_scale,
                     interpret=interpret, kv_tile_tokens=kv_tile_tokens,
                     num_stages=num_stages, num_kv_splits=num_kv_splits)
   if plan.interpret is None and jax.default_backend() != "gpu":
@@ -485,7 +486,7 @@ def lower_for_cuda(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
   """
   _validate_common(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                    num_seqs, sm_scale)
-  plan = _make_plan(q, k_cache, block_tables, sm_scale=sm_scale,
+  plan = _make_plan(q, k_cache, v_cache, block_tables, sm_scale=sm_scale,
                     interpret=False, kv_tile_tokens=kv_tile_tokens,
                     num_stages=num_stages, num_kv_splits=num_kv_splits)
   traced = _paged_attention_jit.trace(q, k_cache, v_cache, kv_lens, block_tables,

@@ -167,7 +167,6 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
     max_model_len: int = 2048
-    # Power-of-two buckets; every (seqs, tokens) pair with seqs <= tokens is compiled.
     min_token_bucket: int = 8
 
     def __post_init__(self) -> None:
@@ -185,22 +184,20 @@ class SchedulerConfig:
         return pow2_buckets(1, self.max_num_batched_tokens)
 
     def bucket_pairs(self) -> list[tuple[int, int]]:
-        """(num_seqs, num_tokens) shapes. Pure-decode steps have tokens == seqs; mixed
-        steps use token buckets >= min_token_bucket."""
-        pairs = set()
-        for s in self.seq_buckets:
-            pairs.add((s, s))
-            for t in self.token_buckets:
-                if t >= max(s, self.min_token_bucket):
-                    pairs.add((s, t))
+        """(num_seqs, num_tokens) shapes compiled at start. Pure-decode steps (tokens ==
+        seqs) get one shape per sequence bucket; steps with prefill chunks get one shape
+        per token bucket, with as many sequence slots as fit. This keeps the program count
+        linear (|seq buckets| + |token buckets|), not their product."""
+        pairs = {(s, s) for s in self.seq_buckets}
+        pairs |= {(min(t, self.max_num_seqs), t) for t in self.token_buckets if t >= self.min_token_bucket}
         return sorted(pairs)
 
     def bucket_for(self, num_seqs: int, num_tokens: int) -> tuple[int, int]:
-        s = next(b for b in self.seq_buckets if b >= num_seqs)
         if num_tokens == num_seqs:
+            s = next(b for b in self.seq_buckets if b >= num_seqs)
             return s, s
-        t = next(b for b in self.token_buckets if b >= max(num_tokens, s, self.min_token_bucket))
-        return s, t
+        t = next(b for b in self.token_buckets if b >= max(num_tokens, self.min_token_bucket))
+        return min(t, self.max_num_seqs), t
 
 
 AdmissionMode = Literal["reserve", "optimistic"]

@@ -1,28 +1,26 @@
-"""Per-request sampling parameters (host) and vectorised sampling (device).
+"""Per-request sampling parameters (host side) and vectorised sampling (device side).
 
-Device pipeline, every step per row so a row's result never depends on the rest of the
-batch (batch invariance): penalties -> greedy argmax | temperature -> top-k -> top-p (over
-the top-k-renormalised distribution) -> min-p -> inverse-CDF draw.
-- Penalties (vLLM order): repetition (HF: over prompt+output tokens, positive logits
-  divided, negative multiplied), then `-= frequency * count`, then `-= presence * (count>0)`.
-- Temperature < GREEDY_EPS means greedy (argmax of the penalised logits, lowest id on ties);
-  greedy rows ignore their key and every filter.
-- Filters act on the temperature-scaled distribution and become one threshold per row;
-  tokens tied with the threshold are all kept. Thresholds come from a `lax.top_k` of
-  CANDIDATES values (no full-vocabulary sort: that costs ~0.6 s at S=64, V=49152 on CPU);
-  a row whose top-k exceeds CANDIDATES, or whose top-p nucleus does not fit in them, gets its
-  exact threshold from a bisection over the float order (<= 32 masked reductions).
-  Each stage sits behind `lax.cond` so a batch that does not need it skips it.
-- Draw: two uniforms from fold_in(key(seed), step): one picks a block of _BLOCK tokens by
-  block mass, one picks the token inside the block (exact inverse CDF, no vocab-sized noise).
-- Logprobs (documented choice, as vLLM's default): log_softmax of the RAW model logits,
-  i.e. before penalties, temperature and filters; top ids by raw probability, descending.
+Device pipeline, computed per row so a row's tokens never depend on the rest of the batch
+(same seed/step -> same token, batch of 1 or 64, any position): penalties -> greedy argmax
+| temperature -> top-k -> top-p (of the top-k-renormalised mass) -> min-p -> draw.
+- Penalties (vLLM order): repetition (tokens in prompt or output: positive logits / r,
+  others * r), then `-= frequency * count`, then `-= presence * (count > 0)`.
+- temperature < GREEDY_EPS is greedy: argmax of the penalised logits (lowest id on ties);
+  greedy rows ignore their key and the filters.
+- Filters act on softmax(penalised / T) and reduce to one logit threshold per row (tokens
+  tied with it are all kept). A `lax.top_k` of CANDIDATES values gives it for top-k <=
+  CANDIDATES and for nuclei inside them; other rows bisect the float order exactly (<= 32
+  masked reductions). No full-vocabulary sort (~0.6 s at S=64, V=49152 on CPU). Every
+  stage sits behind a `lax.cond`, so a batch that needs none of it skips it.
+- Draw: two uniforms from fold_in(key(seed), step) pick a block of _BLOCK tokens by mass,
+  then a token inside it: an exact inverse CDF without vocabulary-sized noise.
+- Logprobs (chosen as vLLM's default): log_softmax of the RAW logits, before penalties,
+  temperature and filters; top_ids by raw probability, most probable first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +31,7 @@ import numpy as np
 
 GREEDY_EPS = 1e-5   # temperatures below this sample greedily (as vLLM)
 MAX_LOGPROBS = 20
-CANDIDATES = 128    # top values each filtering row searches before the bisection fallback
+CANDIDATES = 128    # top values a filtering row looks at before the bisection fallback
 _BLOCK = 256        # vocabulary block of the two-level inverse-CDF draw
 
 
@@ -42,14 +40,19 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ValueError(f"{name}: {msg}")
 
 
-def _number(v: Any, name: str) -> float:
-    _check(isinstance(v, (int, float)) and not isinstance(v, bool), name, f"must be a number, got {v!r}")
-    return float(v)
-
-
-def _integer(v: Any, name: str) -> int:
-    _check(isinstance(v, (int, np.integer)) and not isinstance(v, bool), name, f"must be an integer, got {v!r}")
-    return int(v)
+_PEN = (float, lambda v: -2 <= v <= 2, "must be between -2 and 2")
+_RULES: dict[str, tuple[type, Any, str]] = {   # field: (kind, valid, message); None ok for seed, logprobs
+    "temperature": (float, lambda v: 0 <= v <= 2, "must be between 0 and 2"),
+    "top_p": (float, lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "top_k": (int, lambda v: v >= -1, "must be -1 or 0 (off) or a positive integer"),
+    "min_p": (float, lambda v: 0 <= v <= 1, "must be between 0 and 1"),
+    "presence_penalty": _PEN, "frequency_penalty": _PEN,
+    "repetition_penalty": (float, lambda v: 0 < v <= 2, "must be in (0, 2]"),
+    "seed": (int, lambda v: 0 <= v < 2**32, "must be between 0 and 2**32-1"),
+    "max_tokens": (int, lambda v: v >= 1, "must be at least 1"),
+    "logprobs": (int, lambda v: 0 <= v <= MAX_LOGPROBS, f"must be between 0 and {MAX_LOGPROBS}"),
+    "n": (int, lambda v: v >= 1, "must be at least 1"),
+}
 
 
 @dataclass(frozen=True)
@@ -68,47 +71,36 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int | None = None         # number of top logprobs to return, 0..MAX_LOGPROBS
+    logprobs: int | None = None         # top logprobs to return per token, 0..MAX_LOGPROBS
     n: int = 1
 
     def __post_init__(self) -> None:
+        for name, (kind, valid, msg) in _RULES.items():
+            v = getattr(self, name)
+            if v is None and name in ("seed", "logprobs"):
+                continue
+            kinds = (int, np.integer) if kind is int else (int, float, np.integer, np.floating)
+            _check(isinstance(v, kinds) and not isinstance(v, bool), name,
+                   f"must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+            _check(valid(v), name, f"{msg}, got {v}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        _check(isinstance(stop, (tuple, list)) and all(isinstance(s, str) and s for s in stop),
+        _check(isinstance(stop, (tuple, list)) and all(isinstance(x, str) and x for x in stop),
                "stop", f"must be a list of non-empty strings, got {self.stop!r}")
-        object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
-        _check(isinstance(ids, (tuple, list)) and all(_integer(i, "stop_token_ids") >= 0 for i in ids),
+        _check(isinstance(ids, (tuple, list)) and all(isinstance(i, (int, np.integer)) and not
+               isinstance(i, bool) and i >= 0 for i in ids),
                "stop_token_ids", f"must be non-negative token ids, got {ids!r}")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos",
+               f"must be true or false, got {self.ignore_eos!r}")
+        object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
-        t = _number(self.temperature, "temperature")
-        _check(0.0 <= t <= 2.0, "temperature", f"must be between 0 and 2, got {self.temperature}")
-        p = _number(self.top_p, "top_p")
-        _check(0.0 < p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        k = _integer(self.top_k, "top_k")
-        _check(k >= -1, "top_k", f"must be -1 or 0 (off) or a positive integer, got {self.top_k}")
-        mp = _number(self.min_p, "min_p")
-        _check(0.0 <= mp <= 1.0, "min_p", f"must be between 0 and 1, got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = _number(getattr(self, name), name)
-            _check(-2.0 <= v <= 2.0, name, f"must be between -2 and 2, got {getattr(self, name)}")
-        r = _number(self.repetition_penalty, "repetition_penalty")
-        _check(0.0 < r <= 2.0, "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
-        if self.seed is not None:
-            _check(0 <= _integer(self.seed, "seed") < 2**32, "seed",
-                   f"must be between 0 and 2**32-1, got {self.seed}")
-        _check(_integer(self.max_tokens, "max_tokens") >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
-        if self.logprobs is not None:
-            _check(0 <= _integer(self.logprobs, "logprobs") <= MAX_LOGPROBS, "logprobs",
-                   f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-        _check(_integer(self.n, "n") >= 1, "n", f"must be at least 1, got {self.n}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
     def with_seed(self, rng: Any) -> SamplingParams:
-        """This, with a seed drawn from `rng` (numpy Generator or random.Random) when unset."""
+        """This, with a seed drawn from `rng` (numpy Generator or random.Random) if unset."""
         if self.seed is not None:
             return self
         draw = rng.integers(0, 2**32) if hasattr(rng, "integers") else rng.getrandbits(32)
@@ -150,19 +142,17 @@ class SampleOutput:
 def make_sampling_inputs(rows: Sequence[SamplingRow | None], pad_to: int) -> SamplingInputs:
     """Host-side numpy batch; None rows and rows past len(rows) are greedy padding."""
     _check(len(rows) <= pad_to, "pad_to", f"{len(rows)} rows do not fit in {pad_to}")
-    cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(SamplingInputs)}
-    for row in list(rows) + [None] * (pad_to - len(rows)):
-        p = row.params if row is not None else SamplingParams(temperature=0.0)
-        _check(p.seed is not None or p.greedy, "seed",
+    pad = SamplingRow(SamplingParams(temperature=0.0))
+    rows = [r or pad for r in rows] + [pad] * (pad_to - len(rows))
+    for r in rows:
+        _check(r.params.seed is not None or r.params.greedy, "seed",
                "a sampled row needs a seed: call SamplingParams.with_seed when the request is added")
-        vals = dict(temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p,
-                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                    repetition_penalty=p.repetition_penalty, seeds=p.seed or 0,
-                    steps=row.step if row is not None else 0)
-        for name, v in vals.items():
-            cols[name].append(v)
-    dtypes = dict(top_k=np.int32, seeds=np.uint32, steps=np.int32)
-    return SamplingInputs(**{k: np.asarray(v, dtypes.get(k, np.float32)) for k, v in cols.items()})
+    col = lambda get, dtype=np.float32: np.asarray([get(r) for r in rows], dtype)
+    floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    return SamplingInputs(**{f: col(lambda r: getattr(r.params, f)) for f in floats},
+                          top_k=col(lambda r: max(r.params.top_k, 0), np.int32),
+                          seeds=col(lambda r: r.params.seed or 0, np.uint32),
+                          steps=col(lambda r: r.step, np.int32))
 
 
 # ----------------------------------------------------------------------------- device side
@@ -173,8 +163,7 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.min(jnp.where(x == m, iota, x.shape[-1]), -1), x.shape[-1] - 1).astype(jnp.int32)
 
 
-def _key(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 with the same order."""
+def _key(x: jax.Array) -> jax.Array:   # float32 -> uint32 in the same order
     b = jax.lax.bitcast_convert_type(x, jnp.uint32)
     return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
 
@@ -213,7 +202,8 @@ def _topk_topp_threshold(s, lse, top_k, top_p, k_on, p_on):
         lo, hi = _key(jnp.min(s, -1)), _key(vals[:, -1]) + 1     # fewer than C < k tokens above hi
         t = _bisect(pred, jnp.where(big_k, lo, 0), jnp.where(big_k, hi, 0))
         t = jnp.where(big_k, t, t_k)
-        return t, jnp.where(big_k, jnp.sum(jnp.where(s >= t[:, None], jnp.exp(s - lse[:, None]), 0.0), -1), mass_k)
+        mass = jnp.sum(jnp.where(s >= t[:, None], jnp.exp(s - lse[:, None]), 0.0), -1)
+        return t, jnp.where(big_k, mass, mass_k)
     t_k, mass_k = jax.lax.cond(jnp.any(big_k), k_fallback, lambda _: (t_k, mass_k), None)
 
     target = top_p * mass_k
@@ -222,11 +212,14 @@ def _topk_topp_threshold(s, lse, top_k, top_p, k_on, p_on):
     big_p = p_on & (j >= C) & (C < V)
 
     def p_fallback(_):
-        prob = jnp.exp(s - lse[:, None])
-        pred = lambda t: jnp.sum(jnp.where(s >= t[:, None], prob, 0.0), -1) >= target
-        # tokens below (1-p)*mass_k/V in probability cannot be needed: a safe lower end
-        lo = jnp.maximum(t_k, lse + jnp.log((1.0 - top_p) * mass_k / V) - 1.0)
-        t = _bisect(pred, jnp.where(big_p, _key(lo), 0), jnp.where(big_p, _key(vals[:, -1]), 0))
+        # Search in probability space (one array read per round); the search and the final
+        # mask read the same materialised `prob`, so the threshold lands exactly on a token.
+        prob = jax.lax.optimization_barrier(jnp.exp(s - lse[:, None]))
+        pred = lambda t: jnp.sum(jnp.where(prob >= t[:, None], prob, 0.0), -1) >= target
+        # tokens less likely than (1-p)*mass_k/V are never needed: a safe lower end (pred true)
+        lo = _key((1.0 - top_p) * mass_k / (3.0 * V))
+        pt = _bisect(pred, jnp.where(big_p, lo, 0), jnp.where(big_p, _key(jnp.ones_like(target)) + 1, 0))
+        t = jnp.min(jnp.where(prob >= pt[:, None], s, jnp.inf), -1)
         return jnp.where(big_p, t, t_p)
     t_p = jax.lax.cond(jnp.any(big_p), p_fallback, lambda _: t_p, None)
     return jnp.maximum(t_k, jnp.where(p_on, t_p, ninf))
@@ -251,49 +244,71 @@ def _draw(s: jax.Array, m: jax.Array, thr: jax.Array, u: jax.Array) -> jax.Array
     return b * _BLOCK + inverse_cdf(inner, u[:, 1])
 
 
+def apply_penalties(logits: jax.Array, inputs: SamplingInputs, output_counts: jax.Array,
+                    prompt_mask: jax.Array) -> jax.Array:
+    """Repetition (HF/vLLM: tokens in prompt or output, positive logits / r, others * r), then
+    frequency (-= f * count), then presence (-= p * (count > 0)); [S, V] f32."""
+    col = lambda a: a[:, None]
+    logits, used = logits.astype(jnp.float32), output_counts > 0
+    rep = col(inputs.repetition_penalty)
+    x = jnp.where(prompt_mask | used, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    x = x - col(inputs.frequency_penalty) * output_counts.astype(jnp.float32)
+    return x - col(inputs.presence_penalty) * used.astype(jnp.float32)
+
+
+def _filtered(logits, inputs, output_counts, prompt_mask):
+    """(sampled rows, scaled logits s, row max of s, per-row threshold of every filter)."""
+    S, V = logits.shape
+    rand = inputs.temperature >= GREEDY_EPS
+    inv_t = 1.0 / jnp.where(rand, inputs.temperature, 1.0)
+    # One materialised copy: every later stage must compare identical values (separate
+    # fusions may contract multiply-adds differently and move a token across a threshold).
+    x = apply_penalties(logits, inputs, output_counts, prompt_mask)
+    s = jax.lax.optimization_barrier(x * inv_t[:, None])
+    m = jnp.max(s, -1)
+    lse = m + jnp.log(jnp.sum(jnp.exp(s - m[:, None]), -1))
+    k_on = rand & (inputs.top_k > 0) & (inputs.top_k < V)
+    p_on = rand & (inputs.top_p < 1.0)
+    ninf = jnp.full((S,), -jnp.inf, jnp.float32)
+    thr = jax.lax.cond(jnp.any(k_on | p_on),
+                       lambda _: _topk_topp_threshold(s, lse, inputs.top_k, inputs.top_p, k_on, p_on),
+                       lambda _: ninf, None)
+    return rand, s, m, jnp.maximum(thr, jnp.where(rand & (inputs.min_p > 0), m + jnp.log(inputs.min_p), ninf))
+
+
+def allowed_tokens(logits: jax.Array, inputs: SamplingInputs, output_counts: jax.Array,
+                   prompt_mask: jax.Array) -> jax.Array:
+    """Diagnostics: [S, V] bool, the tokens each sampled row may draw (greedy rows: all)."""
+    _, s, _, thr = _filtered(logits.astype(jnp.float32), inputs, output_counts, prompt_mask)
+    return s >= thr[:, None]
+
+
 def sample(logits: jax.Array, inputs: SamplingInputs, output_counts: jax.Array,
            prompt_mask: jax.Array, *, num_logprobs: int) -> SampleOutput:
-    """Sample one token per row of `logits` [S, V] f32 (jit-friendly; num_logprobs static).
+    """One token per row of `logits` [S, V] f32 (jit-friendly; num_logprobs static).
     output_counts [S, V] i32: occurrences in the request's output so far; prompt_mask
     [S, V] bool: token occurs in the prompt."""
-    _check(0 <= num_logprobs <= MAX_LOGPROBS, "num_logprobs", f"must be 0..{MAX_LOGPROBS}, got {num_logprobs}")
+    _check(0 <= num_logprobs <= MAX_LOGPROBS, "num_logprobs",
+           f"must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}")
     logits = logits.astype(jnp.float32)
     S, V = logits.shape
-    col = lambda a: a[:, None]
+    args = (logits, inputs, output_counts, prompt_mask)
+    # the branch recomputes the penalties: an [S, V] operand would be materialised for greedy too
+    greedy_ids = _argmax(apply_penalties(*args))
     rand = inputs.temperature >= GREEDY_EPS
-    inv_t = col(1.0 / jnp.where(rand, inputs.temperature, 1.0))
-
-    def penalised() -> jax.Array:
-        # Recomputed (fused) in each consumer and built from the step's inputs inside the
-        # cond branches: materialising an [S, V] temporary costs more on CPU than recomputing.
-        rep = col(inputs.repetition_penalty)
-        seen = prompt_mask | (output_counts > 0)
-        x = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-        x = x - col(inputs.frequency_penalty) * output_counts.astype(jnp.float32)
-        return x - col(inputs.presence_penalty) * (output_counts > 0).astype(jnp.float32)
-    greedy_ids = _argmax(penalised())
 
     def sampled(_):
-        m = jnp.max(penalised() * inv_t, -1)
-        lse = m + jnp.log(jnp.sum(jnp.exp(penalised() * inv_t - col(m)), -1))
-        k_on = rand & (inputs.top_k > 0) & (inputs.top_k < V)
-        p_on = rand & (inputs.top_p < 1.0)
-        ninf = jnp.full((S,), -jnp.inf, jnp.float32)
-        thr = jax.lax.cond(
-            jnp.any(k_on | p_on),
-            lambda _: _topk_topp_threshold(penalised() * inv_t, lse, inputs.top_k, inputs.top_p, k_on, p_on),
-            lambda _: ninf, None)
-        thr = jnp.maximum(thr, jnp.where(rand & (inputs.min_p > 0), m + jnp.log(inputs.min_p), ninf))
+        rand, s, m, thr = _filtered(*args)
         keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(inputs.seeds, inputs.steps)
         u = jax.vmap(lambda k: jax.random.uniform(k, (2,)))(keys)
-        return jnp.where(rand, _draw(penalised() * inv_t, m, thr, u), greedy_ids)
+        return jnp.where(rand, _draw(s, m, thr, u), greedy_ids)
     token_ids = jax.lax.cond(jnp.any(rand), sampled, lambda _: greedy_ids, None)
 
     lse_raw = jax.nn.logsumexp(logits, -1)
     chosen = jnp.take_along_axis(logits, token_ids[:, None], 1)[:, 0] - lse_raw
     if num_logprobs:
         top_vals, top_ids = jax.lax.top_k(logits, num_logprobs)
-        top_lp = top_vals - col(lse_raw)
+        top_lp = top_vals - lse_raw[:, None]
     else:
         top_ids, top_lp = jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32)
     return SampleOutput(token_ids.astype(jnp.int32), chosen, top_ids.astype(jnp.int32), top_lp)

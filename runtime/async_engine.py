@@ -1,0 +1,106 @@
+"""A background thread that owns the device and loops `LLMEngine.step()`; each request
+gets an asyncio queue the web layer awaits. Stopping drains or aborts cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, AsyncIterator, Sequence
+
+from runtime.engine import LLMEngine, RequestOutput
+from runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.accepting = True
+        self.steps = 0
+
+    # --- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="pagedjax-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished():
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+                if not self.engine.has_unfinished():
+                    self.engine.step()  # applies policy changes and aborts while idle
+                    continue
+            try:
+                self.engine.step()
+                self.steps += 1
+            except Exception:  # noqa: BLE001 -- LLMEngine.step already fails a bad step's requests
+                log.exception("engine loop error")
+                time.sleep(0.1)
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop admitting; let in-flight requests finish for up to grace_s; abort the rest."""
+        self.accepting = False
+        deadline = time.monotonic() + grace_s
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self.engine.lock:
+            pending = list(self.engine._tracked)
+        for rid in pending:
+            self.engine.abort(rid)
+        end = time.monotonic() + 5.0
+        while self.engine.has_unfinished() and time.monotonic() < end and self._thread is not None:
+            self._wake.set()
+            time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- requests -----------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any) -> tuple[str, asyncio.Queue]:
+        """Add a request from the event loop; returns (request id, queue of RequestOutput).
+        Raises ValueError / Overloaded synchronously."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def deliver(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        req = self.engine.add_request(prompt_ids, params, on_output=deliver, **kw)
+        self._wake.set()
+        return req.request_id, queue
+
+    async def stream(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any
+                     ) -> AsyncIterator[RequestOutput]:
+        """Yields outputs until the finished one; aborts the request if the consumer stops early
+        (client disconnect, cancellation)."""
+        rid, queue = self.submit(prompt_ids, params, **kw)
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.set()
