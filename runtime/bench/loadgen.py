@@ -1,0 +1,370 @@
+"""Workloads and the OpenAI streaming load generator behind `pagedjax bench serve`.
+
+Works against any OpenAI-compatible server: requests go to /v1/chat/completions (chat
+scenarios) or /v1/completions with `stream: true` and `stream_options.include_usage`;
+/metrics is read before and after the run when the server exposes pagedjax (or vLLM)
+Prometheus counters. Arrivals are Poisson at a rate, or a fixed number of concurrent
+clients. Every request has a timeout and the whole run a deadline, so it always ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+SCENARIOS = ("shared-prefix", "random", "long-prompt")
+
+# ~320 SmolLM2 tokens (checked by tests/runtime/test_bench.py against the real tokenizer
+# when it is available). Shared verbatim by every shared-prefix request, by the offline
+# throughput benchmark and by scripts/peer_transformers.py.
+SYSTEM_PROMPT = (
+    "You are Atlas, the support assistant of Northwind Outfitters, an online shop that sells "
+    "hiking, camping and climbing gear. Follow these rules in every answer. First, be brief: "
+    "answer in at most three short sentences unless the customer asks for detail. Second, be "
+    "accurate: never invent order numbers, prices, stock levels or delivery dates; if you do "
+    "not know, say so and offer to connect the customer with a human agent. Third, be safe: "
+    "for questions about avalanche terrain, glacier travel, rope work or first aid, give only "
+    "general guidance and recommend a certified guide or a doctor. Fourth, be polite: greet "
+    "the customer by name when it is given, thank them at the end, and never argue. Store "
+    "facts you may use: standard shipping takes three to five working days and is free above "
+    "fifty euros; express shipping takes one to two working days and costs nine euros; "
+    "returns are accepted within thirty days when the item is unused and in its original "
+    "packaging; sleeping bags and boots may be exchanged for another size once at no cost; "
+    "the warranty on tents, backpacks and stoves is two years and covers defects in materials "
+    "and workmanship but not wear, misuse or accidents; gift cards never expire; the "
+    "customer service team is reachable by chat from eight in the morning to eight in the "
+    "evening on weekdays and from ten to four on Saturdays. When a customer describes a "
+    "trip, suggest gear in order of importance: shelter, sleep system, clothing layers, "
+    "navigation, water and food. Always write in plain English and avoid marketing language."
+)
+
+USER_TOPICS = (
+    "Can I return a tent I used once?", "How long does express shipping take?",
+    "Which sleeping bag should I take for a night at minus five degrees?",
+    "My stove stopped working after a year. Is it covered?", "Do gift cards expire?",
+    "When is your chat open on Saturday?", "What should I pack for a two day hike in the Alps?",
+    "Can I exchange boots for a bigger size?", "Is shipping free for an order of sixty euros?",
+    "What does the backpack warranty cover?", "I need a rope for glacier travel. Which one?",
+    "How do I dry a down jacket?", "What is the best way to purify stream water?",
+    "Can you tell me the status of order 12345?", "Which headlamp lasts longest?",
+    "Is a three season tent enough for early spring camping?",
+)
+NAMES = ("Ana", "Ben", "Chloe", "Dev", "Elif", "Femi", "Greta", "Hiro", "Ines", "Jonas", "Kai", "Lena",
+         "Mateo", "Nora", "Omar", "Priya")
+
+WORDS = ("the of and to in is was for on that with as by at from his an were are which this be had not "
+         "but one have or first new after who they more two also its been other time has only when "
+         "over where there can into most three city some during would made years many later under "
+         "such between known part then world these could about while may than through before four "
+         "well since united school named early including around several both became however people "
+         "north south river water mountain forest valley trail camp winter summer light stone bridge "
+         "market garden island harbor station village road field house music story paper window").split()
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    messages: list[dict[str, str]] | None  # chat request
+    prompt: str | None                     # completions request
+    max_tokens: int
+
+
+def shared_prefix_messages(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """n chat conversations: SYSTEM_PROMPT + a short user message varying per request."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        topic = USER_TOPICS[(i + rng.randrange(len(USER_TOPICS))) % len(USER_TOPICS)]
+        name = NAMES[rng.randrange(len(NAMES))]
+        out.append([{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": f"Hi, I am {name} (ticket {1000 + i}). {topic}"}])
+    return out
+
+
+def random_text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, n_words))).capitalize() + "."
+
+
+def build_workload(scenario: str, num_requests: int, *, max_tokens: int = 64, seed: int = 0,
+                   input_len: int | None = None) -> list[RequestSpec]:
+    """Requests of a scenario. `input_len` is approximate prompt tokens (one word ~ one
+    token): the mean for `random` (uniform 0.25x..1.75x), the length for `long-prompt`."""
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario: must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
+    if num_requests < 1 or max_tokens < 1:
+        raise ValueError("num_requests/max_tokens: must be >= 1")
+    rng = random.Random(seed)
+    if scenario == "shared-prefix":
+        return [RequestSpec(i, m, None, max_tokens) for i, m in enumerate(shared_prefix_messages(num_requests, seed))]
+    if scenario == "random":
+        mean = input_len or 256
+        lens = [rng.randint(max(1, mean // 4), max(1, mean * 7 // 4)) for _ in range(num_requests)]
+    else:
+        lens = [input_len or 1536] * num_requests
+    # A distinct first word per request: no accidental cross-request prefix sharing.
+    return [RequestSpec(i, None, f"Request {i} {rng.randrange(10**6)}: " + random_text(rng, n), max_tokens)
+            for i, n in enumerate(lens)]
+
+
+# --- the client ---------------------------------------------------------------------------
+@dataclass
+class RequestRecord:
+    index: int
+    ok: bool = False
+    start: float = 0.0                     # send time, seconds from the run start
+    ttft: float | None = None              # to the first content chunk
+    e2e: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # content chunks, seconds from run start
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int | None = None       # usage.prompt_tokens_details.cached_tokens, if reported
+    error: str | None = None
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    url: str
+    scenario: str = "shared-prefix"
+    model: str | None = None
+    num_requests: int = 64
+    rate: float | None = None          # requests/s, Poisson; None with concurrency None = all at once
+    concurrency: int | None = None     # fixed number of clients
+    max_tokens: int = 64
+    seed: int = 0
+    api_key: str | None = None
+    timeout_s: float = 120.0           # per request
+    max_duration_s: float = 900.0      # whole run; unfinished requests then count as failed
+    input_len: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rate is not None and self.concurrency is not None:
+            raise ValueError("rate/concurrency: give one of --rate or --concurrency, not both")
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError(f"rate: must be positive, got {self.rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency: must be >= 1, got {self.concurrency}")
+        if self.timeout_s <= 0 or self.max_duration_s <= 0:
+            raise ValueError("timeout: must be positive")
+
+    def describe(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("api_key")
+        d.pop("progress")
+        return d
+
+
+def root_url(url: str) -> str:
+    """'http://h:8000/v1/' -> 'http://h:8000' (routes are added with /v1/...)."""
+    u = url.rstrip("/")
+    return u[:-3] if u.endswith("/v1") else u
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum of each metric's samples over labels: {'name': value}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            name_part, value = line.rsplit(None, 1) if "}" not in line else (
+                line[:line.rindex("}") + 1], line[line.rindex("}") + 1:].split()[0])
+            name = name_part.split("{", 1)[0].strip()
+            out[name] = out.get(name, 0.0) + float(value)
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
+SERVER_COUNTERS = {  # our key -> metric names (pagedjax, then vLLM)
+    "prefix_cache_hits": ("pagedjax:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+    "prefix_cache_queries": ("pagedjax:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+    "preemptions": ("pagedjax:num_preemptions_total", "vllm:num_preemptions_total"),
+}
+
+
+def server_counters(metrics: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for key, names in SERVER_COUNTERS.items():
+        for n in names:
+            if n in metrics:
+                out[key] = metrics[n]
+                break
+    return out
+
+
+def counter_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    if not before or not after:
+        return None
+    d = {k: after[k] - before[k] for k in SERVER_COUNTERS if k in before and k in after}
+    if not d:
+        return None
+    q = d.get("prefix_cache_queries")
+    d["prefix_cache_hit_rate"] = (d.get("prefix_cache_hits", 0.0) / q) if q else None
+    return d
+
+
+async def fetch_metrics(client: httpx.AsyncClient, root: str) -> dict[str, float] | None:
+    try:
+        r = await client.get(f"{root}/metrics", timeout=10.0)
+        if r.status_code != 200:
+            return None
+        c = server_counters(parse_prometheus(r.text))
+        return c or None
+    except httpx.HTTPError:
+        return None
+
+
+async def discover_model(client: httpx.AsyncClient, root: str) -> str:
+    try:
+        r = await client.get(f"{root}/v1/models", timeout=10.0)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"model: could not list {root}/v1/models ({exc}); pass --model") from None
+
+
+def _error_text(status: int, body: bytes) -> str:
+    try:
+        msg = json.loads(body).get("error", {}).get("message") or body.decode(errors="replace")
+    except (ValueError, AttributeError):
+        msg = body.decode(errors="replace")
+    return f"HTTP {status}: {str(msg)[:200]}"
+
+
+async def send_one(client: httpx.AsyncClient, root: str, model: str, spec: RequestSpec, t0: float,
+                   timeout_s: float) -> RequestRecord:
+    rec = RequestRecord(spec.index, start=time.perf_counter() - t0)
+    body: dict[str, Any] = {"model": model, "max_tokens": spec.max_tokens, "temperature": 0.0, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if spec.messages is not None:
+        path, body["messages"] = "/v1/chat/completions", spec.messages
+    else:
+        path, body["prompt"] = "/v1/completions", spec.prompt
+    sent = time.perf_counter()
+    usage = None
+
+    async def stream() -> None:
+        nonlocal usage
+        async with client.stream("POST", root + path, json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = _error_text(resp.status_code, await resp.aread())
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    err = obj["error"]
+                    rec.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+                    return
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for ch in obj.get("choices") or ():
+                    text = (ch.get("delta") or {}).get("content") if "delta" in ch else ch.get("text")
+                    if text:
+                        now = time.perf_counter()
+                        if rec.ttft is None:
+                            rec.ttft = now - sent
+                        rec.chunk_times.append(now - t0)
+
+    try:
+        await asyncio.wait_for(stream(), timeout_s)
+    except asyncio.TimeoutError:
+        rec.error = f"timeout after {timeout_s:g} s"
+    except (httpx.HTTPError, ValueError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"[:200]
+    if rec.error is None:
+        rec.e2e = time.perf_counter() - sent
+        if usage:
+            rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            rec.output_tokens = int(usage.get("completion_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                rec.cached_tokens = int(details["cached_tokens"])
+        if not rec.output_tokens:
+            rec.output_tokens = len(rec.chunk_times)  # no usage: one token per chunk
+        rec.ok = True
+    return rec
+
+
+async def run_load_async(cfg: LoadConfig, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float, dict]:
+    """-> (records in request order, duration s, {'model', 'server': counter deltas or None})."""
+    from tqdm import tqdm
+
+    root = root_url(cfg.url)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    width = cfg.concurrency or len(specs)
+    limits = httpx.Limits(max_connections=width + 4, max_keepalive_connections=width + 4)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+        model = cfg.model or await discover_model(client, root)
+        before = await fetch_metrics(client, root)
+        bar = tqdm(total=len(specs), desc=f"{cfg.scenario}", unit="req", disable=not cfg.progress, leave=False)
+        records: dict[int, RequestRecord] = {}
+        t0 = time.perf_counter()
+
+        async def run(spec: RequestSpec) -> None:
+            rec = await send_one(client, root, model, spec, t0, cfg.timeout_s)
+            records[spec.index] = rec
+            bar.update(1)
+
+        async def rate_mode() -> None:
+            rng = random.Random(cfg.seed + 1)
+            tasks, next_t = [], 0.0
+            for spec in specs:
+                delay = t0 + next_t - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(run(spec)))
+                if cfg.rate is not None:
+                    next_t += rng.expovariate(cfg.rate)
+            await asyncio.gather(*tasks)
+
+        async def concurrency_mode() -> None:
+            queue = list(reversed(specs))
+
+            async def worker() -> None:
+                while queue:
+                    await run(queue.pop())
+
+            await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency or 1, len(specs)))))
+
+        try:
+            await asyncio.wait_for(concurrency_mode() if cfg.concurrency else rate_mode(), cfg.max_duration_s)
+        except asyncio.TimeoutError:
+            pass
+        duration = time.perf_counter() - t0
+        bar.close()
+        after = await fetch_metrics(client, root)
+    for spec in specs:
+        if spec.index not in records:
+            records[spec.index] = RequestRecord(spec.index, error=f"not finished within the run deadline "
+                                                                  f"({cfg.max_duration_s:g} s)")
+    return [records[s.index] for s in specs], duration, {"model": model, "server": counter_delta(before, after)}
+
+
+def run_load(cfg: LoadConfig) -> dict[str, Any]:
+    """Run one benchmark and return its report (see runtime.bench.report.build_report)."""
+    from runtime.bench.report import build_report
+
+    specs = build_workload(cfg.scenario, cfg.num_requests, max_tokens=cfg.max_tokens, seed=cfg.seed,
+                           input_len=cfg.input_len)
+    records, duration, info = asyncio.run(run_load_async(cfg, specs))
+    return build_report(records, duration, config={**cfg.describe(), "model": info["model"]},
+                        server=info["server"])
