@@ -48,6 +48,15 @@ class APIError(Exception):
         return cls(400, text, param=param, code=code)
 
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the access log does
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before the answer was ready; its engine requests are aborted."""
+
+    status_code = CLIENT_CLOSED
+
+
 class ErrorBody(msgspec.Struct):
     message: str
     type: str
@@ -92,6 +101,10 @@ def handle_api_error(_: Request, exc: APIError) -> Response:
     return api_error_response(exc)
 
 
+def handle_client_disconnected(_: Request, __: ClientDisconnected) -> Response:
+    return Response(b"", status_code=CLIENT_CLOSED)
+
+
 def handle_http_exception(request: Request, exc: HTTPException) -> Response:
     """Litestar's own errors (404, 405, body parsing) in the OpenAI shape on /v1, and
     Litestar's default elsewhere (the console renders its own pages)."""
@@ -116,6 +129,7 @@ def handle_unexpected(request: Request, exc: Exception) -> Response:
 
 EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     APIError: handle_api_error,
+    ClientDisconnected: handle_client_disconnected,
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }

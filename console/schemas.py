@@ -1,7 +1,7 @@
 """OpenAI request/response bodies as msgspec structs.
 
 Bodies are decoded strictly (`"5"` is not an integer), so the published OpenAPI schema
-(generated from these same structs by msgspec, see console/openapi in app.py) is exactly
+(generated from these same structs by msgspec, see `operation` below) is exactly
 what the server accepts. Unknown fields are ignored, as OpenAI clients send many.
 Extensions over OpenAI: top_k, min_p, repetition_penalty, priority, ignore_eos,
 stop_token_ids.
@@ -9,12 +9,14 @@ stop_token_ids.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeVar
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+from litestar.openapi.spec import Operation, Schema
 from msgspec import Meta, Struct
 
-from console.errors import APIError, msgspec_error
+from console.errors import APIError, ErrorResponse, msgspec_error
 
 MAX_N = 16           # choices per request; each is an engine request
 MAX_STOP = 16
@@ -230,3 +232,123 @@ _encoder = msgspec.json.Encoder()
 
 def encode(obj: object) -> bytes:
     return _encoder.encode(obj)
+
+
+# --- OpenAPI: the published schema is msgspec's own view of these structs ------------------------
+# Litestar would derive a schema from a `data: T` parameter, but it decodes bodies leniently
+# ("5" becomes 5) and its derived schema differs in details from what msgspec enforces. So the
+# handlers decode strictly themselves and each operation carries msgspec's JSON schema.
+
+REF = "#/components/schemas/{name}"
+ERROR_STATUSES = {"400": "Invalid request (the message names the field)", "401": "Missing or wrong API key",
+                  "429": "Admission queue full; see Retry-After", "500": "Internal error (no details leak)",
+                  "503": "Warming up or shutting down"}
+
+
+@dataclass
+class RawSchema(Schema):
+    """A literal JSON-schema dict inside Litestar's OpenAPI objects."""
+
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def to_schema(self) -> dict[str, Any]:
+        return self.raw
+
+
+def _ref(t: type) -> dict[str, Any]:
+    return {"$ref": REF.format(name=t.__name__)}
+
+
+def operation(request_type: type | None, response_type: type) -> type[Operation]:
+    """An Operation subclass (Litestar's `operation_class`) with msgspec-derived bodies; a
+    200 with a request type may also be an SSE stream (`stream: true`)."""
+
+    @dataclass
+    class _Operation(Operation):
+        def __post_init__(self) -> None:
+            ok: dict[str, Any] = {"application/json": {"schema": _ref(response_type)}}
+            if request_type is not None:
+                ok["text/event-stream"] = {"schema": {"type": "string"}}
+                self.request_body = RawSchema(raw={  # type: ignore[assignment]
+                    "required": True, "content": {"application/json": {"schema": _ref(request_type)}}})
+            err = {"application/json": {"schema": _ref(ErrorResponse)}}
+            responses = {"200": {"description": "OK", "content": ok}}
+            responses.update({k: {"description": v, "content": err} for k, v in ERROR_STATUSES.items()
+                              if request_type is not None or k in ("401", "503")})
+            self.responses = {k: RawSchema(raw=v) for k, v in responses.items()}  # type: ignore[misc]
+
+    return _Operation
+
+
+def openapi_components() -> dict[str, Schema]:
+    """Every struct the operations reference, keyed by name, for OpenAPIConfig.components."""
+    _, comps = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
+         ChatCompletionChunk, ModelList, ErrorResponse], ref_template=REF)
+    return {name: RawSchema(raw=body) for name, body in comps.items()}
+
+
+# --- engine outputs -> wire shapes -----------------------------------------------------------------
+
+class Formatter:
+    """Turns a choice's tokens and logprobs into OpenAI choices, chunks and logprob blocks.
+    `job` is console.api.Job (duck-typed: prompt_ids, text, token_ids, logprobs,
+    finish_reason, stop_reason, offset)."""
+
+    def __init__(self, tokenizer: Any, wants_logprobs: bool, echo: bool = False):
+        self.tok = tokenizer
+        self.wants_logprobs = wants_logprobs
+        self.echo = echo
+
+    def token(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def _completion_lp(self, job: Any, ids: list[int], lps: list[Any]) -> CompletionLogprobs | None:
+        if not self.wants_logprobs:
+            return None
+        toks = [self.token(i) for i in ids]
+        offsets = []
+        for t in toks:  # text_offset counts characters from the start of the choice's text
+            offsets.append(job.offset)
+            job.offset += len(t)
+        return CompletionLogprobs(toks, [lp[0] if lp else None for lp in lps],
+                                  [{self.token(i): v for i, v in lp[1]} if lp else None for lp in lps], offsets)
+
+    def completion_echo(self, job: Any) -> CompletionChoice:
+        lps = [None] * len(job.prompt_ids)  # prompt tokens carry no logprobs (not computed)
+        return CompletionChoice(job.index, self.tok.decode(job.prompt_ids),
+                                self._completion_lp(job, job.prompt_ids, lps), None)
+
+    def completion_delta(self, job: Any, out: Any) -> CompletionChoice:
+        return CompletionChoice(job.index, out.text, self._completion_lp(job, out.token_ids, out.logprobs),
+                                out.finish_reason, out.stop_reason)
+
+    def completion_choice(self, job: Any) -> CompletionChoice:
+        job.offset = 0
+        head = self.completion_echo(job) if self.echo else None
+        lp = self._completion_lp(job, job.token_ids, job.logprobs)
+        if head is not None and head.logprobs is not None and lp is not None:
+            lp = CompletionLogprobs(*(getattr(head.logprobs, f) + getattr(lp, f) for f in
+                                      ("tokens", "token_logprobs", "top_logprobs", "text_offset")))
+        return CompletionChoice(job.index, (head.text if head else "") + "".join(job.text), lp,
+                                job.finish_reason, job.stop_reason)
+
+    def _chat_lp(self, ids: list[int], lps: list[Any]) -> ChatLogprobs | None:
+        if not self.wants_logprobs:
+            return None
+
+        def entry(i: int, v: float) -> tuple[str, float, list[int]]:
+            t = self.token(i)
+            return t, v, list(t.encode())
+
+        return ChatLogprobs([ChatTokenLogprob(*entry(i, lp[0]), [TopLogprob(*entry(t, v)) for t, v in lp[1]])
+                             for i, lp in zip(ids, lps)])
+
+    def chat_delta(self, job: Any, out: Any) -> ChatChunkChoice:
+        delta = ChatDelta(content=out.text) if out.text or not out.finished else ChatDelta()
+        return ChatChunkChoice(job.index, delta, self._chat_lp(out.token_ids, out.logprobs), out.finish_reason,
+                               out.stop_reason)
+
+    def chat_choice(self, job: Any) -> ChatChoice:
+        return ChatChoice(job.index, ChatResponseMessage("".join(job.text)), self._chat_lp(job.token_ids, job.logprobs),
+                          job.finish_reason, job.stop_reason)

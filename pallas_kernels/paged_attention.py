@@ -225,7 +225,7 @@ def _kernel_body(plan: _Plan, meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
   def issue(step):
     slot = lax.rem(step, jnp.int32(stages))
     first_page = (t_begin + step) * plan.pages_per_tile
-    for p in range(max(1, plan.pages_per_tile - 1)):
+    for p in range(plan.pages_per_tile):
       block_id = bt_ref[seq, first_page + p]
       dst = pl.ds(p * BS, BS)
       plgpu.copy_gmem_to_smem(k_ref.at[block_id, pl.ds(0, BS), h],

@@ -1,0 +1,238 @@
+"""The operator console under /admin: pages, HTMX fragments and the few actions.
+
+Reads go through the engine's snapshot API (console/views.py builds the view models);
+writes go only through `engine.update_policy`, `engine.abort` and
+`engine.reset_prefix_cache`. Every page renders fully without JavaScript; a request
+carrying `HX-Request: true` gets just the page's `_fragment` partial instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from litestar import Request, Response, Router, get, post
+from litestar.response import Redirect, Template
+
+from console import views
+from console.auth import AdminAuth, is_htmx, login, login_form, logout
+
+NO_STORE = {"Cache-Control": "no-store", "Vary": "HX-Request"}
+
+# (field, label, type, help) in form order; types convert the form's strings.
+POLICY_FIELDS: list[tuple[str, str, type, str]] = [
+    ("watermark", "Watermark", float,
+     "Fraction of KV blocks that new admissions may not take: held back for running sequences to grow."),
+    ("admission_mode", "Admission mode", str,
+     "reserve: admit only if prompt + max_tokens fit (never preempts). "
+     "optimistic: admit on prompt blocks, preempt when decode growth runs out."),
+    ("max_num_seqs", "Max running sequences", int, "Sequences in one step (at most the compiled envelope)."),
+    ("max_num_batched_tokens", "Max batched tokens", int, "Token budget of one step (prefill chunks + decodes)."),
+    ("long_prefill_token_threshold", "Long-prefill chunk cap", int,
+     "Largest prefill chunk one request may take in a step, so long prompts do not stall decodes."),
+    ("max_admissions_per_step", "Max admissions per step", int,
+     "Spreads re-admission after a burst of completions (prevents an eviction storm)."),
+    ("max_queue_len", "Max queue length", int, "Waiting requests beyond this are refused with 429."),
+    ("max_queued_tokens", "Max queued tokens", int, "Prompt tokens waiting beyond this are refused with 429."),
+]
+
+
+def _engine(request: Request) -> Any:
+    """The LLMEngine, or None while the server is still warming up."""
+    ae = request.app.state.get("engine")
+    return getattr(ae, "engine", ae)
+
+
+def _render(request: Request, page: str, ctx: dict[str, Any], status: int = 200, *,
+            fragment: str | None = None) -> Template:
+    s = request.state.admin_session
+    name = f"admin/_{fragment or page}_fragment.html" if is_htmx(request) else f"admin/{page}.html"
+    ctx = {**ctx, "csrf": s.csrf, "who": s.who, "page": page, "clock": time.strftime("%H:%M:%S")}
+    return Template(name, context=ctx, status_code=status, headers=NO_STORE)
+
+
+def _starting(request: Request, page: str) -> Template:
+    return _render(request, "starting", {"for_page": page}, 503)
+
+
+# --- dashboard and block map ------------------------------------------------------------------
+@get("/", name="admin_dashboard", sync_to_thread=True)
+def dashboard(request: Request, cell: int | None = None) -> Template:
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "dashboard")
+    ctx = views.dashboard(engine)
+    ctx["detail"] = _cell_detail(engine, ctx["map"].per_cell, cell) if cell is not None else None
+    return _render(request, "dashboard", ctx)
+
+
+def _cell_detail(engine: Any, per_cell: int, cell: int) -> dict[str, Any]:
+    start = max(0, cell) * per_cell
+    blocks = views.block_views(engine, start, start + per_cell)
+    return {"cell": cell, "start": start, "blocks": blocks}
+
+
+@get("/blocks", name="admin_blocks", sync_to_thread=True)
+def blocks(request: Request, cell: int = 0) -> Template:
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "blocks")
+    n = engine.pool.num_blocks
+    per = 1 if n <= views.MAX_CELLS else -(-n // views.MAX_CELLS)
+    return _render(request, "blocks", {"detail": _cell_detail(engine, per, cell)})
+
+
+# --- requests ----------------------------------------------------------------------------------
+@get("/requests", name="admin_requests", sync_to_thread=True)
+def requests_page(request: Request, aborted: str | None = None) -> Template:
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "requests")
+    return _render(request, "requests", {**views.requests_view(engine), "aborted": aborted})
+
+
+@post("/requests/{request_id:str}/abort", name="admin_abort", sync_to_thread=True, status_code=200)
+def abort(request: Request, request_id: str) -> Response:
+    ae = request.app.state.get("engine")
+    if ae is None:
+        return Response("engine not ready", status_code=503, media_type="text/plain")
+    ae.abort(request_id)  # AsyncEngine.abort also wakes an idle engine loop
+    if not is_htmx(request):
+        return Redirect(f"/admin/requests?aborted={request_id}", status_code=303)
+    return _render(request, "requests", {**views.requests_view(_engine(request)), "aborted": request_id})
+
+
+# --- admission policy --------------------------------------------------------------------------
+def _policy_ctx(engine: Any, *, values: dict[str, str] | None = None, errors: dict[str, str] | None = None,
+                saved: bool = False) -> dict[str, Any]:
+    with engine.lock:
+        policy = engine.policy.to_json()
+        audit = list(engine.audit)
+    ranges = engine.policy.ranges(engine.envelope)
+    return {"fields": POLICY_FIELDS, "policy": policy, "ranges": ranges, "values": values or {},
+            "errors": errors or {}, "saved": saved, "audit": [_audit_row(a) for a in reversed(audit)],
+            "envelope": engine.envelope}
+
+
+def _audit_row(a: Any) -> dict[str, Any]:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(a.time))
+    return {"when": when, "who": a.who, "changes": a.changes}
+
+
+def parse_policy_form(form: Any, engine: Any) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+    """Form strings -> typed changes (only fields that differ), per-field errors, raw values.
+    Each change is validated on its own first so every bad field gets its own message."""
+    current = engine.policy
+    changes: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    raw: dict[str, str] = {}
+    for name, _, typ, _ in POLICY_FIELDS:
+        text = form.get(name)
+        if text is None:
+            continue  # a partial form (a tool posting one field) leaves the others alone
+        raw[name] = text = str(text).strip()
+        try:
+            value: Any = typ(text)
+        except ValueError:
+            errors[name] = "must be a number" if typ is float else "must be a whole number"
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            errors[name] = "must be a finite number"
+            continue
+        if value == getattr(current, name):
+            continue
+        try:
+            current.replace(engine.envelope, **{name: value})
+        except ValueError as exc:
+            errors[name] = str(exc).split(": ", 1)[-1]
+            continue
+        changes[name] = value
+    return changes, errors, raw
+
+
+@get("/policy", name="admin_policy", sync_to_thread=True)
+def policy_page(request: Request, saved: bool = False) -> Template:
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "policy")
+    return _render(request, "policy", _policy_ctx(engine, saved=saved))
+
+
+@post("/policy", name="admin_policy_update")
+async def policy_update(request: Request) -> Response:
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "policy")
+    changes, errors, raw = parse_policy_form(await request.form(), engine)
+    if not errors and changes:
+        try:
+            engine.update_policy(request.state.admin_session.who, **changes)
+        except ValueError as exc:  # a cross-field rule: show it beside the field it names
+            field, _, msg = str(exc).partition(": ")
+            errors[field if field in raw else next(iter(changes))] = msg or str(exc)
+    if errors:
+        return _render(request, "policy", _policy_ctx(engine, values=raw, errors=errors), 422)
+    if not is_htmx(request):
+        return Redirect("/admin/policy?saved=true", status_code=303)
+    return _render(request, "policy", _policy_ctx(engine, saved=True))
+
+
+@get("/policy.json", name="admin_policy_json", sync_to_thread=False)
+def policy_json(request: Request) -> Response:
+    engine = _engine(request)
+    if engine is None:
+        return Response({"detail": "engine not ready"}, status_code=503)
+    return Response(engine.policy.to_json(), headers=NO_STORE)
+
+
+# --- prefix cache -------------------------------------------------------------------------------
+@get("/prefix-cache", name="admin_prefix_cache", sync_to_thread=True)
+def prefix_cache_page(request: Request, flushed: int | None = None) -> Template:
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "prefix_cache")
+    return _render(request, "prefix_cache", {**views.prefix_cache(engine), "flushed": flushed})
+
+
+@get("/prefix-cache/flush", name="admin_flush_confirm", sync_to_thread=True)
+def flush_confirm(request: Request) -> Template:
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "flush")
+    with engine.lock:
+        cached = engine.pool.num_cached_blocks
+    return _render(request, "flush", {"cached": cached})
+
+
+@post("/prefix-cache/flush", name="admin_flush", sync_to_thread=True, status_code=200)
+def flush(request: Request) -> Response:
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "prefix_cache")
+    dropped = engine.reset_prefix_cache()
+    if not is_htmx(request):
+        return Redirect(f"/admin/prefix-cache?flushed={dropped}", status_code=303)
+    return _render(request, "prefix_cache", {**views.prefix_cache(engine), "flushed": dropped})
+
+
+# --- model ----------------------------------------------------------------------------------------
+@get("/model", name="admin_model", sync_to_thread=True)
+def model_page(request: Request) -> Template:
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "model")
+    return _render(request, "model", views.model_view(engine, request.app.state.get("settings")))
+
+
+def admin_router() -> Router:
+    """A fresh router (and session store) per app."""
+    auth = AdminAuth()
+    return Router(
+        path="/admin",
+        route_handlers=[login_form, login, logout, dashboard, blocks, requests_page, abort, policy_page,
+                        policy_update, policy_json, prefix_cache_page, flush_confirm, flush, model_page],
+        before_request=auth.before_request,
+        opt={"admin_auth": auth},
+        include_in_schema=False,
+    )

@@ -1,0 +1,400 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+A request fans out into one engine request per (prompt, choice); `Generation` merges
+their output queues. Every engine request is submitted before the first byte is sent,
+so admission errors (400/429) are real HTTP statuses even with `stream: true`.
+A client that goes away aborts its engine requests: streaming through the cancelled
+generator (Litestar cancels it on http.disconnect), non-streaming through a watcher on
+the ASGI receive channel (`run_watching_disconnect`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from litestar import Request, Response, Router, get, post
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+from litestar.response import Stream
+
+from console import schemas as S
+from console.errors import EXCEPTION_HANDLERS, APIError, ClientDisconnected, error_body
+from runtime.async_engine import AsyncEngine
+from runtime.engine import RequestOutput
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Overloaded
+
+MAX_JOBS = 64  # prompts x n per HTTP request
+ACCESS_KEY = "pagedjax.access"  # ASGI scope key of the request's AccessRecord
+
+
+@dataclasses.dataclass
+class AccessRecord:
+    """What the access log and HTTP metrics report; the middleware (console/app.py) creates
+    it, the handlers fill in the token counts and time to first token."""
+
+    request_id: str
+    route: str
+    method: str
+    start: float = dataclasses.field(default_factory=time.monotonic)
+    status: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    ttft_s: float | None = None
+
+
+def record_of(request: Request) -> AccessRecord:
+    rec = request.scope.get(ACCESS_KEY)  # type: ignore[call-overload]
+    if rec is None:  # a test app without the middleware
+        rec = request.scope[ACCESS_KEY] = AccessRecord(secrets.token_hex(8), request.url.path,  # type: ignore
+                                                       request.method)
+    return rec
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One engine request: a (prompt, choice) pair, with its output accumulated."""
+
+    index: int
+    prompt: int
+    request_id: str
+    queue: asyncio.Queue
+    prompt_ids: list[int]
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Any] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    error: str | None = None
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    offset: int = 0  # characters of text already covered by logprob text_offset
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
+        self.cached_tokens, self.completion_tokens = out.cached_tokens, out.completion_tokens
+        if out.finished:
+            self.finished, self.finish_reason, self.error = True, out.finish_reason, out.error
+            self.stop_reason = out.stop_reason
+
+
+@dataclasses.dataclass
+class Generation:
+    """The engine requests behind one HTTP request, merged into one output stream."""
+
+    engine: AsyncEngine
+    record: AccessRecord
+    jobs: list[Job] = dataclasses.field(default_factory=list)
+
+    async def outputs(self) -> AsyncIterator[tuple[Job, RequestOutput]]:
+        """(job, output) in arrival order; leaving early (disconnect) aborts what is unfinished."""
+        getters = {asyncio.ensure_future(j.queue.get()): j for j in self.jobs if not j.finished}
+        try:
+            while getters:
+                done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    job, out = getters.pop(fut), fut.result()
+                    job.add(out)
+                    if not out.finished:
+                        getters[asyncio.ensure_future(job.queue.get())] = job
+                    self._account(out)
+                    yield job, out
+        finally:
+            for fut in getters:
+                fut.cancel()
+            self.abort_unfinished()
+
+    def _account(self, out: RequestOutput) -> None:
+        rec = self.record
+        if rec.ttft_s is None and out.token_ids:
+            rec.ttft_s = time.monotonic() - rec.start
+        rec.completion_tokens = sum(j.completion_tokens for j in self.jobs)
+        rec.cached_tokens = self.usage().prompt_tokens_details.cached_tokens
+
+    async def collect(self) -> None:
+        async for _ in self.outputs():
+            pass
+
+    def abort_unfinished(self) -> None:
+        for j in self.jobs:
+            if not j.finished:
+                self.engine.abort(j.request_id)
+
+    def usage(self) -> S.Usage:
+        """Prompt tokens count once per prompt (not per choice); cached tokens per prompt are
+        the best any of its choices got."""
+        prompts: dict[int, tuple[int, int]] = {}
+        for j in self.jobs:
+            n, c = prompts.get(j.prompt, (len(j.prompt_ids), 0))
+            prompts[j.prompt] = (n, max(c, j.cached_tokens))
+        p = sum(n for n, _ in prompts.values())
+        c = sum(j.completion_tokens for j in self.jobs)
+        return S.Usage(p, c, p + c, S.PromptTokensDetails(sum(x for _, x in prompts.values())))
+
+    def formatter(self, tokenizer: Any, wants_logprobs: bool, echo: bool = False) -> S.Formatter:
+        return S.Formatter(tokenizer, wants_logprobs, echo)
+
+
+async def run_watching_disconnect(request: Request, work: Awaitable[None]) -> None:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client hangs up.
+    The body is already read, so the next ASGI message can only be http.disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientDisconnected()
+        task.result()
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+# --- guards (run before the body is read) ------------------------------------------------------
+
+def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    key = connection.app.state.settings.api_key
+    if key is None:
+        return
+    auth = connection.headers.get("authorization", "")
+    scheme, _, given = auth.partition(" ")
+    hdr = {"WWW-Authenticate": "Bearer"}
+    if not auth:
+        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key", headers=hdr)
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "incorrect API key", code="invalid_api_key", headers=hdr)
+
+
+def require_ready(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    st = connection.app.state
+    engine = st.get("engine")
+    if st.get("draining") or (engine is not None and not engine.accepting):
+        raise APIError(503, "the server is shutting down and accepts no new requests", code="draining")
+    if not st.get("ready") or engine is None:
+        raise APIError(503, "the model is still warming up; retry shortly", code="warming_up",
+                       headers={"Retry-After": "5"})
+
+
+# --- request -> engine requests --------------------------------------------------------------------
+
+def _check_model(request: Request, model: str) -> None:
+    served = request.app.state.settings.model_name
+    if model != served:
+        raise APIError(400, f"model: unknown model {model!r}; this server serves {served!r}", param="model",
+                       code="model_not_found")
+
+
+def _completion_prompts(prompt: Any, tok: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [tok.encode(p) for p in prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise APIError(400, "prompt: must be a string, a list of strings, a list of token ids or a list of "
+                        "token-id lists (not a mix)", param="prompt")
+
+
+def _chat_prompt(messages: list[S.ChatMessage], tok: Any) -> list[int]:
+    def content(m: S.ChatMessage) -> str:
+        if isinstance(m.content, list):
+            return "".join(p.text for p in m.content)
+        return m.content or ""
+
+    msgs = [{"role": m.role, "content": content(m), **({"name": m.name} if m.name else {})} for m in messages]
+    try:
+        return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    except ValueError as exc:
+        raise APIError.from_value_error(exc, default_param="messages") from None
+    except Exception as exc:  # noqa: BLE001 -- a template tripping on odd input is the input's fault
+        raise APIError(400, f"messages: the chat template could not render them ({type(exc).__name__})",
+                       param="messages") from None
+
+
+def _max_tokens(request: Request, prompt_len: int, asked: int | None, default: int | None,
+                prompt_param: str, param: str = "max_tokens") -> int:
+    """An explicit max_tokens must fit the context; a default is clamped to what fits."""
+    llm = request.app.state.engine.engine
+    limit = min(llm.envelope.max_model_len, llm.config.cache.num_tokens)
+    if prompt_len >= limit:
+        raise APIError(400, f"{prompt_param}: the prompt is {prompt_len} tokens; this model's maximum context "
+                            f"length is {limit} tokens, including at least one generated token",
+                       param=prompt_param, code="context_length_exceeded")
+    if asked is None:
+        return min(default or limit, limit - prompt_len)
+    if prompt_len + asked > limit:
+        raise APIError(400, f"{param}: prompt ({prompt_len} tokens) + {param} ({asked}) exceeds this model's "
+                            f"maximum context length of {limit} tokens", param=param, code="context_length_exceeded")
+    return asked
+
+
+def _sampling(body: S.CompletionRequest | S.ChatCompletionRequest, max_tokens: int,
+              logprobs: int | None) -> SamplingParams:
+    kw = {k: v for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                         "repetition_penalty") if (v := getattr(body, k)) is not None}
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    try:
+        return SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
+                              ignore_eos=body.ignore_eos, logprobs=logprobs,
+                              seed=None if body.seed is None else body.seed % 2**32, **kw)
+    except ValueError as exc:
+        raise APIError.from_value_error(exc) from None
+
+
+def _submit(request: Request, prompts: list[list[int]], params: list[SamplingParams], n: int,
+            priority: str) -> Generation:
+    st = request.app.state
+    rec = record_of(request)
+    if len(prompts) * n > MAX_JOBS:
+        raise APIError(400, f"n: {len(prompts)} prompts x n={n} is more than {MAX_JOBS} generations", param="n")
+    gen = Generation(st.engine, rec)
+    try:
+        for p_idx, ids in enumerate(prompts):
+            for j in range(n):
+                sp = params[p_idx]
+                if n > 1 and sp.seed is not None:  # distinct but repeatable choices
+                    sp = dataclasses.replace(sp, seed=(sp.seed + j) % 2**32)
+                rid = f"{rec.request_id}-{len(gen.jobs)}"
+                _, queue = st.engine.submit(ids, sp, request_id=rid, priority=priority)
+                gen.jobs.append(Job(len(gen.jobs), p_idx, rid, queue, ids))
+    except Overloaded as exc:
+        gen.abort_unfinished()
+        raise APIError(429, f"the server is overloaded ({exc}); retry later", code=exc.reason,
+                       headers={"Retry-After": str(st.settings.retry_after_s)}) from None
+    except ValueError as exc:
+        gen.abort_unfinished()
+        raise APIError.from_value_error(exc, default_param="prompt") from None
+    rec.prompt_tokens = sum(len(p) for p in prompts)
+    return gen
+
+
+# --- responses ----------------------------------------------------------------------------------------
+
+def _failure(job: Job) -> APIError:
+    if job.finish_reason == "abort":
+        return APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+    return APIError(500, f"generation failed: {job.error or 'engine error'}", code="engine_error")
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + S.encode(obj) + b"\n\n"
+
+
+async def _respond(request: Request, gen: Generation, stream: bool, include_usage: bool,
+                   full: Callable[[], object], head: Callable[[], list[object]],
+                   chunk: Callable[[Job, Any], object], usage_chunk: Callable[[S.Usage], object]) -> Response:
+    """Non-streaming: wait for every choice, answer `full()`. Streaming: `head()` events,
+    then one `chunk(job, output)` per output, an error event for a choice that failed,
+    the usage chunk when asked, and `[DONE]`."""
+    if not stream:
+        await run_watching_disconnect(request, gen.collect())
+        bad = next((j for j in gen.jobs if j.finish_reason in ("abort", "error")), None)
+        if bad is not None:
+            raise _failure(bad)
+        return Response(S.encode(full()), media_type="application/json")
+
+    async def events() -> AsyncIterator[bytes]:
+        for obj in head():
+            yield _sse(obj)
+        async for job, out in gen.outputs():
+            if out.finished and out.finish_reason in ("abort", "error"):
+                e = _failure(job)
+                yield _sse(error_body(e.status_code, e.message, code=e.code))
+            elif out.text or out.finished or out.logprobs:
+                yield _sse(chunk(job, out))
+        if include_usage:
+            yield _sse(usage_chunk(gen.usage()))
+        yield b"data: [DONE]\n\n"
+
+    return Stream(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                    "X-Accel-Buffering": "no"})
+
+
+@post("/completions", status_code=200, operation_class=S.operation(S.CompletionRequest, S.CompletionResponse),
+      summary="Create a completion")
+async def completions(request: Request) -> Response:
+    body = S.decode_body(await request.body(), S.CompletionRequest)
+    _check_model(request, body.model)
+    tok = request.app.state.engine.engine.tokenizer
+    prompts = _completion_prompts(body.prompt, tok)
+    params = [_sampling(body, _max_tokens(request, len(p), body.max_tokens, 16, "prompt"), body.logprobs)
+              for p in prompts]
+    gen = _submit(request, prompts, params, body.n, body.priority)
+    rid, created, model = f"cmpl-{gen.record.request_id}", int(time.time()), body.model
+    fmt = gen.formatter(tok, body.logprobs is not None, echo=body.echo)
+
+    def resp(choices: list[S.CompletionChoice], usage: S.Usage | None = None) -> S.CompletionResponse:
+        return S.CompletionResponse(rid, created, model, choices, usage)
+
+    return await _respond(
+        request, gen, body.stream, _include_usage(body),
+        full=lambda: resp([fmt.completion_choice(j) for j in gen.jobs], gen.usage()),
+        head=lambda: [resp([fmt.completion_echo(j)]) for j in gen.jobs] if body.echo else [],
+        chunk=lambda j, out: resp([fmt.completion_delta(j, out)]),
+        usage_chunk=lambda u: resp([], u))
+
+
+@post("/chat/completions", status_code=200,
+      operation_class=S.operation(S.ChatCompletionRequest, S.ChatCompletionResponse),
+      summary="Create a chat completion")
+async def chat_completions(request: Request) -> Response:
+    body = S.decode_body(await request.body(), S.ChatCompletionRequest)
+    _check_model(request, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    tok = request.app.state.engine.engine.tokenizer
+    ids = _chat_prompt(body.messages, tok)
+    lp = (body.top_logprobs or 0) if body.logprobs else None
+    by_new_name = body.max_completion_tokens is not None
+    mt = _max_tokens(request, len(ids), body.max_completion_tokens if by_new_name else body.max_tokens, None,
+                     "messages", "max_completion_tokens" if by_new_name else "max_tokens")
+    gen = _submit(request, [ids], [_sampling(body, mt, lp)], body.n, body.priority)
+    rid, created, model = f"chatcmpl-{gen.record.request_id}", int(time.time()), body.model
+    fmt = gen.formatter(tok, lp is not None)
+
+    def chunk(choices: list[S.ChatChunkChoice], usage: S.Usage | None = None) -> S.ChatCompletionChunk:
+        return S.ChatCompletionChunk(rid, created, model, choices, usage)
+
+    return await _respond(
+        request, gen, body.stream, _include_usage(body),
+        full=lambda: S.ChatCompletionResponse(rid, created, model, [fmt.chat_choice(j) for j in gen.jobs],
+                                              gen.usage()),
+        head=lambda: [chunk([S.ChatChunkChoice(j.index, S.ChatDelta("assistant", ""), None, None)
+                             for j in gen.jobs])],
+        chunk=lambda j, out: chunk([fmt.chat_delta(j, out)]),
+        usage_chunk=lambda u: chunk([], u))
+
+
+def _include_usage(body: S.CompletionRequest | S.ChatCompletionRequest) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+@get("/models", operation_class=S.operation(None, S.ModelList), summary="List the served model")
+async def list_models(request: Request) -> Response:
+    st = request.app.state
+    card = S.ModelCard(st.settings.model_name, int(st.started_at), "pagedjax",
+                       st.engine.engine.envelope.max_model_len, str(st.settings.checkpoint))
+    return Response(S.encode(S.ModelList([card])), media_type="application/json")
+
+
+def v1_router(with_security: bool = False) -> Router:
+    return Router(path="/v1", route_handlers=[completions, chat_completions, list_models],
+                  guards=[require_api_key, require_ready], exception_handlers=EXCEPTION_HANDLERS,
+                  tags=["OpenAI"], security=[{"bearer": []}] if with_security else None)

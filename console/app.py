@@ -1,0 +1,222 @@
+"""The Litestar app factory: OpenAI routes, operator console, /health, /metrics, OpenAPI.
+
+The lifespan owns the engine. Given an `engine_factory`, loading and warm-up run on a
+daemon thread so the server answers (/health 503) while XLA compiles; the engine thread
+starts only once every step shape is compiled. `drain` is the SIGTERM path: stop
+admitting (503), give in-flight requests the grace period, abort the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import sys
+import threading
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from litestar import Litestar, Request, Response, get
+from litestar.contrib.jinja import JinjaTemplateEngine
+from litestar.enums import ScopeType
+from litestar.middleware import ASGIMiddleware
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.spec import Components, SecurityScheme
+from litestar.static_files import create_static_files_router
+from litestar.template.config import TemplateConfig
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+import console
+from console import schemas as S
+from console.api import ACCESS_KEY, AccessRecord, v1_router
+from console.errors import EXCEPTION_HANDLERS
+from console.settings import ServerSettings
+from runtime.async_engine import AsyncEngine
+from runtime.engine import LLMEngine
+from runtime.metrics import LATENCY_BUCKETS
+
+log = logging.getLogger("pagedjax.server")
+access_log = logging.getLogger("pagedjax.access")
+REPO = Path(console.__file__).resolve().parent.parent
+
+
+# --- access log + HTTP metrics ----------------------------------------------------------------------
+
+class HttpMetrics:
+    """HTTP-side metrics in their own registry (the engine's registry is the engine's)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pagedjax:http_requests", "HTTP requests by route and status",
+                                ["route", "method", "status"], registry=self.registry)
+        self.latency = Histogram("pagedjax:http_request_duration_seconds", "HTTP request latency (full response)",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+
+class AccessMiddleware(ASGIMiddleware):
+    """One JSON line per request on `pagedjax.access`, plus the HTTP metrics. Routes are
+    labelled by their template (`/v1/completions`), never the raw path."""
+
+    scopes = (ScopeType.HTTP,)
+
+    def __init__(self, metrics: HttpMetrics, enabled: bool) -> None:
+        self.metrics = metrics
+        self.enabled = enabled
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = given if 0 < len(given) <= 64 and given.replace("-", "").isalnum() else secrets.token_hex(8)
+        rec = AccessRecord(rid, scope.get("path_template") or scope["path"], scope.get("method", ""))
+        scope[ACCESS_KEY] = rec  # type: ignore[literal-required]
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                rec.status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await next_app(scope, receive, send_wrapper)
+        except BaseException as exc:  # noqa: BLE001 -- recorded, re-raised to the exception handlers
+            rec.status = rec.status or int(getattr(exc, "status_code", 500))
+            raise
+        finally:
+            self._finish(rec)
+
+    def _finish(self, rec: AccessRecord) -> None:
+        total = time.monotonic() - rec.start
+        self.metrics.requests.labels(rec.route, rec.method, str(rec.status)).inc()
+        self.metrics.latency.labels(rec.route).observe(total)
+        if self.enabled:
+            access_log.info(json.dumps({
+                "id": rec.request_id, "method": rec.method, "route": rec.route, "status": rec.status,
+                "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
+                "cached_tokens": rec.cached_tokens,
+                "ttft_s": None if rec.ttft_s is None else round(rec.ttft_s, 4), "total_s": round(total, 4)}))
+
+
+# --- /health and /metrics ------------------------------------------------------------------------------
+
+def _status(app: Litestar) -> tuple[str, str | None]:
+    st = app.state
+    if st.get("failed"):
+        return "failed", st.failed
+    if st.get("draining"):
+        return "draining", None
+    return ("ok", None) if st.get("ready") else ("warming_up", None)
+
+
+@get("/health", summary="Readiness: 200 when serving, 503 while warming up or draining", sync_to_thread=False)
+def health(request: Request) -> Response:
+    status, detail = _status(request.app)
+    body = S.Health(status, request.app.state.settings.model_name, detail)
+    return Response(S.encode(body), status_code=200 if status == "ok" else 503, media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
+
+
+@get("/metrics", summary="Prometheus metrics: the engine's and the HTTP server's", sync_to_thread=False)
+def metrics(request: Request) -> Response:
+    st = request.app.state
+    engine = st.get("engine")
+    text = (engine.engine.metrics.render() if engine is not None else b"") + generate_latest(st.http_metrics.registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST, headers={"Cache-Control": "no-store"})
+
+
+# --- lifecycle ----------------------------------------------------------------------------------------------
+
+def _load_and_warm(app: Litestar, factory: Callable[[], LLMEngine]) -> None:
+    """Engine thread start-up, off the event loop so /health can say 503 meanwhile."""
+    st = app.state
+    try:
+        llm = factory()
+        engine = st.engine = AsyncEngine(llm)  # visible (not ready) to the console during warm-up
+        if st.settings.warmup and not llm.warmup_seconds:
+            log.info("warming up: compiling %d step shapes", len(llm.envelope.bucket_pairs()))
+            llm.warmup(progress=sys.stderr.isatty())
+        if st.get("draining") or st.get("stopping"):
+            return
+        engine.start()
+        st.ready = True
+        log.info("ready: serving %r (warm-up %.1f s)", st.settings.model_name, llm.warmup_seconds)
+    except Exception as exc:  # noqa: BLE001 -- reported as one line; /health says failed
+        st.failed = f"{type(exc).__name__}: {exc}"
+        log.error("the engine failed to start: %s", st.failed)
+
+
+def drain(app: Litestar, grace_s: float) -> None:
+    """Blocking (run it on a thread): refuse new requests with 503, let in-flight ones
+    finish for up to grace_s, abort the rest and stop the engine thread."""
+    st = app.state
+    st.draining = True
+    engine = st.get("engine")
+    if engine is not None:
+        engine.accepting = False
+        log.info("draining: %d requests in flight, grace %.0f s",
+                 len(engine.engine._tracked), grace_s)  # noqa: SLF001 -- a count for the log line
+        engine.stop(grace_s)
+    st.drained = True
+
+
+def _lifespan(factory: Callable[[], LLMEngine] | None):
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        st = app.state
+        if st.get("engine") is not None:
+            st.engine.start()
+            st.ready = True
+        elif factory is not None:
+            threading.Thread(target=_load_and_warm, args=(app, factory), name="pagedjax-warmup",
+                             daemon=True).start()
+        try:
+            yield
+        finally:
+            # The HTTP side is done by now (uvicorn waited for it), so nobody listens to
+            # what is left in the engine: no grace here; `drain` gave it already.
+            st.stopping, st.ready = True, False
+            engine = st.get("engine")
+            if engine is not None:
+                await asyncio.to_thread(engine.stop, 0.0)
+
+    return lifespan
+
+
+def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
+               engine_factory: Callable[[], LLMEngine] | None = None) -> Litestar:
+    """`engine`: already built (tests; ready at once). `engine_factory`: built and warmed
+    up in the background by the lifespan. Neither: the API answers 503 (console-only tests)."""
+    http_metrics = HttpMetrics()
+    handlers: list = [v1_router(with_security=settings.api_key is not None), health, metrics,
+                      create_static_files_router(path="/static", directories=[Path(console.__file__).parent / "static"],
+                                                 include_in_schema=False)]
+    try:
+        from console.admin import admin_router
+        handlers.append(admin_router())
+    except ImportError:
+        pass
+    security = {"bearer": SecurityScheme(type="http", scheme="bearer")} if settings.api_key else None
+    openapi = OpenAPIConfig(title="pagedjax", version="0.1.0", path="/schema",
+                            description="OpenAI-compatible API of the pagedjax serving runtime",
+                            components=Components(schemas=S.openapi_components(), security_schemes=security))
+    return Litestar(
+        route_handlers=handlers,
+        lifespan=[_lifespan(engine_factory)],
+        middleware=[AccessMiddleware(http_metrics, settings.access_log)],
+        exception_handlers=EXCEPTION_HANDLERS,
+        openapi_config=openapi,
+        template_config=TemplateConfig(directory=REPO / "templates", engine=JinjaTemplateEngine),
+        state=_initial_state(settings, engine, http_metrics),
+        logging_config=None,  # serve.py configures logging; Litestar must not replace it
+        debug=False,
+    )
+
+
+def _initial_state(settings: ServerSettings, engine: AsyncEngine | None, http_metrics: HttpMetrics):
+    from litestar.datastructures import State
+
+    return State({"settings": settings, "engine": engine, "ready": False, "draining": False, "failed": None,
+                  "started_at": time.time(), "http_metrics": http_metrics})

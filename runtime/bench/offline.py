@@ -1,0 +1,309 @@
+"""The engine's in-process benchmarks behind `pagedjax bench offline --part host|throughput|decode|all`.
+
+host        Scheduler.schedule() + commit() per step with N running sequences, no device
+            (a fake runner appends a token per sequence); plus the host cost of building
+            the padded step input. Target: <= 1 ms per step at 256 sequences.
+throughput  output tokens/s on chat requests sharing a ~320-token system prompt (LLMEngine
+            in-process, warm-up excluded), beside the same requests one at a time.
+decode      the jitted decode step (S == T) at several batch sizes and a fixed context,
+            against the same step with attention replaced by a no-op of the same shapes:
+            attention time = difference. Plus the memory-bandwidth limit at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+from runtime.bench.report import summarize
+
+PARTS = ("host", "throughput", "decode")
+HOST_TARGET_US = 1000.0
+
+
+# --- (a) host-side scheduler + block pool --------------------------------------------------
+def bench_host(num_seqs: int = 256, steps: int = 200, *, prompt_len: int = 48, shared_prefix_len: int = 32,
+               block_size: int = 16, token_budget: int = 2048) -> dict[str, Any]:
+    from runtime.batch import ScheduledSeq, build_step_input
+    from runtime.block_pool import BlockPool
+    from runtime.config import AdmissionPolicy, CacheConfig, SchedulerConfig
+    from runtime.request import Request
+    from runtime.sampling import SamplingParams, SamplingRow
+    from runtime.scheduler import Scheduler
+
+    if num_seqs < 1 or steps < 1:
+        raise ValueError("num_seqs/steps: must be >= 1")
+    prefill_steps = math.ceil(num_seqs * prompt_len / token_budget) + 2
+    max_len = prompt_len + prefill_steps + steps + block_size
+    blocks_per_seq = math.ceil(max_len / block_size)
+    num_blocks = num_seqs * blocks_per_seq + 64
+    budget = max(token_budget, num_seqs)
+    envelope = SchedulerConfig(num_seqs, budget, blocks_per_seq * block_size)
+    policy = AdmissionPolicy(max_num_seqs=num_seqs, max_num_batched_tokens=budget,
+                             long_prefill_token_threshold=budget, max_admissions_per_step=num_seqs,
+                             max_queue_len=num_seqs, max_queued_tokens=1 << 30)
+    pool = BlockPool(num_blocks, block_size, True)
+    sched = Scheduler(CacheConfig(block_size, num_blocks, "float32", True), envelope, policy, pool)
+    params = SamplingParams(temperature=0.0, max_tokens=max_len - prompt_len, ignore_eos=True)
+    prefix = [(7 * i) % 40000 + 3 for i in range(shared_prefix_len)]
+    for i in range(num_seqs):
+        unique = [(i * 131 + j * 17) % 40000 + 3 for j in range(prompt_len - shared_prefix_len)]
+        sched.add(Request(f"h{i}", prefix + unique, params))
+
+    sched_us: list[float] = []
+    build_us: list[float] = []
+    step = 0
+    while len(sched_us) < steps:
+        if step > prefill_steps + steps + 10:
+            raise RuntimeError("host benchmark: the running batch never reached steady decode")
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        seqs = [ScheduledSeq(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n], r.num_computed_tokens,
+                             r.block_ids, len(r.prompt_ids), r.state_row, r.needs_row_reset,
+                             r.num_computed_tokens + n == r.num_tokens, SamplingRow(r.params, len(r.output_ids)))
+                for r, n in plan.scheduled]
+        s_b, t_b = envelope.bucket_for(len(seqs), plan.num_batched_tokens)
+        build_step_input(seqs, s_b, t_b, blocks_per_seq, block_size, num_seqs)
+        t2 = time.perf_counter()
+        for i, (req, n) in enumerate(plan.scheduled):
+            if sched.commit(req, n):
+                req.output_ids.append((step * 7 + i) % 40000 + 3)  # the fake runner's "sampled" token
+        t3 = time.perf_counter()
+        if len(plan.scheduled) == num_seqs and plan.num_batched_tokens == num_seqs:  # steady decode
+            sched_us.append((t1 - t0 + t3 - t2) * 1e6)
+            build_us.append((t2 - t1) * 1e6)
+        step += 1
+    pool.check_invariants()
+    return {"num_seqs": num_seqs, "steps": steps, "num_blocks": num_blocks, "block_size": block_size,
+            "prompt_len": prompt_len, "shared_prefix_len": shared_prefix_len, "target_us": HOST_TARGET_US,
+            "schedule_commit_us": summarize(sched_us), "build_input_us": summarize(build_us),
+            "prefix_cache_hit_rate": sched.counters.prefix_hits / max(1, sched.counters.prefix_queries)}
+
+
+def format_host(r: dict[str, Any]) -> str:
+    s, b = r["schedule_commit_us"], r["build_input_us"]
+    verdict = "OK" if s["mean"] <= r["target_us"] else "OVER TARGET"
+    return (f"== host: {r['num_seqs']} running sequences, {r['steps']} decode steps, {r['num_blocks']} blocks ==\n"
+            f"  schedule + commit     mean {s['mean']:,.0f} us  p50 {s['p50']:,.0f}  p99 {s['p99']:,.0f} us/step "
+            f"(target <= {r['target_us']:,.0f}: {verdict})\n"
+            f"  build_step_input      mean {b['mean']:,.0f} us  p99 {b['p99']:,.0f} us/step")
+
+
+# --- (b) offline throughput ------------------------------------------------------------------
+def shared_prefix_prompts(tokenizer: Any, n: int, seed: int = 0) -> list[list[int]]:
+    from runtime.bench.loadgen import shared_prefix_messages
+
+    return [tokenizer.encode(tokenizer.apply_chat_template(m)) for m in shared_prefix_messages(n, seed)]
+
+
+def system_prompt_tokens(tokenizer: Any) -> int:
+    from runtime.bench.loadgen import SYSTEM_PROMPT
+
+    return len(tokenizer.encode(SYSTEM_PROMPT))
+
+
+def _timed_generate(engine: Any, prompts: list[list[int]], params: Any, one_at_a_time: bool) -> dict[str, Any]:
+    engine.reset_prefix_cache()
+    t0 = time.perf_counter()
+    if one_at_a_time:
+        reqs = [engine.generate([p], params)[0] for p in prompts]
+    else:
+        reqs = engine.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    out = sum(len(r.output_ids) for r in reqs)
+    prompt = sum(len(r.prompt_ids) for r in reqs)
+    cached = sum(max(0, r.num_cached_tokens) for r in reqs)
+    return {"num_requests": len(reqs), "output_tokens": out, "prompt_tokens": prompt, "seconds": dt,
+            "output_tokens_per_s": out / dt, "prefix_cache_hit_rate": cached / max(1, prompt),
+            "failed": sum(1 for r in reqs if r.finish_reason not in ("length", "stop"))}
+
+
+def bench_throughput(engine: Any, *, num_requests: int = 64, max_tokens: int = 64, sequential_requests: int = 16,
+                     seed: int = 0) -> dict[str, Any]:
+    from runtime.sampling import SamplingParams
+
+    tok = engine.tokenizer
+    prompts = shared_prefix_prompts(tok, num_requests, seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # touch caches
+    batched = _timed_generate(engine, prompts, params, one_at_a_time=False)
+    seq = _timed_generate(engine, prompts[:max(1, min(sequential_requests, num_requests))], params,
+                          one_at_a_time=True)
+    env = engine.envelope
+    return {"model": engine.config.model.name, **batched, "max_tokens": max_tokens,
+            "system_prompt_tokens": system_prompt_tokens(tok), "prompt_tokens_min": min(map(len, prompts)),
+            "prompt_tokens_max": max(map(len, prompts)), "max_num_seqs": env.max_num_seqs,
+            "max_num_batched_tokens": env.max_num_batched_tokens, "warmup_s": engine.warmup_seconds,
+            "sequential": seq}
+
+
+def format_throughput(r: dict[str, Any]) -> str:
+    s = r["sequential"]
+    return (f"== throughput: {r['num_requests']} chat requests, shared {r['system_prompt_tokens']}-token system "
+            f"prompt, {r['max_tokens']} output tokens each, {r['model']} ==\n"
+            f"  continuous batching   {r['output_tokens']:,} tokens in {r['seconds']:.1f} s = "
+            f"{r['output_tokens_per_s']:,.1f} output tok/s  (prefix-cache hit rate "
+            f"{r['prefix_cache_hit_rate'] * 100:.1f}%)\n"
+            f"  one at a time ({s['num_requests']})   {s['output_tokens']:,} tokens in {s['seconds']:.1f} s = "
+            f"{s['output_tokens_per_s']:,.1f} output tok/s  (hit rate {s['prefix_cache_hit_rate'] * 100:.1f}%)\n"
+            f"  speed-up              {r['output_tokens_per_s'] / s['output_tokens_per_s']:.1f}x")
+
+
+# --- (c) decode step split ----------------------------------------------------------------------
+def _noop_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale):
+    """Same signature and output shape as the paged attention; reads no KV."""
+    return q
+
+
+def _decode_input(runner: Any, batch: int, context_len: int) -> Any:
+    from runtime.batch import ScheduledSeq, build_step_input
+    from runtime.sampling import SamplingParams, SamplingRow
+
+    bs = runner.cache_cfg.block_size
+    per = math.ceil(context_len / bs)
+    if batch * per > runner.cache_cfg.num_blocks:
+        raise ValueError(f"kv_cache_memory: batch {batch} x {context_len} tokens needs {batch * per} blocks, "
+                         f"the cache has {runner.cache_cfg.num_blocks}")
+    if batch > runner.sched.max_num_seqs:
+        raise ValueError(f"max_num_seqs: batch {batch} exceeds the envelope ({runner.sched.max_num_seqs})")
+    row = SamplingRow(SamplingParams(temperature=0.0, max_tokens=16), 0)
+    seqs = [ScheduledSeq([(17 * i) % 1000 + 5], context_len - 1, list(range(i * per, (i + 1) * per)),
+                         context_len - 1, i, False, True, row) for i in range(batch)]
+    return build_step_input(seqs, batch, batch, runner.max_blocks_per_seq, bs, runner.scratch_row)
+
+
+def _time_step(fn: Callable, runner: Any, inp: Any, iters: int, warmup: int) -> tuple[float, list[float]]:
+    import jax
+
+    inp = jax.device_put(inp)
+    kv, pen = runner.kv, runner.penalty
+    times = []
+    try:
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            kv, pen, out = fn(runner.params, kv, pen, inp)
+            jax.block_until_ready(out.token_ids)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        runner.kv, runner.penalty = kv, pen
+    return sorted(times)[len(times) // 2], times
+
+
+def bench_decode(engine: Any, *, batches: tuple[int, ...] = (1, 8, 32, 64), context_len: int = 350,
+                 iters: int = 10, warmup: int = 2, bandwidth_mb: int = 512) -> dict[str, Any]:
+    import jax
+
+    from runtime.model_runner import _step
+    from runtime.planner import measure_cpu
+
+    runner = engine.runner
+    cfg = runner.cfg
+    noop = partial(_step, cfg, _noop_attention, runner.cache_cfg.num_blocks)
+    noop.__name__ = "pagedjax_bench_noop_attention_step"  # type: ignore[attr-defined]
+    noop_jit = jax.jit(noop, donate_argnums=(1, 2))
+    rows = []
+    for b in batches:
+        inp = _decode_input(runner, b, context_len)
+        full, _ = _time_step(runner._step, runner, inp, iters, warmup)
+        bare, _ = _time_step(noop_jit, runner, inp, iters, warmup)
+        attn = max(0.0, full - bare)
+        rows.append({"batch": b, "full_ms": full * 1e3, "no_attention_ms": bare * 1e3, "attention_ms": attn * 1e3,
+                     "attention_share": attn / full, "tokens_per_s": b / full})
+    engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
+    weight_bytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(runner.params))
+    dev = measure_cpu(size_mb=bandwidth_mb)
+    limit = weight_bytes / dev.bandwidth_bytes_per_s
+    b1 = next((r for r in rows if r["batch"] == 1), None)
+    bw = {"weight_bytes": weight_bytes, "read_bandwidth_gb_s": dev.bandwidth_bytes_per_s / 1e9,
+          "limit_ms": limit * 1e3, "measured_ms": b1["full_ms"] if b1 else None,
+          "achieved_pct": (limit * 1e3 / b1["full_ms"] * 100) if b1 else None,
+          "kv_bytes_per_token": cfg.kv_bytes_per_token(runner.cache_cfg.kv_dtype)}
+    return {"model": cfg.name, "context_len": context_len, "iters": iters, "dtype": str(runner.kv[0].dtype),
+            "rows": rows, "bandwidth": bw}
+
+
+def format_decode(r: dict[str, Any]) -> str:
+    lines = [f"== decode step: {r['model']}, context {r['context_len']} tokens, median of {r['iters']} ==",
+             f"  {'batch':>5} {'full ms':>9} {'no-attn ms':>11} {'attn ms':>9} {'attn share':>11} {'tok/s':>9}"]
+    for x in r["rows"]:
+        lines.append(f"  {x['batch']:>5} {x['full_ms']:>9.2f} {x['no_attention_ms']:>11.2f} {x['attention_ms']:>9.2f} "
+                     f"{x['attention_share'] * 100:>10.0f}% {x['tokens_per_s']:>9,.0f}")
+    bw = r["bandwidth"]
+    if bw["measured_ms"] is not None:
+        lines.append(f"  batch-1 bandwidth limit: {bw['weight_bytes'] / 1e6:,.0f} MB weights / "
+                     f"{bw['read_bandwidth_gb_s']:.1f} GB/s = {bw['limit_ms']:.2f} ms; measured "
+                     f"{bw['measured_ms']:.2f} ms = {bw['achieved_pct']:.0f}% of the limit")
+    return "\n".join(lines)
+
+
+# --- the command ----------------------------------------------------------------------------------
+def run_offline(args: argparse.Namespace) -> int:
+    import json
+
+    from runtime.bench.report import machine_info, write_json
+
+    parts = PARTS if args.part == "all" else (args.part,)
+    result: dict[str, Any] = {}
+    if args.out and Path(args.out).is_file():
+        try:  # running parts one by one accumulates them in one file
+            result = json.loads(Path(args.out).read_text())
+        except ValueError:
+            result = {}
+    result.update(kind="offline", machine=machine_info())
+    if "host" in parts:
+        result["host"] = bench_host(args.host_seqs, args.host_steps)
+        print(format_host(result["host"]), flush=True)
+    if "throughput" in parts or "decode" in parts:
+        engine = build_engine(args, warmup="throughput" in parts)
+        if "throughput" in parts:
+            result["throughput"] = bench_throughput(engine, num_requests=args.num_requests,
+                                                    max_tokens=args.max_tokens,
+                                                    sequential_requests=args.sequential_requests, seed=args.seed)
+            print(format_throughput(result["throughput"]), flush=True)
+        if "decode" in parts:
+            batches = tuple(int(x) for x in args.batches.split(","))
+            result["decode"] = bench_decode(engine, batches=batches, context_len=args.context_len,
+                                            iters=args.iters)
+            print(format_decode(result["decode"]), flush=True)
+    if args.out:
+        write_json(result, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def build_engine(args: argparse.Namespace, warmup: bool) -> Any:
+    from runtime.cli import resolve_checkpoint
+    from runtime.engine import LLMEngine
+    from runtime.engine_args import engine_config_from_args
+
+    path = resolve_checkpoint(args.checkpoint)
+    return LLMEngine.from_checkpoint(path, engine_config_from_args(args), warmup=warmup,
+                                     progress=not args.no_progress)
+
+
+def add_offline_arguments(p: argparse.ArgumentParser) -> None:
+    from runtime.engine_args import add_engine_arguments
+
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the pulled default model)")
+    p.add_argument("--part", choices=(*PARTS, "all"), default="all")
+    p.add_argument("--out", metavar="FILE.json", help="write (merge) results as JSON")
+    p.add_argument("--host-seqs", type=int, default=256, help="host: running sequences")
+    p.add_argument("--host-steps", type=int, default=200, help="host: measured decode steps")
+    p.add_argument("--num-requests", type=int, default=64, help="throughput: chat requests")
+    p.add_argument("--max-tokens", type=int, default=64, help="throughput: output tokens per request")
+    p.add_argument("--sequential-requests", type=int, default=16,
+                   help="throughput: how many of the requests the one-at-a-time run serves")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batches", default="1,8,32,64", help="decode: batch sizes")
+    p.add_argument("--context-len", type=int, default=350, help="decode: context tokens per sequence")
+    p.add_argument("--iters", type=int, default=10, help="decode: timed steps per batch size (median)")
+    p.add_argument("--no-progress", action="store_true")
+    add_engine_arguments(p, serving=True)
+    p.set_defaults(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024, kv_cache_memory="1536MiB",
+                   max_admissions_per_step=64)
