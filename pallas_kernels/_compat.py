@@ -3,8 +3,8 @@
 The CPU machines run jax 0.10.x; the Hopper machine may run 0.11.x. The Mosaic GPU
 *interpreter* (``interpret=InterpretGPUParams(...)``, runs a Mosaic GPU kernel on
 CPU with simulated GMEM/SMEM, barriers and a race detector) is young and its
-coverage differs between versions. What jax 0.10.2's interpreter lacks, measured
-with the probes below:
+coverage differs between versions. What jax 0.10.2's interpreter lacks (each item
+reproduced with a minimal kernel; item 1 is re-probed at run time):
 
 1. ``wgmma`` with a transposed SMEM operand (``plgpu.transpose_ref(ref, (1, 0))``):
    the interpreter's wgmma callback only understands indexing transforms and
@@ -16,7 +16,7 @@ with the probes below:
 2. ``plgpu.layout_cast`` (also used by ``plgpu.broadcasted_iota(layout=...)``):
    no CPU lowering (``MLIR translation rule for primitive 'layout_cast' not found
    for platform cpu``). Worked around: in interpret mode the cast is the identity
-   (it is value-preserving by definition; it only pins a register layout).
+   (value-preserving by definition; it only pins a register layout).
 3. ``wgmma`` with the A operand in registers: unsupported (the interpreter treats
    every operand as an SMEM allocation key). Not worked around here: the kernel
    always stages P in SMEM, on hardware too (FlashAttention-2 style), so the
@@ -41,10 +41,6 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-JAX_VERSION: tuple[int, ...] = tuple(
-    int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()
-)
 
 # --- interpreter parameters and state ---------------------------------------
 try:  # newer jax may export it publicly
@@ -118,30 +114,16 @@ def quiet_callback_errors() -> Iterator[None]:
 
 
 # --- capability probes --------------------------------------------------------
-@functools.cache
-def interpret_supports_layout_cast() -> bool:
-  """Whether ``plgpu.layout_cast`` can run outside a Mosaic GPU lowering."""
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-
-  try:
-    jax.jit(lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)).lower(
-        jax.ShapeDtypeStruct((64, 64), jnp.float32)
-    ).compile()
-  except Exception:  # noqa: BLE001 - any failure means "not supported"
-    return False
-  return True
-
-
 def layout_cast(x: jax.Array, layout: Any, *, interpreted: bool) -> jax.Array:
+  """plgpu.layout_cast, or the identity under the interpreter (the cast only
+  pins a register layout for the Mosaic GPU lowering; values are unchanged)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
-  if interpreted and not interpret_supports_layout_cast():
-    return x  # the cast only pins a register layout; values are unchanged
-  return plgpu.layout_cast(x, layout)
+  return x if interpreted else plgpu.layout_cast(x, layout)
 
 
 def broadcasted_iota(
-    dtype: Any, shape: tuple[int, ...], dim: int, layout: Any, *, interpreted: bool
+    dtype: Any, shape: tuple[int, ...], dim: int, *, layout: Any, interpreted: bool
 ) -> jax.Array:
   return layout_cast(
       jax.lax.broadcasted_iota(dtype, shape, dim), layout, interpreted=interpreted

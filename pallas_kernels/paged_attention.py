@@ -129,8 +129,8 @@ class _Plan:
     b += ROWS * self.kv_tile * isz  # p
     b += ROWS * self.head_dim * jnp.dtype(self.out_dtype).itemsize  # o
     b += ROWS * 4  # lse
-    if not self.transposed_k:
-      b += self.head_dim * self.kv_tile * isz
+    # (The interpreter-only K^T scratch is left out: the interpreter has no
+    # SMEM limit, and the budget must match what the hardware build needs.)
     return b
 
 
@@ -241,11 +241,8 @@ def _kernel_body(plan: _Plan, meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
     plgpu.barrier_wait(q_bar)
 
   scale = plan.sm_scale * _LOG2E
-  row_ids = _compat.broadcasted_iota(jnp.int32, (ROWS, KVT), 0, wgmma_layout,
-                                     interpreted=interpreted)
-  col_ids = _compat.broadcasted_iota(jnp.int32, (ROWS, KVT), 1, wgmma_layout,
-                                     interpreted=interpreted)
-  row_pos = pos0 + (lax.div(row_ids, jnp.int32(G)) if G > 1 else row_ids)
+  iota = functools.partial(_compat.broadcasted_iota, jnp.int32, (ROWS, KVT),
+                           layout=wgmma_layout, interpreted=interpreted)
 
   def step_fn(step, carry):
     acc, m_i, l_i = carry
@@ -263,8 +260,11 @@ def _kernel_body(plan: _Plan, meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
       return acc_ref[...]
 
     s = pl.run_scoped(qk, plgpu.ACC((ROWS, KVT), jnp.float32)) * scale
-    kv_pos = col_ids + (t_begin + step) * KVT
-    s = jnp.where(kv_pos <= row_pos, s, _MASK)
+    # Causal mask: row r is token r // G at position pos0 + r // G. (Built
+    # here rather than hoisted: cheap to regenerate, costly to keep live.)
+    row_tok = lax.div(iota(0), jnp.int32(G)) if G > 1 else iota(0)
+    kv_pos = iota(1) + (t_begin + step) * KVT
+    s = jnp.where(kv_pos <= pos0 + row_tok, s, _MASK)
     m_new = jnp.maximum(m_i, s.max(axis=1))
     alpha = jnp.exp2(m_i - m_new)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))

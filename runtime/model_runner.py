@@ -75,7 +75,15 @@ def select_attention(backend: str) -> Callable[..., jax.Array]:
         return xla_ragged_paged_attention
     if backend == "pallas":
         from pallas_kernels.paged_attention import ragged_paged_attention
-        return ragged_paged_attention
+
+        if jax.default_backend() == "gpu":
+            return ragged_paged_attention
+        # No GPU: the same kernel runs in the Mosaic GPU interpreter (tests only: slow).
+        log.warning("attention_backend=pallas without a GPU: using the Mosaic GPU interpreter")
+        from pallas_kernels import _compat
+
+        _compat.interpret_supports_transposed_wgmma()  # probe eagerly: it must not run inside a trace
+        return partial(ragged_paged_attention, interpret=True)
     raise ValueError(f"attention_backend: must be auto, xla or pallas, got {backend!r}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -29,7 +30,8 @@ def _load_config(args: argparse.Namespace, **over: Any):
     kw = dict(url=args.url, scenario=args.scenario, model=args.model, num_requests=args.num_requests,
               rate=getattr(args, "rate", None), concurrency=getattr(args, "concurrency", None),
               max_tokens=args.max_tokens, seed=args.seed, api_key=args.api_key, timeout_s=args.timeout,
-              max_duration_s=args.max_duration, input_len=args.input_len, progress=not args.no_progress)
+              max_duration_s=args.max_duration, input_len=args.input_len, prefix_words=args.prefix_words,
+              ignore_eos=args.ignore_eos, progress=not args.no_progress)
     kw.update(over)
     return LoadConfig(**kw)
 
@@ -76,9 +78,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         else:
             mode, values = "concurrency", _parse_list(args.concurrencies, int, "concurrencies")
         runs = []
-        for v in values:
+        for i, v in enumerate(values):
+            # A different seed per point: the previous point's prompts would be prefix-cache hits.
             cfg = _load_config(args, rate=v if mode == "rate" else None,
-                               concurrency=v if mode == "concurrency" else None)
+                               concurrency=v if mode == "concurrency" else None, seed=args.seed + 1000 * i)
             report = run_load(cfg)
             print(format_report(report), flush=True)
             runs.append((v, report))
@@ -132,8 +135,13 @@ def _add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--input-len", type=int, default=None,
                    help="approximate prompt tokens (random: mean, default 256; long-prompt: default 1536)")
+    p.add_argument("--prefix-words", type=int, default=None,
+                   help="shared-prefix: use only the first N words of the system prompt (small test models)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos (a vLLM/pagedjax extension): every request makes max_tokens tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
     p.add_argument("--max-duration", type=float, default=900.0,
                    help="stop the run after this many seconds; unfinished requests count as failed")

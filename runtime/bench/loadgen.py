@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -58,13 +59,7 @@ USER_TOPICS = (
 NAMES = ("Ana", "Ben", "Chloe", "Dev", "Elif", "Femi", "Greta", "Hiro", "Ines", "Jonas", "Kai", "Lena",
          "Mateo", "Nora", "Omar", "Priya")
 
-WORDS = ("the of and to in is was for on that with as by at from his an were are which this be had not "
-         "but one have or first new after who they more two also its been other time has only when "
-         "over where there can into most three city some during would made years many later under "
-         "such between known part then world these could about while may than through before four "
-         "well since united school named early including around several both became however people "
-         "north south river water mountain forest valley trail camp winter summer light stone bridge "
-         "market garden island harbor station village road field house music story paper window").split()
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "an", "were", "are", "which", "this", "be", "had", "not", "but", "one", "have", "or", "first", "new", "after", "who", "they", "more", "two", "also", "its", "been", "other", "time", "has", "only", "when", "over", "where", "there", "can", "into", "most", "three", "city", "some", "during", "would", "made", "years", "many", "later", "under", "such", "between", "known", "part", "then", "world", "these", "could", "about", "while", "may", "than", "through", "before", "four", "well", "since", "united", "school", "named", "early", "including", "around", "several", "both", "became", "however", "people", "north", "south", "river", "water", "mountain", "forest", "valley", "trail", "camp", "winter", "summer", "light", "stone", "bridge", "market", "garden", "island", "harbor", "station", "village", "road", "field", "house", "music", "story", "paper", "window"]
 
 
 @dataclass(frozen=True)
@@ -75,15 +70,21 @@ class RequestSpec:
     max_tokens: int
 
 
-def shared_prefix_messages(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+def system_prompt(prefix_words: int | None = None) -> str:
+    """SYSTEM_PROMPT, or its first `prefix_words` words (small test models, short contexts)."""
+    return SYSTEM_PROMPT if prefix_words is None else " ".join(SYSTEM_PROMPT.split()[:max(1, prefix_words)])
+
+
+def shared_prefix_messages(n: int, seed: int = 0, prefix_words: int | None = None) -> list[list[dict[str, str]]]:
     """n chat conversations: SYSTEM_PROMPT + a short user message varying per request."""
     rng = random.Random(seed)
+    system = system_prompt(prefix_words)
     out = []
     for i in range(n):
         topic = USER_TOPICS[(i + rng.randrange(len(USER_TOPICS))) % len(USER_TOPICS)]
         name = NAMES[rng.randrange(len(NAMES))]
-        out.append([{"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": f"Hi, I am {name} (ticket {1000 + i}). {topic}"}])
+        out.append([{"role": "system", "content": system},
+                    {"role": "user", "content": f"Hi, I am {name} (ticket {1000 + i + 10000 * seed}). {topic}"}])
     return out
 
 
@@ -92,7 +93,7 @@ def random_text(rng: random.Random, n_words: int) -> str:
 
 
 def build_workload(scenario: str, num_requests: int, *, max_tokens: int = 64, seed: int = 0,
-                   input_len: int | None = None) -> list[RequestSpec]:
+                   input_len: int | None = None, prefix_words: int | None = None) -> list[RequestSpec]:
     """Requests of a scenario. `input_len` is approximate prompt tokens (one word ~ one
     token): the mean for `random` (uniform 0.25x..1.75x), the length for `long-prompt`."""
     if scenario not in SCENARIOS:
@@ -101,7 +102,8 @@ def build_workload(scenario: str, num_requests: int, *, max_tokens: int = 64, se
         raise ValueError("num_requests/max_tokens: must be >= 1")
     rng = random.Random(seed)
     if scenario == "shared-prefix":
-        return [RequestSpec(i, m, None, max_tokens) for i, m in enumerate(shared_prefix_messages(num_requests, seed))]
+        msgs = shared_prefix_messages(num_requests, seed, prefix_words)
+        return [RequestSpec(i, m, None, max_tokens) for i, m in enumerate(msgs)]
     if scenario == "random":
         mean = input_len or 256
         lens = [rng.randint(max(1, mean // 4), max(1, mean * 7 // 4)) for _ in range(num_requests)]
@@ -146,6 +148,8 @@ class LoadConfig:
     timeout_s: float = 120.0           # per request
     max_duration_s: float = 900.0      # whole run; unfinished requests then count as failed
     input_len: int | None = None
+    prefix_words: int | None = None    # shared-prefix: shorten the system prompt to this many words
+    ignore_eos: bool = False           # send the vLLM/pagedjax `ignore_eos` extension
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -168,7 +172,7 @@ class LoadConfig:
 def root_url(url: str) -> str:
     """'http://h:8000/v1/' -> 'http://h:8000' (routes are added with /v1/...)."""
     u = url.rstrip("/")
-    return u[:-3] if u.endswith("/v1") else u
+    return u.removesuffix("/v1")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -245,10 +249,10 @@ def _error_text(status: int, body: bytes) -> str:
 
 
 async def send_one(client: httpx.AsyncClient, root: str, model: str, spec: RequestSpec, t0: float,
-                   timeout_s: float) -> RequestRecord:
+                   timeout_s: float, extra: dict[str, Any] | None = None) -> RequestRecord:
     rec = RequestRecord(spec.index, start=time.perf_counter() - t0)
     body: dict[str, Any] = {"model": model, "max_tokens": spec.max_tokens, "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}}
+                            "stream_options": {"include_usage": True}, **(extra or {})}
     if spec.messages is not None:
         path, body["messages"] = "/v1/chat/completions", spec.messages
     else:
@@ -285,7 +289,7 @@ async def send_one(client: httpx.AsyncClient, root: str, model: str, spec: Reque
 
     try:
         await asyncio.wait_for(stream(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         rec.error = f"timeout after {timeout_s:g} s"
     except (httpx.HTTPError, ValueError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -317,10 +321,11 @@ async def run_load_async(cfg: LoadConfig, specs: list[RequestSpec]) -> tuple[lis
         before = await fetch_metrics(client, root)
         bar = tqdm(total=len(specs), desc=f"{cfg.scenario}", unit="req", disable=not cfg.progress, leave=False)
         records: dict[int, RequestRecord] = {}
+        extra = {"ignore_eos": True} if cfg.ignore_eos else None
         t0 = time.perf_counter()
 
         async def run(spec: RequestSpec) -> None:
-            rec = await send_one(client, root, model, spec, t0, cfg.timeout_s)
+            rec = await send_one(client, root, model, spec, t0, cfg.timeout_s, extra)
             records[spec.index] = rec
             bar.update(1)
 
@@ -347,7 +352,7 @@ async def run_load_async(cfg: LoadConfig, specs: list[RequestSpec]) -> tuple[lis
 
         try:
             await asyncio.wait_for(concurrency_mode() if cfg.concurrency else rate_mode(), cfg.max_duration_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         duration = time.perf_counter() - t0
         bar.close()
@@ -363,8 +368,10 @@ def run_load(cfg: LoadConfig) -> dict[str, Any]:
     """Run one benchmark and return its report (see runtime.bench.report.build_report)."""
     from runtime.bench.report import build_report
 
+    for name in ("httpx", "httpcore"):  # one INFO line per request would bury the progress bar
+        logging.getLogger(name).setLevel(logging.WARNING)
     specs = build_workload(cfg.scenario, cfg.num_requests, max_tokens=cfg.max_tokens, seed=cfg.seed,
-                           input_len=cfg.input_len)
+                           input_len=cfg.input_len, prefix_words=cfg.prefix_words)
     records, duration, info = asyncio.run(run_load_async(cfg, specs))
     return build_report(records, duration, config={**cfg.describe(), "model": info["model"]},
                         server=info["server"])

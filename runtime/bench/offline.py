@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from runtime.bench.report import summarize
 
@@ -177,22 +178,26 @@ def _decode_input(runner: Any, batch: int, context_len: int) -> Any:
     return build_step_input(seqs, batch, batch, runner.max_blocks_per_seq, bs, runner.scratch_row)
 
 
-def _time_step(fn: Callable, runner: Any, inp: Any, iters: int, warmup: int) -> tuple[float, list[float]]:
+def _time_steps(fns: list[Callable], runner: Any, inp: Any, iters: int, warmup: int) -> list[list[float]]:
+    """Seconds per call of each jitted step fn, interleaved call by call (so a burst of
+    load from elsewhere on the machine hits every variant alike). The donated KV cache
+    and penalty state are threaded through and handed back to the runner."""
     import jax
 
     inp = jax.device_put(inp)
     kv, pen = runner.kv, runner.penalty
-    times = []
+    times: list[list[float]] = [[] for _ in fns]
     try:
         for i in range(warmup + iters):
-            t0 = time.perf_counter()
-            kv, pen, out = fn(runner.params, kv, pen, inp)
-            jax.block_until_ready(out.token_ids)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
+            for fn, ts in zip(fns, times):
+                t0 = time.perf_counter()
+                kv, pen, out = fn(runner.params, kv, pen, inp)
+                jax.block_until_ready(out.token_ids)
+                if i >= warmup:
+                    ts.append(time.perf_counter() - t0)
     finally:
         runner.kv, runner.penalty = kv, pen
-    return sorted(times)[len(times) // 2], times
+    return times
 
 
 def bench_decode(engine: Any, *, batches: tuple[int, ...] = (1, 8, 32, 64), context_len: int = 350,
@@ -210,11 +215,12 @@ def bench_decode(engine: Any, *, batches: tuple[int, ...] = (1, 8, 32, 64), cont
     rows = []
     for b in batches:
         inp = _decode_input(runner, b, context_len)
-        full, _ = _time_step(runner._step, runner, inp, iters, warmup)
-        bare, _ = _time_step(noop_jit, runner, inp, iters, warmup)
+        full_t, bare_t = _time_steps([runner._step, noop_jit], runner, inp, iters, warmup)
+        full, bare = (summarize(full_t)["p50"] or 0.0), (summarize(bare_t)["p50"] or 0.0)
         attn = max(0.0, full - bare)
         rows.append({"batch": b, "full_ms": full * 1e3, "no_attention_ms": bare * 1e3, "attention_ms": attn * 1e3,
-                     "attention_share": attn / full, "tokens_per_s": b / full})
+                     "attention_share": attn / full, "tokens_per_s": b / full,
+                     "full_min_ms": min(full_t) * 1e3, "no_attention_min_ms": min(bare_t) * 1e3})
     engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
     weight_bytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(runner.params))
     dev = measure_cpu(size_mb=bandwidth_mb)
@@ -260,6 +266,9 @@ def run_offline(args: argparse.Namespace) -> int:
         result["host"] = bench_host(args.host_seqs, args.host_steps)
         print(format_host(result["host"]), flush=True)
     if "throughput" in parts or "decode" in parts:
+        from runtime.cli import resolve_checkpoint
+
+        result["checkpoint"] = Path(resolve_checkpoint(args.checkpoint)).resolve().name
         engine = build_engine(args, warmup="throughput" in parts)
         if "throughput" in parts:
             result["throughput"] = bench_throughput(engine, num_requests=args.num_requests,

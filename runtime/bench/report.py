@@ -10,8 +10,9 @@ import json
 import math
 import os
 import platform
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 PERCENTILES = (50, 90, 99)
 
@@ -43,7 +44,7 @@ def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
 
 def timeline(records: Sequence[Any], duration: float, bin_s: float | None = None) -> dict[str, Any]:
     """Output chunks and completed requests per second, in bins over the run."""
-    bin_s = bin_s or max(0.25, duration / 60.0)
+    bin_s = bin_s or max(0.01, duration / 30.0)
     n = max(1, math.ceil(duration / bin_s))
     chunks, done = [0] * n, [0] * n
     for r in records:
@@ -205,7 +206,11 @@ def plot_report(r: dict[str, Any], path: str | Path) -> None:
                                                                          "end-to-end latency")):
         xs = [v * 1e3 for v in r["samples"][key]]
         if xs:
-            ax.hist(xs, bins=min(50, max(5, len(xs) // 4)), color="tab:blue", alpha=0.8)
+            lo, hi = min(xs), max(xs)
+            if hi - lo <= 1e-6 * max(1.0, abs(hi)):  # all alike: one bar
+                ax.hist(xs, bins=1, range=(lo - 0.5, hi + 0.5), color="tab:blue", alpha=0.8)
+            else:
+                ax.hist(xs, bins=min(50, max(5, len(xs) // 4)), color="tab:blue", alpha=0.8)
             for q, c in (("p50", "green"), ("p99", "red")):
                 v = r[key][q]
                 ax.axvline(v * 1e3, color=c, ls="--", label=f"{q} {v * 1e3:,.1f} ms")
@@ -214,10 +219,10 @@ def plot_report(r: dict[str, Any], path: str | Path) -> None:
     tl = r["timeline"]
     ax = axes.flat[3]
     t = [(i + 0.5) * tl["bin_s"] for i in range(len(tl["output_tokens_per_s"]))]
-    ax.plot(t, tl["output_tokens_per_s"], "-", label="output tokens/s")
+    ax.plot(t, tl["output_tokens_per_s"], ".-", label="output tokens/s")
     ax.set(title="throughput over time", xlabel="seconds since start", ylabel="output tokens/s")
     ax2 = ax.twinx()
-    ax2.plot(t, tl["requests_per_s"], ":", color="tab:orange", label="completed req/s")
+    ax2.plot(t, tl["requests_per_s"], ".:", color="tab:orange", label="completed req/s")
     ax2.set_ylabel("completed requests/s")
     ax.legend(loc="upper left")
     ax2.legend(loc="upper right")
@@ -330,13 +335,15 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
         L.append(f"- measured {machine['date']}")
     L += ["", "## Commands", "", "```sh", commands or "bash scripts/run_benchmarks.sh", "```", ""]
 
+    model = off.get("checkpoint")
     tp = off.get("throughput")
     L += ["## Offline throughput: pagedjax vs Hugging Face transformers", ""]
     if tp:
         L.append(f"{tp['num_requests']} chat requests sharing a {tp['system_prompt_tokens']}-token system prompt "
                  f"(prompts {tp['prompt_tokens_min']}-{tp['prompt_tokens_max']} tokens), greedy, "
-                 f"{tp['max_tokens']} output tokens each, {tp['model']} in float32 on this CPU. "
-                 "Warm-up (compilation) excluded.")
+                 f"{tp['max_tokens']} output tokens each (ignore_eos), {model or tp['model']} in float32 on this CPU. "
+                 f"Engine envelope: {tp['max_num_seqs']} sequences, {tp['max_num_batched_tokens']} tokens per "
+                 "step. Warm-up (compilation) excluded.")
         L.append("")
         rows = [["pagedjax, continuous batching + prefix cache", f"{tp['output_tokens']:,}",
                  f"{tp['seconds']:.1f}", f"{tp['output_tokens_per_s']:,.1f}", _pct(tp["prefix_cache_hit_rate"])],
@@ -345,8 +352,10 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
                  f"{tp['sequential']['seconds']:.1f}", f"{tp['sequential']['output_tokens_per_s']:,.1f}",
                  _pct(tp["sequential"]["prefix_cache_hit_rate"])]]
         for b in (peer or {}).get("batches", []):
+            served = b.get("num_requests", peer["num_requests"])
+            part = "" if served == peer["num_requests"] else f", first {served} of {peer['num_requests']} requests"
             rows.append([f"transformers {peer['transformers_version']}, static batches of {b['batch_size']} "
-                         "(left padding)", f"{b['output_tokens']:,}", f"{b['seconds']:.1f}",
+                         f"(left padding{part})", f"{b['output_tokens']:,}", f"{b['seconds']:.1f}",
                          f"{b['output_tokens_per_s']:,.1f}", "-"])
         L += _table(("system", "output tokens", "seconds", "output tok/s", "prefix hit rate"), rows)
         L.append("")
@@ -357,7 +366,10 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
             L.append(f"pagedjax vs the best transformers batch size ({best['batch_size']}): "
                      f"**{tp['output_tokens_per_s'] / best['output_tokens_per_s']:.2f}x** "
                      f"(transformers loads the same GGUF with `gguf_file=`, dequantized to float32; "
-                     f"same prompt token ids, {peer.get('torch_threads')} torch threads).")
+                     f"same prompt token ids, {peer.get('torch_threads')} torch threads). transformers "
+                     "recomputes the shared system prompt for every request (prefill is compute-bound on a "
+                     "CPU); pagedjax computes it once and serves it from the prefix cache, and keeps the "
+                     "batch full as requests finish.")
         elif peer is None:
             L.append("The transformers peer was not run (`pip install -e .[peer]`).")
     else:
@@ -387,19 +399,21 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
     dec = off.get("decode")
     L += ["## Decode step: matmuls vs attention", ""]
     if dec:
-        L.append(f"{dec['model']}, float32, one jitted decode step (S == T) with a context of "
+        L.append(f"{model or dec['model']}, float32, one jitted decode step (S == T) with a context of "
                  f"{dec['context_len']} tokens per sequence; 'no attention' is the same step with the "
                  "paged-attention call replaced by a no-op of the same shapes (KV write kept), so "
                  "attention = full - no-op. Median of "
-                 f"{dec['iters']} runs.")
+                 f"{dec['iters']} runs of each, interleaved.")
         L.append("")
         rows = []
         for row in dec["rows"]:
+            mins = (f"{row['full_min_ms']:.2f} / {row['no_attention_min_ms']:.2f}"
+                    if "full_min_ms" in row else "-")
             rows.append([row["batch"], f"{row['full_ms']:.2f}", f"{row['no_attention_ms']:.2f}",
                          f"{row['attention_ms']:.2f}", f"{row['attention_share'] * 100:.0f}%",
-                         f"{row['tokens_per_s']:,.0f}"])
+                         f"{row['tokens_per_s']:,.0f}", mins])
         L += _table(("batch", "full step ms", "no-attention ms (matmuls etc.)", "attention ms", "attention share",
-                     "tokens/s"), rows)
+                     "tokens/s", "min full / no-attention ms"), rows)
         L.append("")
         bw = dec["bandwidth"]
         L.append(f"Memory-bandwidth limit at batch 1: weights {bw['weight_bytes'] / 1e6:,.0f} MB / measured read "
@@ -452,7 +466,11 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
         L.append("_not measured_")
     L.append("")
 
-    L += ["## Independent client: guidellm", ""]
+    L += ["## Independent client: guidellm", "",
+          "guidellm runs from its own venv (`$GUIDELLM_VENV`, default /tmp/guidellm-venv): installing it into the "
+          "project venv would downgrade click and multidict there. No model hub is reachable, so it gets a local "
+          "tokenizer directory (the checkpoint's tokenizer.json plus a minimal tokenizer_config.json) for its "
+          "synthetic prompts, with HF_HUB_OFFLINE=1. Its token counts come from the server's usage.", ""]
     if guide:
         if guide.get("ok"):
             L.append(f"guidellm {guide.get('version')} (its own venv), {guide.get('description')}:")
@@ -467,3 +485,58 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
         L.append("_not run_")
     L.append("")
     return "\n".join(L)
+
+
+# --- guidellm (the independent client) ---------------------------------------------------------------
+def guidellm_summary(path: str | Path, description: str) -> dict[str, Any]:
+    """The headline numbers of a guidellm JSON report (first benchmark)."""
+    d = json.loads(Path(path).read_text())
+    b = d["benchmarks"][0]
+    m = b["metrics"]
+
+    def stat(key: str, field: str) -> float | None:
+        s = (m.get(key) or {}).get("successful") or {}
+        if field in ("p50", "p90", "p99"):
+            return (s.get("percentiles") or {}).get(field)
+        return s.get(field)
+
+    tot = m["request_totals"]
+    metrics = {
+        "requests ok / errored / incomplete": f"{tot['successful']} / {tot['errored']} / {tot['incomplete']}",
+        "duration s": f"{b['duration']:.1f}",
+        "requests/s (mean)": _num(stat("requests_per_second", "mean")),
+        "output tokens/s (mean)": _num(stat("output_tokens_per_second", "mean"), ",.1f"),
+        "prompt tokens per request (median)": _num(stat("prompt_token_count", "median"), ",.0f"),
+        "output tokens per request (median)": _num(stat("output_token_count", "median"), ",.0f"),
+    }
+    for key, label in (("time_to_first_token_ms", "TTFT ms"), ("inter_token_latency_ms", "ITL ms"),
+                       ("request_latency", "request latency s")):
+        metrics[f"{label} mean / p50 / p99"] = " / ".join(
+            _num(stat(key, f), ",.1f" if "ms" in label else ",.2f") for f in ("mean", "p50", "p99"))
+    return {"ok": True, "version": d.get("metadata", {}).get("guidellm_version"), "description": description,
+            "metrics": metrics}
+
+
+def _main(argv: list[str]) -> int:
+    """`python -m runtime.bench.report machine OUT.json` | `guidellm IN.json OUT.json DESCRIPTION`
+    | `guidellm-failed OUT.json REASON` (helpers for scripts/run_benchmarks.sh)."""
+    import datetime
+
+    if argv[:1] == ["machine"] and len(argv) == 2:
+        info = machine_info()
+        info["date"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        info["shared"] = os.environ.get("BENCH_SHARED_MACHINE", "") == "1"
+        write_json(info, argv[1])
+        return 0
+    if argv[:1] == ["guidellm"] and len(argv) == 4:
+        write_json(guidellm_summary(argv[1], argv[3]), argv[2])
+        return 0
+    if argv[:1] == ["guidellm-failed"] and len(argv) == 3:
+        write_json({"ok": False, "reason": argv[2]}, argv[1])
+        return 0
+    print(_main.__doc__, file=__import__("sys").stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(__import__("sys").argv[1:]))

@@ -37,3 +37,14 @@ def test_write_kv_scatters_and_drops_padding():
     np.testing.assert_array_equal(kc[0, 0, 0], [7, 8, 9])
     assert np.count_nonzero(kc) == 6  # the -1 row went nowhere
     np.testing.assert_array_equal(np.asarray(vc)[2, 1, 0], [-1, -2, -3])
+
+
+def test_xla_path_matches_pallas_reference():
+    from pallas_kernels.paged_attention import ref_ragged_paged_attention
+
+    rng = np.random.default_rng(7)
+    batch = tuple(map(jnp.asarray, random_batch(rng, [1, 12, 1, 30], [17, 40, 3, 30], hq=6, hkv=2, pad_seqs=1,
+                                                pad_tokens=3)))
+    want = np.asarray(ref_ragged_paged_attention(*batch, sm_scale=0.3))
+    got = np.asarray(xla_ragged_paged_attention(*batch, sm_scale=0.3, kv_chunk_blocks=2, q_tile=4))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
