@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from typing import Any
+from urllib.parse import quote
 
 from litestar import Request, Response, Router, get, post
 from litestar.response import Redirect, Template
@@ -44,10 +45,9 @@ def _engine(request: Request) -> Any:
     return getattr(ae, "engine", ae)
 
 
-def _render(request: Request, page: str, ctx: dict[str, Any], status: int = 200, *,
-            fragment: str | None = None) -> Template:
+def _render(request: Request, page: str, ctx: dict[str, Any], status: int = 200) -> Template:
     s = request.state.admin_session
-    name = f"admin/_{fragment or page}_fragment.html" if is_htmx(request) else f"admin/{page}.html"
+    name = f"admin/_{page}_fragment.html" if is_htmx(request) else f"admin/{page}.html"
     ctx = {**ctx, "csrf": s.csrf, "who": s.who, "page": page, "clock": time.strftime("%H:%M:%S")}
     return Template(name, context=ctx, status_code=status, headers=NO_STORE)
 
@@ -85,11 +85,11 @@ def blocks(request: Request, cell: int = 0) -> Template:
 
 # --- requests ----------------------------------------------------------------------------------
 @get("/requests", name="admin_requests", sync_to_thread=True)
-def requests_page(request: Request, aborted: str | None = None) -> Template:
+def requests_page(request: Request, aborted: str | None = None, missing: str | None = None) -> Template:
     engine = _engine(request)
     if engine is None:
         return _starting(request, "requests")
-    return _render(request, "requests", {**views.requests_view(engine), "aborted": aborted})
+    return _render(request, "requests", {**views.requests_view(engine), "aborted": aborted, "missing": missing})
 
 
 @post("/requests/{request_id:str}/abort", name="admin_abort", sync_to_thread=True, status_code=200)
@@ -97,10 +97,15 @@ def abort(request: Request, request_id: str) -> Response:
     ae = request.app.state.get("engine")
     if ae is None:
         return Response("engine not ready", status_code=503, media_type="text/plain")
-    ae.abort(request_id)  # AsyncEngine.abort also wakes an idle engine loop
+    engine = _engine(request)
+    known = any(r.request_id == request_id for r in views.requests_view(engine)["requests"])
+    if known:
+        ae.abort(request_id)  # AsyncEngine.abort also wakes an idle engine loop
+    flash = {"aborted": request_id} if known else {"missing": request_id}
     if not is_htmx(request):
-        return Redirect(f"/admin/requests?aborted={request_id}", status_code=303)
-    return _render(request, "requests", {**views.requests_view(_engine(request)), "aborted": request_id})
+        key, value = next(iter(flash.items()))
+        return Redirect(f"/admin/requests?{key}={quote(value)}", status_code=303)
+    return _render(request, "requests", {**views.requests_view(engine), **flash})
 
 
 # --- admission policy --------------------------------------------------------------------------

@@ -68,6 +68,10 @@ class LoginLimiter:
         return max(0.0, self.window_s - (now - q[0]))
 
     def fail(self, client: str) -> int:
+        if len(self._fails) > 10_000:  # many distinct clients: forget those with no recent failure
+            now = time.monotonic()
+            for k in [k for k, q in self._fails.items() if not q or now - q[-1] > self.window_s]:
+                del self._fails[k]
         q = self._fails.setdefault(client, deque())
         q.append(time.monotonic())
         return len(q)

@@ -7,8 +7,8 @@ summary plus a small data table) for screen readers and for tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from markupsafe import Markup, escape
 
@@ -67,21 +67,29 @@ def _paths(xs: Sequence[float], ys: Sequence[float | None], x0: float, x1: float
     pw, ph = W - ML - MR, H - MT - MB
     span = (x1 - x0) or 1.0
     out: list[str] = []
-    pen_up = True
-    for x, y in zip(xs, ys):
-        if y is None:
-            pen_up = True
+    run = 0  # points in the current unbroken run
+    for x, y in zip([*xs, None], [*ys, None], strict=True):
+        if y is None or x is None:
+            if run == 1:
+                out.append("l0.01 0")  # a lone sample: with round caps this draws a dot
+            run = 0
             continue
         px = ML + (x - x0) / span * pw
         py = MT + ph - min(max(y, 0.0), ymax) / ymax * ph
-        out.append(f"{'M' if pen_up else 'L'}{px:.1f} {py:.1f}")
-        pen_up = False
+        out.append(f"{'L' if run else 'M'}{px:.1f} {py:.1f}")
+        run += 1
     return "".join(out)
 
 
+def span_label(seconds: float) -> str:
+    return f"{seconds / 60:g} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
 def line_chart(cid: str, title: str, xs: Sequence[float], series: Sequence[Series], fmt: Fmt,
-               y_max: float | None = None, unit: str = "") -> Chart:
-    """xs are seconds relative to now (<= 0); values may be None (no data in that bin)."""
+               y_max: float | None = None, horizon_s: float | None = None) -> Chart:
+    """xs are seconds relative to now (<= 0); values may be None (no data in that bin).
+    horizon_s names the time span in the axis label and the text equivalent."""
+    horizon = horizon_s if horizon_s is not None else (-xs[0] if xs else 0.0)
     present = [v for s in series for v in s.values if v is not None]
     ymax = y_max if y_max is not None else _nice_max(max(present, default=0.0))
     x0, x1 = (xs[0], xs[-1]) if xs else (-1.0, 0.0)
@@ -94,7 +102,7 @@ def line_chart(cid: str, title: str, xs: Sequence[float], series: Sequence[Serie
         parts.append(f'<line class="grid" x1="{ML}" x2="{W - MR}" y1="{y:.1f}" y2="{y:.1f}"/>'
                      f'<text class="ax" x="{ML - 4}" y="{y + 3:.1f}" text-anchor="end">'
                      f'{escape(fmt(frac * ymax))}</text>')
-    parts.append(f'<text class="ax" x="{ML}" y="{H - 5}">{int(x0)} s</text>'
+    parts.append(f'<text class="ax" x="{ML}" y="{H - 5}">−{span_label(horizon)}</text>'
                  f'<text class="ax" x="{W - MR}" y="{H - 5}" text-anchor="end">now</text>')
     for i, s in enumerate(series):
         d = _paths(xs, s.values, x0, x1, ymax)
@@ -104,14 +112,14 @@ def line_chart(cid: str, title: str, xs: Sequence[float], series: Sequence[Serie
         parts.append(f'<text class="ax nodata" x="{(ML + W - MR) / 2}" y="{MT + ph / 2}" '
                      f'text-anchor="middle">no data yet</text>')
     parts.append("</svg>")
-    summary = _summary(title, xs, series, fmt)
+    summary = _summary(title, horizon, series, fmt)
     svg = Markup("".join(parts).replace("{desc}", str(escape(summary)), 1))
     columns, rows = _table(xs, series, fmt)
     return Chart(cid, title, svg, summary, columns, rows)
 
 
-def _summary(title: str, xs: Sequence[float], series: Sequence[Series], fmt: Fmt) -> str:
-    horizon = f"last {int(-xs[0])} s" if xs else "no history"
+def _summary(title: str, horizon_s: float, series: Sequence[Series], fmt: Fmt) -> str:
+    horizon = f"last {span_label(horizon_s)}"
     bits = []
     for s in series:
         vals = [v for v in s.values if v is not None]

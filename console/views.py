@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from console import charts
 from runtime.block_pool import hash_block
@@ -25,12 +25,11 @@ RECENT_S = 60.0           # window for "now" rates and latency percentiles
 HORIZON_S, BIN_S = 180.0, 3.0
 
 
-def _pool_blocks(pool: Any) -> list:
+def _pool_blocks(pool: Any) -> Sequence[Any]:
     # pool.snapshot() copies every BlockInfo (~0.2 s at 50k blocks, under the engine lock,
-    # once a second per viewer). Reading the live list for a few fields is ~50x cheaper;
+    # once a second per viewer). Reading the live records for a few fields is ~50x cheaper;
     # callers hold engine.lock and copy what they need.
-    blocks = getattr(pool, "_blocks", None)
-    return blocks if blocks is not None else pool.snapshot()
+    return pool.infos
 
 
 def _state_code(info: Any) -> int:
@@ -51,7 +50,7 @@ class BlockMap:
     counts: dict[str, int]
 
 
-def _owners(engine: "LLMEngine") -> dict[int, list[str]]:
+def _owners(engine: LLMEngine) -> dict[int, list[str]]:
     owners: dict[int, list[str]] = {}
     for r in engine.scheduler.running:
         for b in r.block_ids:
@@ -59,7 +58,7 @@ def _owners(engine: "LLMEngine") -> dict[int, list[str]]:
     return owners
 
 
-def block_views(engine: "LLMEngine", start: int, stop: int) -> list[BlockView]:
+def block_views(engine: LLMEngine, start: int, stop: int) -> list[BlockView]:
     """BlockViews for ids [start, stop); same rules as runtime.snapshot.take_snapshot,
     without copying the whole pool."""
     now = time.monotonic()
@@ -80,7 +79,7 @@ def block_title(v: BlockView) -> str:
     return " · ".join(parts)
 
 
-def block_map(engine: "LLMEngine", max_cells: int = MAX_CELLS) -> BlockMap:
+def block_map(engine: LLMEngine, max_cells: int = MAX_CELLS) -> BlockMap:
     n = engine.pool.num_blocks
     if n <= max_cells:
         views = block_views(engine, 0, n)
@@ -96,19 +95,19 @@ def block_map(engine: "LLMEngine", max_cells: int = MAX_CELLS) -> BlockMap:
     for a in range(0, n, per):
         chunk = codes[a:a + per]
         c = [chunk.count(k) for k in range(4)]
-        totals = [x + y for x, y in zip(totals, c)]
+        totals = [x + y for x, y in zip(totals, c, strict=True)]
         # Ties go to the busier state so a half-used cell never looks idle.
         dom = max(range(4), key=lambda k: (c[k], k))
         cells.append(Cell(STATE_CODES[dom], f"blocks {a}–{a + len(chunk) - 1}: {c[2]} used, {c[3]} shared, "
                                             f"{c[1]} cached, {c[0]} free"))
-    return BlockMap(cells, per, dict(zip(STATE_CODES, totals)))
+    return BlockMap(cells, per, dict(zip(STATE_CODES, totals, strict=True)))
 
 
 def _p(values: list[float], q: float) -> float | None:
     return percentile(values, q)
 
 
-def dashboard(engine: "LLMEngine") -> dict[str, Any]:
+def dashboard(engine: LLMEngine) -> dict[str, Any]:
     bmap = block_map(engine)
     w = engine.metrics.window
     with engine.lock:
@@ -132,6 +131,10 @@ def dashboard(engine: "LLMEngine") -> dict[str, Any]:
     occ = {k: bmap.counts[k] for k in STATE_CODES}
     xs = bins.xs
     s = charts.Series
+
+    def chart(cid: str, title: str, series: list[charts.Series], fmt: charts.Fmt, **kw: Any) -> charts.Chart:
+        return charts.line_chart(cid, title, xs, series, fmt, horizon_s=HORIZON_S, **kw)
+
     return {
         "snap": snap, "map": bmap, "occ": occ, "headroom": headroom,
         "occ_bar": charts.occupancy_bar(occ, n, snap.watermark_blocks),
@@ -145,23 +148,21 @@ def dashboard(engine: "LLMEngine") -> dict[str, Any]:
         "ttft_n": len(rttft), "itl_n": len(ritl),
         "output_tps": sum(x.new_tokens for x in recent) / RECENT_S,
         "charts": {
-            "hit_rate": charts.line_chart("c-hit", "Prefix hit rate per interval", xs,
-                                          [s("hit rate", bins.hit_rate)], charts.pct, y_max=1.0),
-            "evictions": charts.line_chart("c-evict", "Evictions per second", xs,
-                                           [s("evictions/s", bins.evictions_per_s)], charts.num),
-            "queue": charts.line_chart("c-queue", "Queue depth", xs,
-                                       [s("running", bins.running), s("waiting", bins.waiting)], charts.num),
-            "tokens": charts.line_chart("c-tokens", "Tokens per step", xs,
-                                        [s("tokens/step", bins.tokens_per_step)], charts.num),
-            "step_time": charts.line_chart("c-step", "Step time", xs, [s("step time", bins.step_time)],
-                                           charts.ms),
-            "tps": charts.line_chart("c-tps", "Output tokens per second", xs,
-                                     [s("tokens/s", bins.output_tps)], charts.num),
+            "hit_rate": chart("c-hit", "Prefix hit rate per interval", [s("hit rate", bins.hit_rate)],
+                              charts.pct, y_max=1.0),
+            "evictions": chart("c-evict", "Evictions per second", [s("evictions/s", bins.evictions_per_s)],
+                               charts.num),
+            "queue": chart("c-queue", "Queue depth", [s("running", bins.running), s("waiting", bins.waiting)],
+                           charts.num),
+            "tokens": chart("c-tokens", "Tokens per step", [s("tokens/step", bins.tokens_per_step)], charts.num),
+            "step_time": chart("c-step", "Step time", [s("step time", bins.step_time)], charts.ms),
+            "tps": chart("c-tps", "Output tokens per second", [s("tokens/s", bins.output_tps)], charts.num),
+            "used": chart("c-used", "Used KV blocks", [s("used blocks", bins.used_blocks)], charts.num),
         },
     }
 
 
-def requests_view(engine: "LLMEngine") -> dict[str, Any]:
+def requests_view(engine: LLMEngine) -> dict[str, Any]:
     with engine.lock:
         snap = take_snapshot(engine, with_blocks=False)
     order = {"running": 0, "preempted": 1, "waiting": 2}
@@ -200,14 +201,15 @@ def _follow(parent: tuple, groups: dict[float, list[tuple]], everything: list[tu
     return max(found, key=lambda c: c[3]) if found else None
 
 
-def top_prefixes(engine: "LLMEngine", k: int = 10, decode_tokens: int = 48,
+def top_prefixes(engine: LLMEngine, k: int = 10, decode_tokens: int = 48,
                  hash_budget: int = 20_000) -> list[PrefixRow]:
+    """Prompt prefixes that later prompts reused, most hits first."""
     with engine.lock:
         hashed = [(i.block_id, i.block_hash, i.token_ids, i.hits, i.last_used, i.ref_count)
                   for i in _pool_blocks(engine.pool) if i.block_hash is not None and i.token_ids]
     # Roots (first block of a prompt) hash with no parent; salted prefixes do not verify
     # here and are left out rather than shown mid-prompt.
-    roots = [b for b in hashed if hash_block(None, b[2]) == b[1]]
+    roots = [b for b in hashed if b[3] > 0 and hash_block(None, b[2]) == b[1]]
     roots.sort(key=lambda b: (-b[3], b[0]))
     groups: dict[float, list[tuple]] = {}
     for b in hashed:
@@ -229,7 +231,7 @@ def top_prefixes(engine: "LLMEngine", k: int = 10, decode_tokens: int = 48,
     return rows
 
 
-def prefix_cache(engine: "LLMEngine") -> dict[str, Any]:
+def prefix_cache(engine: LLMEngine) -> dict[str, Any]:
     with engine.lock:
         snap = take_snapshot(engine, with_blocks=False)
         ages = list(engine.pool.evicted_ages)
@@ -251,7 +253,7 @@ def _jax_device() -> str:
         return "unknown"
 
 
-def model_view(engine: "LLMEngine", settings: Any) -> dict[str, Any]:
+def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
     from runtime import planner
     from runtime.model_runner import compilations
 

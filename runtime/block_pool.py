@@ -127,6 +127,12 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return self._num_cached
 
+    @property
+    def infos(self) -> Sequence[BlockInfo]:
+        """The live per-block records, read-only, for cheap views taken under the engine
+        lock (snapshot() copies all of them)."""
+        return self._blocks
+
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count
 

@@ -90,6 +90,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._last = dict(queries=0, hits=0, evictions=0, preemptions=0, rejections={})
         self.warmup_seconds = 0.0
+        self._last_idle_sample = 0.0
         self.compilations_at_ready = 0
         self._log_capacity()
         if warmup:
@@ -341,6 +342,11 @@ class LLMEngine:
         last.update(queries=c.prefix_queries, hits=c.prefix_hits, preemptions=c.preemptions,
                     evictions=pool.num_evictions)
         m.compilations.set(compilations())
+        now = time.monotonic()
+        if not num_tokens and now - self._last_idle_sample < 1.0:
+            return  # idle loop iterations: one chart sample a second is enough
+        if not num_tokens:
+            self._last_idle_sample = now
         m.window.add_step(StepSample(time.monotonic(), step_time, num_tokens, len(s.running), s.num_waiting,
                                      new_tokens, c.prefix_queries, c.prefix_hits, pool.num_evictions,
                                      pool.num_used_blocks, pool.num_cached_blocks))
