@@ -51,7 +51,9 @@ def _gather_chunk(cache: jax.Array, block_ids: jax.Array) -> jax.Array:
 
 
 def _last_token_attention(q_last, k_cache, v_cache, kv_lens, block_tables, sm_scale, cb):
-    """q_last [S, Hq, D] -> [S, Hq, D] over each sequence's full context (path A)."""
+    """q_last [S, Hq, D] -> [S, Hq, D] over each sequence's full context (path A).
+    Gathered chunks stay in their cache layout [S, C, Hkv, D] (a transpose would add a copy
+    of every chunk); small chunks keep the gathered data in cache for both products."""
     S, Hq, D = q_last.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     qg = q_last.reshape(S, hkv, Hq // hkv, D).astype(jnp.float32) * sm_scale
@@ -61,12 +63,17 @@ def _last_token_attention(q_last, k_cache, v_cache, kv_lens, block_tables, sm_sc
     def body(c, carry):
         m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(block_tables, c * cb, cb, axis=1)  # [S, CB]
-        k = _gather_chunk(k_cache, ids)  # [S, Hkv, C, D]
-        v = _gather_chunk(v_cache, ids)
-        s = jnp.einsum("skgd,skcd->skgc", qg, k)
+        k = k_cache[ids].reshape(S, chunk, hkv, D).astype(jnp.float32)
+        v = v_cache[ids].reshape(S, chunk, hkv, D).astype(jnp.float32)
+        s = jnp.einsum("skgd,sckd->skgc", qg, k)
         pos = c * chunk + jnp.arange(chunk)
         s = jnp.where(pos[None, None, None, :] < kv_lens[:, None, None, None], s, NEG)
-        return _online_update(m, l, acc, s, v)
+        m_new = jnp.maximum(m, s.max(-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + jnp.einsum("skgc,sckd->skgd", p, v)
+        return m_new, l, acc
 
     init = (jnp.full((S, hkv, Hq // hkv), NEG), jnp.zeros((S, hkv, Hq // hkv)),
             jnp.zeros((S, hkv, Hq // hkv, D)))
