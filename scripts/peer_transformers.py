@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offline-json", default="bench-results/offline.json",
                    help="pagedjax's offline results (for the ratio)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="per batch size: stop starting new batches after this long and report the "
+                        "requests served so far (whole batches; the requests are alike)")
     p.add_argument("--out", default=None, help="write results as JSON")
     args = p.parse_args(argv)
 
@@ -88,14 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     run_batch(prompts[:2])  # warm-up, not timed
     results = []
     for bs in (int(x) for x in args.batch_sizes.split(",")):
+        load = os.getloadavg()[0]
         t0 = time.perf_counter()
-        tokens = sum(run_batch(prompts[i:i + bs]) for i in range(0, len(prompts), bs))
+        tokens = served = 0
+        for i in range(0, len(prompts), bs):
+            if args.time_budget is not None and served and time.perf_counter() - t0 > args.time_budget:
+                break
+            tokens += run_batch(prompts[i:i + bs])
+            served += len(prompts[i:i + bs])
         dt = time.perf_counter() - t0
-        row = {"batch_size": bs, "output_tokens": tokens, "seconds": dt, "output_tokens_per_s": tokens / dt}
+        row = {"batch_size": bs, "num_requests": served, "output_tokens": tokens, "seconds": dt,
+               "output_tokens_per_s": tokens / dt, "loadavg_1m": load}
         if offline:
             row["pagedjax_ratio"] = offline["output_tokens_per_s"] / row["output_tokens_per_s"]
         results.append(row)
-        print(f"  static batches of {bs:>3}: {tokens:,} tokens in {dt:.1f} s = {tokens / dt:,.1f} output tok/s"
+        print(f"  static batches of {bs:>3}: {served} requests, {tokens:,} tokens in {dt:.1f} s = "
+              f"{tokens / dt:,.1f} output tok/s"
               + (f"  (pagedjax {offline['output_tokens_per_s']:,.1f} tok/s = {row['pagedjax_ratio']:.2f}x)"
                  if offline else ""), flush=True)
     if not offline:

@@ -59,7 +59,15 @@ USER_TOPICS = (
 NAMES = ("Ana", "Ben", "Chloe", "Dev", "Elif", "Femi", "Greta", "Hiro", "Ines", "Jonas", "Kai", "Lena",
          "Mateo", "Nora", "Omar", "Priya")
 
-WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "an", "were", "are", "which", "this", "be", "had", "not", "but", "one", "have", "or", "first", "new", "after", "who", "they", "more", "two", "also", "its", "been", "other", "time", "has", "only", "when", "over", "where", "there", "can", "into", "most", "three", "city", "some", "during", "would", "made", "years", "many", "later", "under", "such", "between", "known", "part", "then", "world", "these", "could", "about", "while", "may", "than", "through", "before", "four", "well", "since", "united", "school", "named", "early", "including", "around", "several", "both", "became", "however", "people", "north", "south", "river", "water", "mountain", "forest", "valley", "trail", "camp", "winter", "summer", "light", "stone", "bridge", "market", "garden", "island", "harbor", "station", "village", "road", "field", "house", "music", "story", "paper", "window"]
+WORDS = tuple((
+    "the of and to in is was for on that with as by at from his an were are which this be had not "
+    "but one have or first new after who they more two also its been other time has only when over "
+    "where there can into most three city some during would made years many later under such between "
+    "known part then world these could about while may than through before four well since united "
+    "school named early including around several both became however people north south river water "
+    "mountain forest valley trail camp winter summer light stone bridge market garden island harbor "
+    "station village road field house music story paper window"
+).split())
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -249,6 +250,14 @@ def format_decode(r: dict[str, Any]) -> str:
 
 
 # --- the command ----------------------------------------------------------------------------------
+def loadavg() -> float | None:
+    """1-minute load average when a part starts: on a shared machine it explains the noise."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def run_offline(args: argparse.Namespace) -> int:
     import json
 
@@ -263,7 +272,8 @@ def run_offline(args: argparse.Namespace) -> int:
             result = {}
     result.update(kind="offline", machine=machine_info())
     if "host" in parts:
-        result["host"] = bench_host(args.host_seqs, args.host_steps)
+        load = loadavg()
+        result["host"] = {**bench_host(args.host_seqs, args.host_steps), "loadavg_1m": load}
         print(format_host(result["host"]), flush=True)
     if "throughput" in parts or "decode" in parts:
         from runtime.cli import resolve_checkpoint
@@ -271,14 +281,18 @@ def run_offline(args: argparse.Namespace) -> int:
         result["checkpoint"] = Path(resolve_checkpoint(args.checkpoint)).resolve().name
         engine = build_engine(args, warmup="throughput" in parts)
         if "throughput" in parts:
+            load = loadavg()
             result["throughput"] = bench_throughput(engine, num_requests=args.num_requests,
                                                     max_tokens=args.max_tokens,
                                                     sequential_requests=args.sequential_requests, seed=args.seed)
+            result["throughput"]["loadavg_1m"] = load
             print(format_throughput(result["throughput"]), flush=True)
         if "decode" in parts:
             batches = tuple(int(x) for x in args.batches.split(","))
+            load = loadavg()
             result["decode"] = bench_decode(engine, batches=batches, context_len=args.context_len,
                                             iters=args.iters)
+            result["decode"]["loadavg_1m"] = load
             print(format_decode(result["decode"]), flush=True)
     if args.out:
         write_json(result, args.out)

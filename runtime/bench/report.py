@@ -189,7 +189,8 @@ def have_matplotlib() -> bool:
         return False
 
 
-MATPLOTLIB_MISSING = "plots need matplotlib, which is not installed (pip install matplotlib, or pip install -e .[bench])"
+MATPLOTLIB_MISSING = ("plots need matplotlib, which is not installed "
+                      "(pip install matplotlib, or pip install -e .[bench])")
 
 
 def _plt():
@@ -357,7 +358,14 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
             rows.append([f"transformers {peer['transformers_version']}, static batches of {b['batch_size']} "
                          f"(left padding{part})", f"{b['output_tokens']:,}", f"{b['seconds']:.1f}",
                          f"{b['output_tokens_per_s']:,.1f}", "-"])
-        L += _table(("system", "output tokens", "seconds", "output tok/s", "prefix hit rate"), rows)
+        head = ["system", "output tokens", "seconds", "output tok/s", "prefix hit rate"]
+        loads = [tp.get("loadavg_1m")] + [b.get("loadavg_1m") for b in (peer or {}).get("batches", [])]
+        if any(x is not None for x in loads):  # a shared machine: say how busy it was
+            head.append("load avg (1 min) at start")
+            for row, load in zip(rows[:1] + rows[2:], loads):
+                row.append("-" if load is None else f"{load:.1f}")
+            rows[1].append("")
+        L += _table(head, rows)
         L.append("")
         L.append(f"Continuous batching vs one at a time: "
                  f"**{tp['output_tokens_per_s'] / tp['sequential']['output_tokens_per_s']:.1f}x**.")
