@@ -14,15 +14,14 @@ import asyncio
 import dataclasses
 import secrets
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
-from litestar import Request, Response, Router, get, post
-from litestar.connection import ASGIConnection
-from litestar.handlers import BaseRouteHandler
+from litestar import Request, Response, get, post
 from litestar.response import Stream
 
 from console import schemas as S
-from console.errors import EXCEPTION_HANDLERS, APIError, ClientDisconnected, error_body
+from console.errors import APIError, ClientDisconnected, error_body
 from runtime.async_engine import AsyncEngine
 from runtime.engine import RequestOutput
 from runtime.sampling import SamplingParams
@@ -165,31 +164,6 @@ async def run_watching_disconnect(request: Request, work: Awaitable[None]) -> No
         task.cancel()
 
 
-# --- guards (run before the body is read) ------------------------------------------------------
-
-def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    key = connection.app.state.settings.api_key
-    if key is None:
-        return
-    auth = connection.headers.get("authorization", "")
-    scheme, _, given = auth.partition(" ")
-    hdr = {"WWW-Authenticate": "Bearer"}
-    if not auth:
-        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key", headers=hdr)
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
-        raise APIError(401, "incorrect API key", code="invalid_api_key", headers=hdr)
-
-
-def require_ready(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    st = connection.app.state
-    engine = st.get("engine")
-    if st.get("draining") or (engine is not None and not engine.accepting):
-        raise APIError(503, "the server is shutting down and accepts no new requests", code="draining")
-    if not st.get("ready") or engine is None:
-        raise APIError(503, "the model is still warming up; retry shortly", code="warming_up",
-                       headers={"Retry-After": "5"})
-
-
 # --- request -> engine requests --------------------------------------------------------------------
 
 def _check_model(request: Request, model: str) -> None:
@@ -246,10 +220,12 @@ def _max_tokens(request: Request, prompt_len: int, asked: int | None, default: i
 
 
 def _sampling(body: S.CompletionRequest | S.ChatCompletionRequest, max_tokens: int,
-              logprobs: int | None) -> SamplingParams:
+              logprobs: int | None, vocab: int) -> SamplingParams:
     kw = {k: v for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                          "repetition_penalty") if (v := getattr(body, k)) is not None}
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if body.top_k is not None and body.top_k >= vocab:
+        kw["top_k"] = 0  # keeping the whole vocabulary is no filter at all
     try:
         return SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
                               ignore_eos=body.ignore_eos, logprobs=logprobs,
@@ -271,7 +247,7 @@ def _submit(request: Request, prompts: list[list[int]], params: list[SamplingPar
                 sp = params[p_idx]
                 if n > 1 and sp.seed is not None:  # distinct but repeatable choices
                     sp = dataclasses.replace(sp, seed=(sp.seed + j) % 2**32)
-                rid = f"{rec.request_id}-{len(gen.jobs)}"
+                rid = f"{rec.request_id}-{len(gen.jobs)}"  # the console shows these; X-Request-Id-N
                 _, queue = st.engine.submit(ids, sp, request_id=rid, priority=priority)
                 gen.jobs.append(Job(len(gen.jobs), p_idx, rid, queue, ids))
     except Overloaded as exc:
@@ -280,6 +256,9 @@ def _submit(request: Request, prompts: list[list[int]], params: list[SamplingPar
                        headers={"Retry-After": str(st.settings.retry_after_s)}) from None
     except ValueError as exc:
         gen.abort_unfinished()
+        if str(exc).startswith("request_id:"):
+            raise APIError(400, f"x-request-id: {rec.request_id!r} belongs to a request still running; send a "
+                                f"unique X-Request-Id", param="x-request-id", code="duplicate_request_id") from None
         raise APIError.from_value_error(exc, default_param="prompt") from None
     rec.prompt_tokens = sum(len(p) for p in prompts)
     return gen
@@ -289,8 +268,11 @@ def _submit(request: Request, prompts: list[list[int]], params: list[SamplingPar
 
 def _failure(job: Job) -> APIError:
     if job.finish_reason == "abort":
-        return APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-    return APIError(500, f"generation failed: {job.error or 'engine error'}", code="engine_error")
+        return APIError(503, "the request was aborted (by an operator, or the server is shutting down)",
+                        code="aborted")
+    # The engine's own message (job.error) is for the server log, not for clients.
+    return APIError(500, f"generation failed in the engine; the server log has the details "
+                         f"(request {job.request_id})", code="engine_error")
 
 
 def _sse(obj: object) -> bytes:
@@ -311,17 +293,20 @@ async def _respond(request: Request, gen: Generation, stream: bool, include_usag
         return Response(S.encode(full()), media_type="application/json")
 
     async def events() -> AsyncIterator[bytes]:
-        for obj in head():
-            yield _sse(obj)
-        async for job, out in gen.outputs():
-            if out.finished and out.finish_reason in ("abort", "error"):
-                e = _failure(job)
-                yield _sse(error_body(e.status_code, e.message, code=e.code))
-            elif out.text or out.finished or out.logprobs:
-                yield _sse(chunk(job, out))
-        if include_usage:
-            yield _sse(usage_chunk(gen.usage()))
-        yield b"data: [DONE]\n\n"
+        try:
+            for obj in head():
+                yield _sse(obj)
+            async for job, out in gen.outputs():
+                if out.finished and out.finish_reason in ("abort", "error"):
+                    e = _failure(job)
+                    yield _sse(error_body(e.status_code, e.message, code=e.code))
+                elif out.text or out.finished or out.logprobs:
+                    yield _sse(chunk(job, out))
+            if include_usage:
+                yield _sse(usage_chunk(gen.usage()))
+            yield b"data: [DONE]\n\n"
+        finally:  # a client gone before (or while) the outputs flowed
+            gen.abort_unfinished()
 
     return Stream(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                     "X-Accel-Buffering": "no"})
@@ -334,7 +319,8 @@ async def completions(request: Request) -> Response:
     _check_model(request, body.model)
     tok = request.app.state.engine.engine.tokenizer
     prompts = _completion_prompts(body.prompt, tok)
-    params = [_sampling(body, _max_tokens(request, len(p), body.max_tokens, 16, "prompt"), body.logprobs)
+    vocab = request.app.state.engine.engine.config.model.vocab_size
+    params = [_sampling(body, _max_tokens(request, len(p), body.max_tokens, 16, "prompt"), body.logprobs, vocab)
               for p in prompts]
     gen = _submit(request, prompts, params, body.n, body.priority)
     rid, created, model = f"cmpl-{gen.record.request_id}", int(time.time()), body.model
@@ -365,7 +351,8 @@ async def chat_completions(request: Request) -> Response:
     by_new_name = body.max_completion_tokens is not None
     mt = _max_tokens(request, len(ids), body.max_completion_tokens if by_new_name else body.max_tokens, None,
                      "messages", "max_completion_tokens" if by_new_name else "max_tokens")
-    gen = _submit(request, [ids], [_sampling(body, mt, lp)], body.n, body.priority)
+    vocab = request.app.state.engine.engine.config.model.vocab_size
+    gen = _submit(request, [ids], [_sampling(body, mt, lp, vocab)], body.n, body.priority)
     rid, created, model = f"chatcmpl-{gen.record.request_id}", int(time.time()), body.model
     fmt = gen.formatter(tok, lp is not None)
 
@@ -394,7 +381,4 @@ async def list_models(request: Request) -> Response:
     return Response(S.encode(S.ModelList([card])), media_type="application/json")
 
 
-def v1_router(with_security: bool = False) -> Router:
-    return Router(path="/v1", route_handlers=[completions, chat_completions, list_models],
-                  guards=[require_api_key, require_ready], exception_handlers=EXCEPTION_HANDLERS,
-                  tags=["OpenAI"], security=[{"bearer": []}] if with_security else None)
+ROUTES = [completions, chat_completions, list_models]

@@ -15,13 +15,15 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator, Callable
 
-from litestar import Litestar, Request, Response, get
+from litestar import Litestar, Request, Response, Router, get
+from litestar.connection import ASGIConnection
 from litestar.contrib.jinja import JinjaTemplateEngine
 from litestar.enums import ScopeType
+from litestar.handlers import BaseRouteHandler
 from litestar.middleware import ASGIMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
@@ -32,8 +34,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 import console
 from console import schemas as S
-from console.api import ACCESS_KEY, AccessRecord, v1_router
-from console.errors import EXCEPTION_HANDLERS
+from console.api import ACCESS_KEY, ROUTES, AccessRecord
+from console.errors import EXCEPTION_HANDLERS, APIError
 from console.settings import ServerSettings
 from runtime.async_engine import AsyncEngine
 from runtime.engine import LLMEngine
@@ -42,6 +44,39 @@ from runtime.metrics import LATENCY_BUCKETS
 log = logging.getLogger("pagedjax.server")
 access_log = logging.getLogger("pagedjax.access")
 REPO = Path(console.__file__).resolve().parent.parent
+
+
+# --- the /v1 door: API key, then readiness (guards run before the body is read) ----------------
+
+def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """Only the API key opens /v1 (the admin token does not; the API key opens nothing else)."""
+    key = connection.app.state.settings.api_key
+    if key is None:
+        return
+    auth = connection.headers.get("authorization", "")
+    scheme, _, given = auth.partition(" ")
+    hdr = {"WWW-Authenticate": "Bearer"}
+    if not auth:
+        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+                       headers=hdr)
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "incorrect API key", code="invalid_api_key", headers=hdr)
+
+
+def require_ready(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    st = connection.app.state
+    engine = st.get("engine")
+    if st.get("draining") or (engine is not None and not engine.accepting):
+        raise APIError(503, "the server is shutting down and accepts no new requests", code="draining")
+    if not st.get("ready") or engine is None:
+        raise APIError(503, "the model is still warming up; retry shortly", code="warming_up",
+                       headers={"Retry-After": "5"})
+
+
+def v1_router(with_security: bool) -> Router:
+    return Router(path="/v1", route_handlers=ROUTES, guards=[require_api_key, require_ready],
+                  exception_handlers=EXCEPTION_HANDLERS, tags=["OpenAI"],
+                  security=[{"bearer": []}] if with_security else None)
 
 
 # --- access log + HTTP metrics ----------------------------------------------------------------------
@@ -82,7 +117,7 @@ class AccessMiddleware(ASGIMiddleware):
 
         try:
             await next_app(scope, receive, send_wrapper)
-        except BaseException as exc:  # noqa: BLE001 -- recorded, re-raised to the exception handlers
+        except BaseException as exc:
             rec.status = rec.status or int(getattr(exc, "status_code", 500))
             raise
         finally:
@@ -156,8 +191,8 @@ def drain(app: Litestar, grace_s: float) -> None:
     engine = st.get("engine")
     if engine is not None:
         engine.accepting = False
-        log.info("draining: %d requests in flight, grace %.0f s",
-                 len(engine.engine._tracked), grace_s)  # noqa: SLF001 -- a count for the log line
+        if engine.engine.has_unfinished():
+            log.info("draining: in-flight requests get up to %.0f s to finish", grace_s)
         engine.stop(grace_s)
     st.drained = True
 
@@ -170,8 +205,9 @@ def _lifespan(factory: Callable[[], LLMEngine] | None):
             st.engine.start()
             st.ready = True
         elif factory is not None:
-            threading.Thread(target=_load_and_warm, args=(app, factory), name="pagedjax-warmup",
-                             daemon=True).start()
+            st.loader = threading.Thread(target=_load_and_warm, args=(app, factory), name="pagedjax-warmup",
+                                         daemon=True)
+            st.loader.start()
         try:
             yield
         finally:
@@ -201,9 +237,10 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
     security = {"bearer": SecurityScheme(type="http", scheme="bearer")} if settings.api_key else None
     openapi = OpenAPIConfig(title="pagedjax", version="0.1.0", path="/schema",
                             description="OpenAI-compatible API of the pagedjax serving runtime",
-                            components=Components(schemas=S.openapi_components(), security_schemes=security))
+                            components=Components(security_schemes=security))
     return Litestar(
         route_handlers=handlers,
+        on_startup=[_publish_schemas],
         lifespan=[_lifespan(engine_factory)],
         middleware=[AccessMiddleware(http_metrics, settings.access_log)],
         exception_handlers=EXCEPTION_HANDLERS,
@@ -213,6 +250,13 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
         logging_config=None,  # serve.py configures logging; Litestar must not replace it
         debug=False,
     )
+
+
+def _publish_schemas(app: Litestar) -> None:
+    """The operations reference msgspec-generated component schemas (console/schemas.py);
+    Litestar rebuilds components from its own registry, so they are added once it has."""
+    components = app.openapi_schema.components
+    components.schemas = {**(components.schemas or {}), **S.openapi_components()}
 
 
 def _initial_state(settings: ServerSettings, engine: AsyncEngine | None, http_metrics: HttpMetrics):

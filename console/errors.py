@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
-from litestar.response import Response as LitestarResponse
 
 log = logging.getLogger("pagedjax.api")
 
@@ -22,7 +21,7 @@ log = logging.getLogger("pagedjax.api")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
-_FIELD_MSG = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.+)$", re.S)
+_FIELD_MSG = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.+)$", re.DOTALL)
 
 
 class APIError(Exception):
@@ -40,7 +39,7 @@ class APIError(Exception):
 
     @classmethod
     def from_value_error(cls, exc: ValueError, *, default_param: str | None = None,
-                         code: str | None = None) -> "APIError":
+                         code: str | None = None) -> APIError:
         """Engine and SamplingParams errors read "field: message"; the field becomes `param`."""
         text = str(exc) or "invalid request"
         m = _FIELD_MSG.match(text)
@@ -110,8 +109,8 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response:
     Litestar's default elsewhere (the console renders its own pages)."""
     status = exc.status_code
     if not request.url.path.startswith("/v1"):
-        return LitestarResponse({"status_code": status, "detail": exc.detail}, status_code=status,
-                                headers=exc.headers)
+        return Response({"status_code": status, "detail": exc.detail}, status_code=status,
+                        headers=exc.headers)
     message = str(exc.detail or "request failed")
     param = None
     if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:

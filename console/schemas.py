@@ -48,7 +48,7 @@ class _Sampling(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None   # int32 on the device
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
     priority: Literal["interactive", "batch"] = "interactive"
@@ -245,6 +245,13 @@ ERROR_STATUSES = {"400": "Invalid request (the message names the field)", "401":
                   "503": "Warming up or shutting down"}
 
 
+# OpenAPI 3.1: a text/event-stream `schema` describes one event.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk (the response object with deltas, or an "
+                                              "ErrorResponse), or [DONE] as the last event"},
+    "event": {"type": "string"}}}
+
+
 @dataclass
 class RawSchema(Schema):
     """A literal JSON-schema dict inside Litestar's OpenAPI objects."""
@@ -268,7 +275,7 @@ def operation(request_type: type | None, response_type: type) -> type[Operation]
         def __post_init__(self) -> None:
             ok: dict[str, Any] = {"application/json": {"schema": _ref(response_type)}}
             if request_type is not None:
-                ok["text/event-stream"] = {"schema": {"type": "string"}}
+                ok["text/event-stream"] = {"schema": SSE_EVENT}
                 self.request_body = RawSchema(raw={  # type: ignore[assignment]
                     "required": True, "content": {"application/json": {"schema": _ref(request_type)}}})
             err = {"application/json": {"schema": _ref(ErrorResponse)}}
