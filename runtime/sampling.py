@@ -44,7 +44,7 @@ _PEN = (float, lambda v: -2 <= v <= 2, "must be between -2 and 2")
 _RULES: dict[str, tuple[type, Any, str]] = {   # field: (kind, valid, message); None ok for seed, logprobs
     "temperature": (float, lambda v: 0 <= v <= 2, "must be between 0 and 2"),
     "top_p": (float, lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "top_k": (int, lambda v: v >= -1, "must be -1 or 0 (off) or a positive integer"),
+    "top_k": (int, lambda v: -1 <= v < 2**31, "must be -1 or 0 (off) or a positive integer below 2**31"),
     "min_p": (float, lambda v: 0 <= v <= 1, "must be between 0 and 1"),
     "presence_penalty": _PEN, "frequency_penalty": _PEN,
     "repetition_penalty": (float, lambda v: 0 < v <= 2, "must be in (0, 2]"),
