@@ -14,6 +14,7 @@ so each part gives XLA large, regular products and touches only the KV blocks in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -50,15 +51,19 @@ def _gather_chunk(cache: jax.Array, block_ids: jax.Array) -> jax.Array:
     return jnp.moveaxis(g, -2, -3).astype(jnp.float32)
 
 
-def _last_token_attention(q_last, k_cache, v_cache, kv_lens, block_tables, sm_scale, cb):
-    """q_last [S, Hq, D] -> [S, Hq, D] over each sequence's full context (path A).
-    Gathered chunks stay in their cache layout [S, C, Hkv, D] (a transpose would add a copy
-    of every chunk); small chunks keep the gathered data in cache for both products."""
-    S, Hq, D = q_last.shape
-    hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    qg = q_last.reshape(S, hkv, Hq // hkv, D).astype(jnp.float32) * sm_scale
+def _online_init(S, hkv, g, D):
+    return (jnp.full((S, hkv, g), NEG), jnp.zeros((S, hkv, g)), jnp.zeros((S, hkv, g, D)))
+
+
+def _last_token_attention(qg, k_cache, v_cache, kv_lens, block_tables, start, cb, init):
+    """Path A. qg [S, Hkv, G, D] (scaled) attends to positions [start[s], kv_lens[s]) read
+    through block_tables[s] (whose block 0 holds position start[s]), continuing the online
+    softmax partials `init`. Gathered chunks stay in cache layout [S, C, Hkv, D] (a transpose
+    would copy every chunk); small chunks keep them in cache for both products."""
+    S, hkv, g, D = qg.shape
+    bs = k_cache.shape[1]
     chunk = cb * bs
-    n_chunks = (jnp.max(kv_lens) + chunk - 1) // chunk
+    n_chunks = (jnp.max(kv_lens - start) + chunk - 1) // chunk
 
     def body(c, carry):
         m, l, acc = carry
@@ -66,8 +71,8 @@ def _last_token_attention(q_last, k_cache, v_cache, kv_lens, block_tables, sm_sc
         k = k_cache[ids].reshape(S, chunk, hkv, D).astype(jnp.float32)
         v = v_cache[ids].reshape(S, chunk, hkv, D).astype(jnp.float32)
         s = jnp.einsum("skgd,sckd->skgc", qg, k)
-        pos = c * chunk + jnp.arange(chunk)
-        s = jnp.where(pos[None, None, None, :] < kv_lens[:, None, None, None], s, NEG)
+        pos = start[:, None] + c * chunk + jnp.arange(chunk)[None, :]
+        s = jnp.where((pos < kv_lens[:, None])[:, None, None, :], s, NEG)
         m_new = jnp.maximum(m, s.max(-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
@@ -75,11 +80,35 @@ def _last_token_attention(q_last, k_cache, v_cache, kv_lens, block_tables, sm_sc
         acc = acc * alpha[..., None] + jnp.einsum("skgc,sckd->skgd", p, v)
         return m_new, l, acc
 
-    init = (jnp.full((S, hkv, Hq // hkv), NEG), jnp.zeros((S, hkv, Hq // hkv)),
-            jnp.zeros((S, hkv, Hq // hkv, D)))
-    m, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]
-    return out.reshape(S, Hq, D)
+    return jax.lax.fori_loop(0, n_chunks, body, init)
+
+
+def _shared_prefix_attention(qg, k_cache, v_cache, shared_blocks, shared_len, member, cb):
+    """Cascade step for a prefix many sequences hold in the same blocks (a shared system
+    prompt): its KV is gathered ONCE and every member's query meets it in one product with
+    S*G rows per KV head, instead of each sequence re-reading the same blocks."""
+    S, hkv, g, D = qg.shape
+    bs = k_cache.shape[1]
+    chunk = cb * bs
+    n_chunks = (shared_len + chunk - 1) // chunk
+
+    def body(c, carry):
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(shared_blocks, c * cb, cb)  # [CB]
+        k = k_cache[ids].reshape(chunk, hkv, D).astype(jnp.float32)
+        v = v_cache[ids].reshape(chunk, hkv, D).astype(jnp.float32)
+        s = jnp.einsum("skgd,ckd->skgc", qg, k)
+        pos = c * chunk + jnp.arange(chunk)
+        visible = (pos[None, :] < shared_len) & member[:, None]  # [S, C]
+        s = jnp.where(visible[:, None, None, :], s, NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + jnp.einsum("skgc,ckd->skgd", p, v)
+        return m_new, l, acc
+
+    return jax.lax.fori_loop(0, n_chunks, body, _online_init(S, hkv, g, D))
 
 
 def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm_scale, cb, qt):
@@ -138,16 +167,22 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
 @partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "q_tile"))
 def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
                                block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array,
-                               *, sm_scale: float, kv_chunk_blocks: int = 8, q_tile: int = 32) -> jax.Array:
+                               *, sm_scale: float, kv_chunk_blocks: int = 8, q_tile: int = 32,
+                               shared: "SharedPrefix | None" = None) -> jax.Array:
     """q [T,Hq,D]; caches [NB,BS,Hkv,D]; kv_lens [S]; block_tables [S,MB]; query_start_loc [S+1];
     num_seqs [1]. Returns [T,Hq,D] in q.dtype; padding rows are 0. See pallas_kernels.paged_attention
-    for the full contract."""
-    T = q.shape[0]
+    for the full contract. `shared` (optional) names blocks several sequences share at the start
+    of their tables; the last-token path then reads them once for all (cascade attention)."""
+    T, Hq, D = q.shape
     S, mb = block_tables.shape
+    hkv = k_cache.shape[2]
     cb = min(kv_chunk_blocks, mb)
     pad = (-mb) % cb
-    if pad:  # the chunk loop slices whole chunks of the table
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+
+    def padded(t):  # the chunk loops slice whole chunks of a table
+        return jnp.pad(t, [(0, 0)] * (t.ndim - 1) + [(0, pad)]) if pad else t
+
+    block_tables = padded(block_tables)
     n = num_seqs.reshape(())
     live = jnp.arange(S) < n
     kv_lens = jnp.where(live, kv_lens, 0)
@@ -155,9 +190,32 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     has_query = live & (q_len > 0)
 
     last = jnp.clip(query_start_loc[1:] - 1, 0, T - 1)
-    out_last = _last_token_attention(q[last], k_cache, v_cache, jnp.where(has_query, kv_lens, 0),
-                                     block_tables, sm_scale, cb)
+    qg = q[last].reshape(S, hkv, Hq // hkv, D).astype(jnp.float32) * sm_scale
+    a_lens = jnp.where(has_query, kv_lens, 0)
+    if shared is None:
+        partials = _last_token_attention(qg, k_cache, v_cache, a_lens, block_tables, jnp.zeros_like(a_lens), cb,
+                                         _online_init(S, hkv, Hq // hkv, D))
+    else:
+        member = (shared.suffix_start > 0) & has_query
+        init = _shared_prefix_attention(qg, k_cache, v_cache, padded(shared.blocks), shared.length.reshape(()),
+                                        member, cb)
+        start = jnp.where(member, shared.suffix_start, 0)
+        partials = _last_token_attention(qg, k_cache, v_cache, a_lens, padded(shared.suffix_tables), start, cb,
+                                         init)
+    m, l, acc = partials
+    out_last = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(S, Hq, D)
     out = _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, n, sm_scale, cb,
                          min(q_tile, T))
     out = out.at[jnp.where(has_query, last, T)].set(out_last, mode="drop")
     return out.astype(q.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Leading blocks shared by several sequences of a step (chosen on the host)."""
+
+    blocks: jax.Array         # [MB] int32 the shared block ids, 0-padded
+    length: jax.Array         # [1] int32 shared tokens (whole blocks); 0 = none
+    suffix_start: jax.Array   # [S] int32 = length for members, 0 for the others
+    suffix_tables: jax.Array  # [S, MB] int32 members' tables after the shared blocks; others unchanged

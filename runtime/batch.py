@@ -14,6 +14,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from runtime.attention import SharedPrefix
 from runtime.sampling import SamplingInputs
 
 # penalty-state kinds for input tokens
@@ -37,6 +38,7 @@ class StepInput:
     reset_rows: jax.Array       # [S] bool clear that row's penalty state before this step
     sample_mask: jax.Array      # [S] bool the sampled token is kept (chunk reached the end)
     sampling: SamplingInputs    # per-sequence sampling parameters, [S] each
+    shared: SharedPrefix        # leading blocks many sequences share (cascade attention)
 
 
 @dataclass
@@ -101,8 +103,35 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
     sample_mask = np.zeros(S, bool)
     sample_mask[:n] = np.fromiter((sq.sample for sq in seqs), bool, n)
     sampling = make_sampling_inputs([sq.sampling_row for sq in seqs], S)
+    shared = choose_shared_prefix(tables, nblocks, kv_lens, n, block_size)
     return StepInput(token_ids, positions, slots, kind, token_row, qsl, kv_lens, tables,
-                     np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, sampling)
+                     np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, sampling, shared)
+
+
+def choose_shared_prefix(tables: np.ndarray, nblocks: np.ndarray, kv_lens: np.ndarray, n: int,
+                         block_size: int) -> SharedPrefix:
+    """The run of leading blocks held by the most sequences (prefix-cache hits on a common
+    system prompt put the very same block ids there). Empty unless at least two share one."""
+    S, mb = tables.shape
+    blocks = np.zeros(mb, np.int32)
+    start = np.zeros(S, np.int32)
+    suffix = tables
+    have = np.flatnonzero(nblocks[:n] > 0)
+    if len(have) >= 2:
+        firsts, counts = np.unique(tables[have, 0], return_counts=True)
+        if counts.max() >= 2:
+            members = have[tables[have, 0] == firsts[counts.argmax()]]
+            limit = int(min(nblocks[members].min(), (kv_lens[members] // block_size).min()))
+            same = (tables[members, :limit] == tables[members[0], :limit]).all(axis=0)
+            length = int(np.cumprod(same).sum())
+            if length:
+                blocks[:length] = tables[members[0], :length]
+                start[members] = length * block_size
+                suffix = tables.copy()
+                suffix[members] = np.concatenate(
+                    [tables[members, length:], np.zeros((len(members), length), np.int32)], axis=1)
+                return SharedPrefix(blocks, np.array([length * block_size], np.int32), start, suffix)
+    return SharedPrefix(blocks, np.zeros(1, np.int32), start, suffix)
 
 
 def describe(inp: StepInput) -> dict[str, tuple[int, ...]]:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from runtime.attention import write_kv, xla_ragged_paged_attention
+from runtime.attention import SharedPrefix, write_kv, xla_ragged_paged_attention
 from runtime.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from runtime.models.llama import Params, forward_hidden, lm_head
@@ -109,8 +109,13 @@ def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params
         k_cache, v_cache = cache
         slots = jnp.where(inp.slot_mapping >= 0, inp.slot_mapping + layer * num_blocks * bs, -1)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots)
-        out = attention(q, k_cache, v_cache, inp.kv_lens, inp.block_tables + layer * num_blocks,
-                        inp.query_start_loc, inp.num_seqs, sm_scale=sm_scale)
+        base = layer * num_blocks
+        kw = {}
+        if attention is xla_ragged_paged_attention:  # the Pallas kernel reads shared blocks per sequence
+            sh = inp.shared
+            kw["shared"] = SharedPrefix(sh.blocks + base, sh.length, sh.suffix_start, sh.suffix_tables + base)
+        out = attention(q, k_cache, v_cache, inp.kv_lens, inp.block_tables + base,
+                        inp.query_start_loc, inp.num_seqs, sm_scale=sm_scale, **kw)
         return out, (k_cache, v_cache)
 
     hidden, kv = forward_hidden(cfg, params, inp.token_ids, inp.positions, paged_attention, kv)

@@ -195,12 +195,15 @@ class Scheduler:
         p = self.policy
         watermark_blocks = math.ceil(p.watermark * self.pool.num_blocks)
         outstanding = self._reserved_growth() if p.admission_mode == "reserve" else 0
+        pending = self._pending_prefix_blocks()
         while (budget > 0 and len(self.running) < max_seqs and len(out.scheduled) < max_seqs
                and out.num_admitted < p.max_admissions_per_step):
             req = self._peek_waiting()
             if req is None or not self.free_rows:
                 return
             hits = self._prefix_hits(req)
+            if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in pending:
+                return  # a running request is computing this prompt's next blocks: wait, then hit them
             cached = len(hits) * self.bs
             n = self._chunk(req, cached, budget)
             revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
@@ -221,9 +224,24 @@ class Scheduler:
             if p.admission_mode == "reserve":
                 outstanding += self.blocks_for(req.max_total_tokens()) - len(req.block_ids)
             self._start(req, cached)
+            pending.update(req.block_hashes[len(hits):len(req.prompt_ids) // self.bs])
             out.scheduled.append((req, n))
             out.num_admitted += 1
             budget -= n
+
+    def _pending_prefix_blocks(self) -> set:
+        """Hashes of full prompt blocks that running requests are still prefilling. A waiting
+        request whose next block is among them is held back a step or two rather than
+        computing a second copy (a burst of requests with one system prompt would otherwise
+        prefill it once per request admitted in the first step)."""
+        if not self.cache.enable_prefix_cache:
+            return set()
+        pending: set = set()
+        for r in self.running:
+            if r.num_computed_tokens < len(r.prompt_ids):
+                r.extend_block_hashes(self.bs)
+                pending.update(r.block_hashes[r.num_computed_tokens // self.bs:len(r.prompt_ids) // self.bs])
+        return pending
 
     def _requeue_front(self, req: Request) -> None:
         (self.resumed if req.status is Status.PREEMPTED else self.waiting[req.priority]).appendleft(req)

@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -47,4 +48,23 @@ def test_xla_path_matches_pallas_reference():
                                                 pad_tokens=3)))
     want = np.asarray(ref_ragged_paged_attention(*batch, sm_scale=0.3))
     got = np.asarray(xla_ragged_paged_attention(*batch, sm_scale=0.3, kv_chunk_blocks=2, q_tile=4))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_shared_prefix_cascade_matches_oracle():
+    from runtime.batch import choose_shared_prefix
+
+    rng = np.random.default_rng(11)
+    q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, [1, 1, 5, 1, 1], [70, 40, 52, 33, 20], hq=6, hkv=2,
+                                                   pad_seqs=1, mb=6)
+    tables[1, :2] = tables[0, :2]  # seqs 0, 1, 2 hold the same two leading blocks (a shared prompt)
+    tables[2, :2] = tables[0, :2]
+    tables[3, 0] = tables[0, 0]    # seq 3 shares only the first block: the run stops at one
+    nblocks = np.array([5, 3, 4, 3, 2, 0])
+    shared = choose_shared_prefix(tables, nblocks, kvl, 5, 16)
+    assert int(shared.length[0]) == 16 and list(shared.suffix_start) == [16, 16, 16, 16, 0, 0]
+    want = oracle(q, kc, vc, kvl, tables, qsl, ns, 0.25)
+    got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, (q, kc, vc, kvl, tables, qsl, ns)),
+                                                sm_scale=0.25, kv_chunk_blocks=2, q_tile=4,
+                                                shared=jax.tree_util.tree_map(jnp.asarray, shared)))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

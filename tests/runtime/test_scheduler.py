@@ -126,3 +126,15 @@ def test_too_long_rejected_at_once():
     except ValueError as exc:
         assert "can never fit" in str(exc)
     assert s.counters.rejections == {"too_long": 1}
+
+
+def test_burst_with_one_prompt_prefills_it_once():
+    s = make(num_blocks=64, budget=128, max_admissions_per_step=8)
+    a, b, c = (req(x, 40, max_tokens=4) for x in "abc")  # same 40-token prompt: 2 full blocks
+    for r in (a, b, c):
+        s.add(r)
+    out = step(s)
+    assert [r.request_id for r, _ in out.scheduled] == ["a"]  # b and c wait for a's blocks
+    out = step(s)
+    assert {r.request_id: n for r, n in out.scheduled} == {"a": 1, "b": 8, "c": 8}
+    assert b.num_cached_tokens == c.num_cached_tokens == 32
