@@ -34,14 +34,12 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     return kf.reshape(k_cache.shape), vf.reshape(v_cache.shape)
 
 
-def _online_update(m, l, acc, s, vals):
-    """One online-softmax step. s [..., R, C] scores, vals [..., C, D]."""
+def _online_update(m, l, acc, s, pv):
+    """One online-softmax step: s [..., R, C] scores; pv(p) -> [..., R, D] the weighted values."""
     m_new = jnp.maximum(m, s.max(-1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[..., None])
-    l = l * alpha + p.sum(-1)
-    acc = acc * alpha[..., None] + jnp.einsum("...rc,...cd->...rd", p, vals)
-    return m_new, l, acc
+    return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv(p)
 
 
 def _gather_chunk(cache: jax.Array, block_ids: jax.Array) -> jax.Array:
@@ -73,12 +71,7 @@ def _last_token_attention(qg, k_cache, v_cache, kv_lens, block_tables, start, cb
         s = jnp.einsum("skgd,sckd->skgc", qg, k)
         pos = start[:, None] + c * chunk + jnp.arange(chunk)[None, :]
         s = jnp.where((pos < kv_lens[:, None])[:, None, None, :], s, NEG)
-        m_new = jnp.maximum(m, s.max(-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum("skgc,sckd->skgd", p, v)
-        return m_new, l, acc
+        return _online_update(m, l, acc, s, lambda p: jnp.einsum("skgc,sckd->skgd", p, v))
 
     return jax.lax.fori_loop(0, n_chunks, body, init)
 
@@ -101,12 +94,7 @@ def _shared_prefix_attention(qg, k_cache, v_cache, shared_blocks, shared_len, me
         pos = c * chunk + jnp.arange(chunk)
         visible = (pos[None, :] < shared_len) & member[:, None]  # [S, C]
         s = jnp.where(visible[:, None, None, :], s, NEG)
-        m_new = jnp.maximum(m, s.max(-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum("skgc,ckd->skgd", p, v)
-        return m_new, l, acc
+        return _online_update(m, l, acc, s, lambda p: jnp.einsum("skgc,ckd->skgd", p, v))
 
     return jax.lax.fori_loop(0, n_chunks, body, _online_init(S, hkv, g, D))
 
@@ -150,7 +138,7 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
             sc = jnp.einsum("krd,kcd->krc", qg, k)
             pos = c * chunk + jnp.arange(chunk)
             sc = jnp.where(pos[None, None, :] <= row_pos[None, :, None], sc, NEG)
-            return _online_update(m, l, acc, sc, v)
+            return _online_update(m, l, acc, sc, lambda p: jnp.einsum("krc,kcd->krd", p, v))
 
         init = (jnp.full((hkv, qt * g), NEG), jnp.zeros((hkv, qt * g)), jnp.zeros((hkv, qt * g, D)))
         m, l, acc = jax.lax.fori_loop(0, n_chunks, kv_body, init)
