@@ -107,7 +107,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
 def cmd_render(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from runtime.bench.report import render_benchmarks
+    from runtime.bench.benchmarks_md import render_benchmarks
 
     if not Path(args.results).is_dir():
         return _err(f"results: {args.results} is not a directory")

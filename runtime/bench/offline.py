@@ -261,7 +261,8 @@ def loadavg() -> float | None:
 def run_offline(args: argparse.Namespace) -> int:
     import json
 
-    from runtime.bench.report import machine_info, write_json
+    from runtime.bench.benchmarks_md import machine_info
+    from runtime.bench.report import write_json
 
     parts = PARTS if args.part == "all" else (args.part,)
     result: dict[str, Any] = {}

@@ -14,7 +14,8 @@ import pytest
 from runtime.bench import loadgen, report
 from runtime.bench.loadgen import LoadConfig, RequestRecord, build_workload
 from runtime.bench.offline import bench_host
-from runtime.bench.report import build_report, percentile, render_benchmarks, summarize
+from runtime.bench.benchmarks_md import render_benchmarks
+from runtime.bench.report import build_report, percentile, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
