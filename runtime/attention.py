@@ -164,7 +164,9 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     T, Hq, D = q.shape
     S, mb = block_tables.shape
     hkv = k_cache.shape[2]
-    cb = min(kv_chunk_blocks, mb)
+    # Few sequences: bigger chunks mean fewer loop trips (each trip's fixed cost dominates at
+    # batch 1); many sequences: small chunks keep each gathered chunk in cache.
+    cb = min(kv_chunk_blocks if S >= 16 else 4 * kv_chunk_blocks, mb)
     pad = (-mb) % cb
 
     def padded(t):  # the chunk loops slice whole chunks of a table
@@ -192,8 +194,13 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
                                          init)
     m, l, acc = partials
     out_last = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(S, Hq, D)
-    out = _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, n, sm_scale, cb,
-                         min(q_tile, T))
+    # A pure decode step (every sequence one token) leaves path B without work: skip even
+    # its setup (real control flow on CPU).
+    out = jax.lax.cond(
+        jnp.any(live & (q_len > 1)),
+        lambda: _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, n, sm_scale, cb,
+                               min(q_tile, T)),
+        lambda: jnp.zeros((T, Hq, D), jnp.float32))
     out = out.at[jnp.where(has_query, last, T)].set(out_last, mode="drop")
     return out.astype(q.dtype)
 

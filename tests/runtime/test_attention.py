@@ -68,3 +68,13 @@ def test_shared_prefix_cascade_matches_oracle():
                                                 sm_scale=0.25, kv_chunk_blocks=2, q_tile=4,
                                                 shared=jax.tree_util.tree_map(jnp.asarray, shared)))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_mixed_step_with_as_many_tokens_as_slots():
+    """T == S does not mean decode-only: a padded slot can leave room for a 2-token chunk."""
+    rng = np.random.default_rng(5)
+    batch = random_batch(rng, [1, 1, 2], [9, 30, 18], hq=4, hkv=2, pad_seqs=1)
+    assert batch[0].shape[0] == batch[4].shape[0] == 4  # T == S == 4
+    want = oracle(*batch, sm_scale=0.25)
+    got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, batch), sm_scale=0.25))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
