@@ -2,20 +2,23 @@
 
 `StepInput` holds only arrays (a registered pytree dataclass), padded to a compiled
 (num_seqs, num_tokens) bucket; `build_step_input` fills it from the scheduler's plan
-with numpy on the host.
+with numpy on the host. `step_row` is the one place a request becomes a row of a step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import jax
 import numpy as np
 
 from runtime.attention import SharedPrefix
 from runtime.sampling import SamplingInputs
+
+if TYPE_CHECKING:
+    from runtime.request import Request
 
 # penalty-state kinds for input tokens
 TOKEN_PAD, TOKEN_PROMPT, TOKEN_OUTPUT = 0, 1, 2
@@ -25,6 +28,7 @@ TOKEN_PAD, TOKEN_PROMPT, TOKEN_OUTPUT = 0, 1, 2
 @dataclass(frozen=True)
 class StepInput:
     token_ids: jax.Array        # [T] int32 flattened tokens of all scheduled sequences, padded
+    token_from_state: jax.Array # [T] bool  the token is the row's last sampled one, still on device
     positions: jax.Array        # [T] int32 absolute position of each token
     slot_mapping: jax.Array     # [T] int32 KV slot (block * block_size + offset); -1 = padding
     token_kind: jax.Array       # [T] int32 TOKEN_PAD | TOKEN_PROMPT | TOKEN_OUTPUT (penalty state)
@@ -54,6 +58,24 @@ class ScheduledSeq:
     sample: bool
     sampling_row: object         # runtime.sampling row for make_sampling_inputs
     count_from: int = 0          # tokens before this offset are already in the penalty state
+    pending_last: bool = False   # the last token is pending: the device reads it from its state row
+
+
+def step_row(req: "Request", n: int) -> ScheduledSeq:
+    """Request -> its row in the next step: `n` tokens from `num_computed_tokens`. Called once
+    per scheduled request (it advances the request's penalty bookkeeping)."""
+    from runtime.sampling import SamplingRow
+
+    start = req.num_computed_tokens
+    known = req.token_ids[start:start + n]
+    pending = len(known) < n  # the tail is the token sampled by the step still in flight
+    seq = ScheduledSeq(
+        token_ids=known + [0] * (n - len(known)), start_pos=start, block_ids=req.block_ids,
+        prompt_len=req.num_prompt_tokens, state_row=req.state_row, reset_row=req.needs_row_reset,
+        sample=start + n == req.num_tokens, sampling_row=SamplingRow(req.params, req.num_output_tokens),
+        count_from=max(0, req.row_counted_upto - start), pending_last=pending)
+    req.row_counted_upto = max(req.row_counted_upto, start + n)
+    return seq
 
 
 def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tokens_bucket: int,
@@ -82,6 +104,10 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
 
     token_ids = np.zeros(T, np.int32)
     token_ids[:t] = np.fromiter((x for sq in seqs for x in sq.token_ids), np.int32, t)
+    from_state = np.zeros(T, bool)
+    pending = np.fromiter((sq.pending_last for sq in seqs), bool, n)
+    if pending.any():
+        from_state[qsl[1:n + 1][pending] - 1] = True
     positions = np.zeros(T, np.int32)
     positions[:t] = pos
     slots = np.full(T, -1, np.int32)
@@ -104,7 +130,7 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
     sample_mask[:n] = np.fromiter((sq.sample for sq in seqs), bool, n)
     sampling = make_sampling_inputs([sq.sampling_row for sq in seqs], S)
     shared = choose_shared_prefix(tables, nblocks, kv_lens, n, block_size)
-    return StepInput(token_ids, positions, slots, kind, token_row, qsl, kv_lens, tables,
+    return StepInput(token_ids, from_state, positions, slots, kind, token_row, qsl, kv_lens, tables,
                      np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, sampling, shared)
 
 

@@ -264,3 +264,4 @@ class EngineConfig:
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     attention_backend: str = "auto"  # auto | xla | pallas
     dtype: str = "float32"
+    async_scheduling: bool = True    # plan and launch step N+1 while step N runs on the device

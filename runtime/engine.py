@@ -1,8 +1,17 @@
 """The engine: `add_request` / `abort` / `step()`.
 
-`LLMEngine.step()` is the whole loop body: take pending aborts and policy changes, ask
-the scheduler for a plan, run the jitted step, commit tokens, and emit each request's
-output (token ids, text delta, finish reason, usage) through its callback. `AsyncEngine`
+Where a request is at any moment:
+  waiting   in `scheduler.waiting` (or `scheduler.resumed` after a preemption), no blocks;
+  running   in `scheduler.running`, holding blocks; its `num_computed_tokens` include the
+            tokens of a launched step, and a token that step sampled is *pending* until
+            read back (`Request.num_pending`);
+  finished  dropped from the scheduler, blocks returned, final output delivered.
+
+`LLMEngine.step()` is one beat of a two-stage pipeline (async scheduling): take aborts and
+policy changes, plan step N+1 and launch it -- the device reads each decode row's input
+token from its own state, so the host need not know step N's tokens -- then read step N
+back: tokens, stop checks, incremental text, outputs to each request's callback. The host
+work of a beat thus overlaps the device's work on N+1. `AsyncEngine`
 (runtime/async_engine.py) runs it on a background thread that owns the device.
 """
 
@@ -18,14 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from runtime.batch import ScheduledSeq
+from runtime.batch import step_row
 from runtime.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
 from runtime.metrics import EngineMetrics, StepSample
-from runtime.model_runner import ModelRunner, compilations
+from runtime.model_runner import ModelRunner, StepHandle, compilations
 from runtime.request import Request, Status
-from runtime.sampling import SamplingParams, SamplingRow
-from runtime.scheduler import Overloaded, Scheduler
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Overloaded, Scheduler, SchedulerOutput
 from runtime.snapshot import EngineSnapshot, take_snapshot
 from runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
 
@@ -53,6 +62,15 @@ class AuditEntry:
     time: float
     who: str
     changes: dict[str, tuple[Any, Any]]  # field -> (old, new)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A launched step: its rows (request, samples a token?) in row order, and its outputs."""
+    rows: list[tuple[Request, bool]]
+    handle: StepHandle
+    num_tokens: int
+    launched_at: float                  # perf_counter
 
 
 @dataclass(eq=False)
@@ -85,6 +103,10 @@ class LLMEngine:
         # Output callbacks outlive _finish (which drops the tracked entry) until delivered.
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self._pending_policy: AdmissionPolicy | None = None
+        # Async scheduling: the step launched last and not read back yet (see step()).
+        self.async_scheduling = config.async_scheduling
+        self._inflight: _InFlight | None = None
+        self._last_read_back = 0.0
         self.audit: list[AuditEntry] = []
         self._rng = random.Random()
         self._ids = itertools.count()
@@ -155,8 +177,9 @@ class LLMEngine:
             self._aborts.append(request_id)
 
     def has_unfinished(self) -> bool:
+        """Requests not finished yet, or a launched step not read back."""
         with self.lock:
-            return bool(self._tracked)
+            return bool(self._tracked) or self._inflight is not None
 
     # --- live policy -------------------------------------------------------------------------
     @property
@@ -182,54 +205,77 @@ class LLMEngine:
 
     # --- the loop body -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        """One beat: plan and launch step N+1 while step N runs on the device, then read
+        step N back (tokens, stops, text). Without async scheduling N+1 is read at once."""
         outputs: list[RequestOutput] = []
         with self.lock:
             self._apply_boundary(outputs)
-            plan = self.scheduler.schedule()
-            if not plan.scheduled:
+            launched = self._launch(self.scheduler.schedule(), outputs)
+            done, self._inflight = (self._inflight, launched) if self.async_scheduling else (launched, None)
+            if done is None:
                 self._refresh_gauges()
-                self._deliver(outputs)
-                return outputs
-            seqs = [self._scheduled_seq(r, n) for r, n in plan.scheduled]
-            s_b, t_b = self.envelope.bucket_for(len(seqs), plan.num_batched_tokens)
+        if done is not None:
+            self._read_back(done, outputs)
+        self._deliver(outputs)
+        return outputs
+
+    def _launch(self, plan: SchedulerOutput, outputs: list[RequestOutput]) -> _InFlight | None:
+        """Plan -> step rows -> device; the plan's tokens count as computed from here on."""
+        if not plan.scheduled:
+            return None
+        seqs = [step_row(req, n) for req, n in plan.scheduled]
         try:
-            result = self.runner.run(seqs, s_b, t_b)
+            handle = self.runner.launch(seqs, *self.envelope.bucket_for(len(seqs), plan.num_batched_tokens))
         except Exception as exc:  # noqa: BLE001 -- one bad step must not kill the loop
-            log.exception("engine step failed; failing its %d requests", len(plan.scheduled))
+            self._fail([req for req, _ in plan.scheduled], exc, outputs)
+            return None
+        now = time.monotonic()
+        rows = []
+        for req, n in plan.scheduled:
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.metrics.prompt_tokens.inc(min(n, req.num_prompt_tokens - req.num_computed_tokens))
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                self.metrics.queue_time.observe(now - req.arrival_time)
+            rows.append((req, self.scheduler.commit(req, n)))
+        return _InFlight(rows, handle, plan.num_batched_tokens, time.perf_counter())
+
+    def _read_back(self, done: _InFlight, outputs: list[RequestOutput]) -> None:
+        """Wait for a launched step (outside the lock: the web thread keeps adding requests),
+        then hand each sampled token to its request."""
+        try:
+            result = done.handle.result()
+        except Exception as exc:  # noqa: BLE001 -- the device step failed
             with self.lock:
-                if self.runner.recover():
-                    self.scheduler.preempt_all()
-                    self.pool.reset_prefix_cache()
-                for req, _ in plan.scheduled:
-                    if not req.is_finished:
-                        outputs.append(self._finish(req, "error", error=f"engine step failed: {exc}"))
-            self._deliver(outputs)
-            return outputs
+                later = [req for req, _ in self._inflight.rows] if self._inflight else []
+                self._inflight = None  # it was launched from the failed step's state
+                self._fail([req for req, _ in done.rows] + later, exc, outputs)
+            return
         with self.lock:
             now = time.monotonic()
             new_tokens = 0
-            for i, (req, n) in enumerate(plan.scheduled):
-                if req.is_finished:
-                    continue  # aborted while the device ran
-                is_prompt = req.num_computed_tokens < len(req.prompt_ids)
-                if is_prompt:
-                    self.metrics.prompt_tokens.inc(min(n, len(req.prompt_ids) - req.num_computed_tokens))
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                    self.metrics.queue_time.observe(now - req.arrival_time)
-                if self.scheduler.commit(req, n):
+            for i, (req, sampled) in enumerate(done.rows):
+                if sampled and not req.is_finished:  # (a request aborted or stopped meanwhile drops it)
                     new_tokens += 1
                     out = self._append_token(req, result, i, now)
                     if out is not None:
                         outputs.append(out)
             self.metrics.generation_tokens.inc(new_tokens)
-            dt = time.perf_counter() - t0
+            t = time.perf_counter()
+            dt = t - max(done.launched_at, self._last_read_back)  # the pipeline's beat
+            self._last_read_back = t
             self.metrics.step_time.observe(dt)
-            self.metrics.step_tokens.observe(plan.num_batched_tokens)
-            self._refresh_gauges(dt, plan.num_batched_tokens, new_tokens)
-        self._deliver(outputs)
-        return outputs
+            self.metrics.step_tokens.observe(done.num_tokens)
+            self._refresh_gauges(dt, done.num_tokens, new_tokens)
+
+    def _fail(self, reqs: list[Request], exc: Exception, outputs: list[RequestOutput]) -> None:
+        log.error("engine step failed; failing its %d requests: %s", len(reqs), exc, exc_info=exc)
+        if self.runner.recover():  # the donated KV cache is gone: everyone running recomputes
+            self.scheduler.preempt_all()
+            self.pool.reset_prefix_cache()
+        for req in reqs:
+            if not req.is_finished:
+                outputs.append(self._finish(req, "error", error=f"engine step failed: {exc}"))
 
     def _apply_boundary(self, outputs: list[RequestOutput]) -> None:
         if self._pending_policy is not None:
@@ -241,20 +287,9 @@ class LLMEngine:
             if t is not None and not t.req.is_finished:
                 outputs.append(self._finish(t.req, "abort"))
 
-    def _scheduled_seq(self, req: Request, n: int) -> ScheduledSeq:
-        start = req.num_computed_tokens
-        seq = ScheduledSeq(
-            token_ids=req.all_token_ids[start:start + n], start_pos=start, block_ids=req.block_ids,
-            prompt_len=len(req.prompt_ids), state_row=req.state_row, reset_row=req.needs_row_reset,
-            sample=start + n == req.num_tokens, sampling_row=SamplingRow(req.params, len(req.output_ids)),
-            count_from=max(0, req.row_counted_upto - start))
-        req.row_counted_upto = max(req.row_counted_upto, start + n)
-        return seq
-
     def _append_token(self, req: Request, result: dict, i: int, now: float) -> RequestOutput | None:
         tok = int(result["token_ids"][i])
-        req.output_ids.append(tok)
-        req.row_counted_upto = req.num_tokens  # the device counted the sampled token
+        self.scheduler.append_token(req, tok)
         if req.params.logprobs is not None:
             k = req.params.logprobs
             top = [(int(a), float(b)) for a, b in zip(result["top_ids"][i][:k], result["top_logprobs"][i][:k])]
@@ -283,7 +318,8 @@ class LLMEngine:
                     reason, stop_reason, text_end = "stop", s, idx
             hold = 0 if reason else max(len(s) for s in p.stop) - 1
             text_end = text_end if reason else max(t.emitted, len(t.detok.text) - hold)
-        if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.envelope.max_model_len):
+        generated = len(req.token_ids) - req.num_prompt_tokens  # (a token still pending is dropped)
+        if reason is None and (generated >= p.max_tokens or len(req.token_ids) >= self.envelope.max_model_len):
             reason = "length"
             text_end = len(t.detok.text)
         if reason is not None:
@@ -295,8 +331,8 @@ class LLMEngine:
         text = t.detok.text[t.emitted:text_end] if text_end > t.emitted else ""
         t.emitted = max(t.emitted, text_end)
         lp = req.logprobs[-len(ids):] if (req.params.logprobs is not None and ids) else []
-        return RequestOutput(req.request_id, ids, text, prompt_tokens=len(req.prompt_ids),
-                             completion_tokens=len(req.output_ids), cached_tokens=max(req.num_cached_tokens, 0),
+        return RequestOutput(req.request_id, ids, text, prompt_tokens=req.num_prompt_tokens,
+                             completion_tokens=len(req.token_ids) - req.num_prompt_tokens, cached_tokens=max(req.num_cached_tokens, 0),
                              logprobs=lp, **kw)
 
     def _finish(self, req: Request, reason: str, *, stop_reason: Any = None, error: str | None = None,

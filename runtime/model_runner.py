@@ -24,11 +24,12 @@ from runtime.attention import SharedPrefix, write_kv, xla_ragged_paged_attention
 from runtime.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from runtime.models.llama import Params, forward_hidden, lm_head
-from runtime.sampling import SampleOutput, sample
+from runtime.sampling import SampleOutput, penalties_on, sample
 
 log = logging.getLogger(__name__)
 NUM_LOGPROBS = 20  # always computed, so one program serves requests with and without logprobs
 STEP_FN_NAME = "pagedjax_step"
+KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 _compile_lock = threading.Lock()
 _compilations: dict[str, int] = {}
@@ -88,9 +89,14 @@ def select_attention(backend: str) -> Callable[..., jax.Array]:
 
 
 def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params, kv: tuple,
-          penalty: tuple, inp: StepInput) -> tuple[tuple, tuple, SampleOutput]:
-    counts, prompt_mask = penalty
+          rows: tuple, inp: StepInput) -> tuple[tuple, tuple, SampleOutput]:
+    """rows = (counts [R, V] i32, prompt_mask [R, V] bool, last_token [R] i32): per-request
+    device state, row R-1 being scratch for padding."""
+    counts, prompt_mask, last_token = rows
     scratch = counts.shape[0] - 1
+    # A decode row whose input is the token the previous (still unread) step sampled reads
+    # it here: the host launches step N+1 without waiting for step N's tokens.
+    token_ids = jnp.where(inp.token_from_state, last_token[inp.token_row], inp.token_ids)
     # Penalty state: clear rows taken by new requests, then record this step's input tokens.
     # Scatter only the reset rows (a where over the whole [rows, vocab] state would read and
     # write all of it every step: ~3 ms of a 30 ms batch-1 step for SmolLM2).
@@ -98,9 +104,9 @@ def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params
     counts = counts.at[reset_at].set(0, mode="drop")
     prompt_mask = prompt_mask.at[reset_at].set(False, mode="drop")
     prompt_rows = jnp.where(inp.token_kind == TOKEN_PROMPT, inp.token_row, scratch)
-    prompt_mask = prompt_mask.at[prompt_rows, inp.token_ids].set(True)
+    prompt_mask = prompt_mask.at[prompt_rows, token_ids].set(True)
     out_rows = jnp.where(inp.token_kind == TOKEN_OUTPUT, inp.token_row, scratch)
-    counts = counts.at[out_rows, inp.token_ids].add(1)
+    counts = counts.at[out_rows, token_ids].add(1)
 
     bs = kv[0].shape[1]
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -118,13 +124,36 @@ def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params
                         inp.query_start_loc, inp.num_seqs, sm_scale=sm_scale, **kw)
         return out, (k_cache, v_cache)
 
-    hidden, kv = forward_hidden(cfg, params, inp.token_ids, inp.positions, paged_attention, kv)
+    hidden, kv = forward_hidden(cfg, params, token_ids, inp.positions, paged_attention, kv)
     logits = lm_head(cfg, params, hidden[inp.logits_indices])
-    out = sample(logits, inp.sampling, counts[inp.state_rows], prompt_mask[inp.state_rows],
-                 num_logprobs=NUM_LOGPROBS)
+    # The [S, V] penalty state is gathered only when some row uses penalties.
+    out = jax.lax.cond(
+        penalties_on(inp.sampling),
+        lambda: sample(logits, inp.sampling, counts[inp.state_rows], prompt_mask[inp.state_rows],
+                       num_logprobs=NUM_LOGPROBS, only_if_asked=True),
+        lambda: sample(logits, inp.sampling, None, None, num_logprobs=NUM_LOGPROBS, only_if_asked=True))
     kept_rows = jnp.where(inp.sample_mask, inp.state_rows, scratch)
     counts = counts.at[kept_rows, out.token_ids].add(1)
-    return kv, (counts, prompt_mask), out
+    last_token = last_token.at[kept_rows].set(out.token_ids)
+    return kv, (counts, prompt_mask, last_token), out
+
+
+class StepHandle:
+    """A launched step's outputs, still on (or coming back from) the device."""
+
+    def __init__(self, out: SampleOutput, num_rows: int):
+        self._out, self.num_rows = out, num_rows
+        self._host: dict[str, np.ndarray] | None = None
+
+    def result(self) -> dict[str, np.ndarray]:
+        """Blocks until the device has finished the step; host arrays of the real rows."""
+        if self._host is None:
+            host = jax.device_get(self._out)
+            n = self.num_rows
+            self._host = {"token_ids": np.asarray(host.token_ids)[:n], "logprobs": np.asarray(host.logprobs)[:n],
+                          "top_ids": np.asarray(host.top_ids)[:n], "top_logprobs": np.asarray(host.top_logprobs)[:n]}
+            self._out = None
+        return self._host
 
 
 class ModelRunner:
@@ -135,11 +164,15 @@ class ModelRunner:
             tune_cpu_allocator()
         self.params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
         self.max_blocks_per_seq = -(-sched.max_model_len // cache.block_size)
-        kv_dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(cache.kv_dtype, jnp.float32)
+        if cache.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {cache.kv_dtype!r} is not supported by the runner "
+                             f"(supported: {', '.join(KV_DTYPES)})")
+        kv_dtype = KV_DTYPES[cache.kv_dtype]
         shape = (cfg.num_layers * cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
         rows = sched.max_num_seqs + 1  # last row is scratch for padding
-        self.penalty = (jnp.zeros((rows, cfg.vocab_size), jnp.int32), jnp.zeros((rows, cfg.vocab_size), bool))
+        self.penalty = (jnp.zeros((rows, cfg.vocab_size), jnp.int32), jnp.zeros((rows, cfg.vocab_size), bool),
+                        jnp.zeros((rows,), jnp.int32))
         self.scratch_row = rows - 1
         self.attention_backend = attention_backend
         fn = partial(_step, cfg, select_attention(attention_backend), cache.num_blocks)
@@ -160,30 +193,39 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return 2 * self.kv[0].size * self.kv[0].dtype.itemsize
 
-    def run(self, seqs: list, num_seqs_bucket: int, num_tokens_bucket: int) -> dict[str, np.ndarray]:
+    def launch(self, seqs: list, num_seqs_bucket: int, num_tokens_bucket: int) -> "StepHandle":
+        """Build the padded input and dispatch the step; returns at once (JAX dispatch is
+        asynchronous), the device state already advanced for the next launch."""
         inp = build_step_input(seqs, num_seqs_bucket, num_tokens_bucket, self.max_blocks_per_seq,
                                self.cache_cfg.block_size, self.scratch_row)
         if self.fail_next_step is not None:
             exc, self.fail_next_step = self.fail_next_step, None
             raise exc
         self.kv, self.penalty, out = self._step(self.params, self.kv, self.penalty, inp)
-        host = jax.device_get(out)
-        n = len(seqs)
-        return {"token_ids": np.asarray(host.token_ids)[:n], "logprobs": np.asarray(host.logprobs)[:n],
-                "top_ids": np.asarray(host.top_ids)[:n], "top_logprobs": np.asarray(host.top_logprobs)[:n]}
+        for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs):
+            a.copy_to_host_async()
+        return StepHandle(out, len(seqs))
+
+    def run(self, seqs: list, num_seqs_bucket: int, num_tokens_bucket: int) -> dict[str, np.ndarray]:
+        """Launch and wait (warm-up, tests)."""
+        return self.launch(seqs, num_seqs_bucket, num_tokens_bucket).result()
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every (seqs, tokens) bucket once with dummy inputs written to block 0."""
-        from runtime.batch import ScheduledSeq
-        from runtime.sampling import SamplingParams, SamplingRow
+        """Compile every (seqs, tokens) bucket once: dummy requests in the scratch row whose
+        KV goes to block 0 (no request owns it yet)."""
+        from runtime.batch import step_row
+        from runtime.request import Request
+        from runtime.sampling import SamplingParams
 
         t0 = time.perf_counter()
-        pairs = self.sched.bucket_pairs()
-        row = SamplingRow(SamplingParams(temperature=0.0), 0)
-        for s, t in tqdm(pairs, desc="compiling buckets", unit="shape", disable=not progress):
+        params = SamplingParams(temperature=0.0)
+        for s, t in tqdm(self.sched.bucket_pairs(), desc="compiling buckets", unit="shape", disable=not progress):
             per = [t // s] * s
             per[-1] += t - sum(per)
-            seqs = [ScheduledSeq([0] * n, 0, [0] * -(-n // self.cache_cfg.block_size), 0, self.scratch_row,
-                                 False, False, row) for n in per]
+            seqs = []
+            for n in per:
+                req = Request("warmup", [0] * n, params)
+                req.block_ids, req.state_row = [0] * -(-n // self.cache_cfg.block_size), self.scratch_row
+                seqs.append(step_row(req, n))
             self.run(seqs, s, t)
         return time.perf_counter() - t0

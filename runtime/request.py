@@ -1,4 +1,11 @@
-"""A request's host-side state as the scheduler and engine see it."""
+"""A request's host-side state as the scheduler and engine see it.
+
+One token list: `token_ids` is the prompt followed by every generated token the host
+knows. With async scheduling the device is one step ahead: a token it has sampled but the
+host has not read back yet is *pending* (`num_pending`, at most one) -- it counts in
+`num_tokens` (the scheduler plans around it) and the next step reads it from the device's
+own last-token state, so the host never waits for it.
+"""
 
 from __future__ import annotations
 
@@ -23,19 +30,20 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_ids: list[int]
+    token_ids: list[int]             # prompt + generated tokens known on the host (given: the prompt)
     params: SamplingParams
     priority: str = "interactive"
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: Status = Status.WAITING
-    output_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = -1      # set from token_ids at creation
+    num_pending: int = 0             # sampled on the device, not yet read back (0 or 1)
     block_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0     # tokens whose KV is in the cache
+    num_computed_tokens: int = 0     # tokens whose KV is in the cache (or being written by a launched step)
     num_cached_tokens: int = -1      # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
-    state_row: int = -1              # penalty-state row while running
+    state_row: int = -1              # device state row (penalties, last token) while running
     needs_row_reset: bool = False
     row_counted_upto: int = 0        # tokens [0, this) are in the penalty state of state_row
     num_registered_blocks: int = 0   # leading full blocks already offered to the prefix cache
@@ -53,15 +61,34 @@ class Request:
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority: must be one of {', '.join(PRIORITIES)}, got {self.priority!r}")
+        self.token_ids = list(self.token_ids)
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    # --- views of the one token list ---------------------------------------------------
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, pending ones included (what max_tokens counts)."""
+        return len(self.token_ids) - self.num_prompt_tokens + self.num_pending
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids) + self.num_pending
 
+    def append_token(self, token: int) -> None:
+        """The host learns a generated token (resolving the pending one, if any)."""
+        self.token_ids.append(token)
+        self.num_pending = max(0, self.num_pending - 1)
+
+    # --- properties the scheduler asks -----------------------------------------------------
     @property
     def uses_penalties(self) -> bool:
         p = self.params
@@ -76,11 +103,15 @@ class Request:
         return (self.cache_salt,) if self.cache_salt else ()
 
     def max_total_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def reached_length_limit(self, max_model_len: int) -> bool:
+        """No more tokens may be sampled (the last one may still be pending)."""
+        return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
 
     def extend_block_hashes(self, block_size: int) -> None:
-        """Hash every full block of the token sequence not hashed yet (chained)."""
-        toks = self.all_token_ids
+        """Hash every full block of the known tokens not hashed yet (chained)."""
+        toks = self.token_ids
         n_full = len(toks) // block_size
         while len(self.block_hashes) < n_full:
             i = len(self.block_hashes)

@@ -128,6 +128,7 @@ class SamplingInputs:
     repetition_penalty: jax.Array  # [S] f32; 1.0 => off
     seeds: jax.Array               # [S] u32
     steps: jax.Array               # [S] i32 tokens generated so far
+    want_logprobs: jax.Array       # [S] bool the request asked for logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -152,7 +153,8 @@ def make_sampling_inputs(rows: Sequence[SamplingRow | None], pad_to: int) -> Sam
     return SamplingInputs(**{f: col(lambda r: getattr(r.params, f)) for f in floats},
                           top_k=col(lambda r: max(r.params.top_k, 0), np.int32),
                           seeds=col(lambda r: r.params.seed or 0, np.uint32),
-                          steps=col(lambda r: r.step, np.int32))
+                          steps=col(lambda r: r.step, np.int32),
+                          want_logprobs=col(lambda r: r.params.logprobs is not None, bool))
 
 
 # ----------------------------------------------------------------------------- device side
@@ -244,10 +246,19 @@ def _draw(s: jax.Array, m: jax.Array, thr: jax.Array, u: jax.Array) -> jax.Array
     return b * _BLOCK + inverse_cdf(inner, u[:, 1])
 
 
-def apply_penalties(logits: jax.Array, inputs: SamplingInputs, output_counts: jax.Array,
-                    prompt_mask: jax.Array) -> jax.Array:
+def penalties_on(inputs: SamplingInputs) -> jax.Array:
+    """Scalar bool: some row uses a repetition, frequency or presence penalty."""
+    return jnp.any((inputs.repetition_penalty != 1.0) | (inputs.frequency_penalty != 0.0)
+                   | (inputs.presence_penalty != 0.0))
+
+
+def apply_penalties(logits: jax.Array, inputs: SamplingInputs, output_counts: jax.Array | None,
+                    prompt_mask: jax.Array | None) -> jax.Array:
     """Repetition (HF/vLLM: tokens in prompt or output, positive logits / r, others * r), then
-    frequency (-= f * count), then presence (-= p * (count > 0)); [S, V] f32."""
+    frequency (-= f * count), then presence (-= p * (count > 0)); [S, V] f32. None counts
+    and mask: the caller knows no row uses penalties (nothing to read)."""
+    if output_counts is None or prompt_mask is None:
+        return logits.astype(jnp.float32)
     col = lambda a: a[:, None]
     logits, used = logits.astype(jnp.float32), output_counts > 0
     rep = col(inputs.repetition_penalty)
@@ -283,11 +294,13 @@ def allowed_tokens(logits: jax.Array, inputs: SamplingInputs, output_counts: jax
     return s >= thr[:, None]
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs, output_counts: jax.Array,
-           prompt_mask: jax.Array, *, num_logprobs: int) -> SampleOutput:
+def sample(logits: jax.Array, inputs: SamplingInputs, output_counts: jax.Array | None,
+           prompt_mask: jax.Array | None, *, num_logprobs: int, only_if_asked: bool = False) -> SampleOutput:
     """One token per row of `logits` [S, V] f32 (jit-friendly; num_logprobs static).
     output_counts [S, V] i32: occurrences in the request's output so far; prompt_mask
-    [S, V] bool: token occurs in the prompt."""
+    [S, V] bool: token occurs in the prompt (both None: no row uses penalties).
+    only_if_asked: logprobs are computed only when some row asked for them (zeros
+    otherwise), so a batch without logprobs pays no vocabulary-wide top-k or logsumexp."""
     _check(0 <= num_logprobs <= MAX_LOGPROBS, "num_logprobs",
            f"must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}")
     logits = logits.astype(jnp.float32)
@@ -304,11 +317,18 @@ def sample(logits: jax.Array, inputs: SamplingInputs, output_counts: jax.Array,
         return jnp.where(rand, _draw(s, m, thr, u), greedy_ids)
     token_ids = jax.lax.cond(jnp.any(rand), sampled, lambda _: greedy_ids, None)
 
-    lse_raw = jax.nn.logsumexp(logits, -1)
-    chosen = jnp.take_along_axis(logits, token_ids[:, None], 1)[:, 0] - lse_raw
-    if num_logprobs:
-        top_vals, top_ids = jax.lax.top_k(logits, num_logprobs)
-        top_lp = top_vals - lse_raw[:, None]
+    def logprobs():
+        lse_raw = jax.nn.logsumexp(logits, -1)
+        chosen = jnp.take_along_axis(logits, token_ids[:, None], 1)[:, 0] - lse_raw
+        if num_logprobs:
+            top_vals, top_ids = jax.lax.top_k(logits, num_logprobs)
+            return chosen, top_ids.astype(jnp.int32), top_vals - lse_raw[:, None]
+        return chosen, jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32)
+
+    if only_if_asked:
+        skipped = lambda: (jnp.zeros((S,), jnp.float32), jnp.zeros((S, num_logprobs), jnp.int32),
+                           jnp.zeros((S, num_logprobs), jnp.float32))
+        chosen, top_ids, top_lp = jax.lax.cond(jnp.any(inputs.want_logprobs), logprobs, skipped)
     else:
-        top_ids, top_lp = jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32)
-    return SampleOutput(token_ids.astype(jnp.int32), chosen, top_ids.astype(jnp.int32), top_lp)
+        chosen, top_ids, top_lp = logprobs()
+    return SampleOutput(token_ids.astype(jnp.int32), chosen, top_ids, top_lp)

@@ -75,7 +75,7 @@ class Scheduler:
         total = req.max_total_tokens()
         if total > self.envelope.max_model_len:
             self._reject("too_long")
-            raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) "
+            raise ValueError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens}) "
                              f"exceeds the maximum context length of {self.envelope.max_model_len} tokens")
         if self.blocks_for(total) > self.pool.num_blocks:
             self._reject("too_long")
@@ -85,16 +85,16 @@ class Scheduler:
         if self.num_waiting >= p.max_queue_len:
             self._reject("queue_full")
             raise Overloaded("queue_full", f"the waiting queue is full ({p.max_queue_len} requests)")
-        if self.queued_tokens + len(req.prompt_ids) > p.max_queued_tokens:
+        if self.queued_tokens + req.num_prompt_tokens > p.max_queued_tokens:
             self._reject("queued_tokens")
             raise Overloaded("queued_tokens", f"queued prompt tokens would exceed {p.max_queued_tokens}")
-        self.queued_tokens += len(req.prompt_ids)
+        self.queued_tokens += req.num_prompt_tokens
         self.waiting[req.priority].append(req)
 
     def _pop_waiting(self, req: Request) -> None:
         q = self.resumed if req.status is Status.PREEMPTED else self.waiting[req.priority]
         q.remove(req)
-        self.queued_tokens -= len(req.prompt_ids)
+        self.queued_tokens -= req.num_prompt_tokens
 
     def _peek_waiting(self) -> Request | None:
         for q in (self.resumed, self.waiting["interactive"], self.waiting["batch"]):
@@ -126,7 +126,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = Status.PREEMPTED
         self.resumed.appendleft(req)
-        self.queued_tokens += len(req.prompt_ids)
+        self.queued_tokens += req.num_prompt_tokens
         self.counters.preemptions += 1
         out.preempted.append(req)
 
@@ -166,6 +166,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             req = self.running[i]
+            if req.reached_length_limit(self.envelope.max_model_len):
+                i += 1  # its last token is still pending on the device: it finishes when read back
+                continue
             n = self._chunk(req, req.num_computed_tokens, budget)
             while not self._grow(req, req.num_computed_tokens + n):
                 if p.admission_mode == "reserve":
@@ -199,8 +202,8 @@ class Scheduler:
         while (budget > 0 and len(self.running) < max_seqs and len(out.scheduled) < max_seqs
                and out.num_admitted < p.max_admissions_per_step):
             req = self._peek_waiting()
-            if req is None or not self.free_rows:
-                return
+            if req is None or not self.free_rows or req.num_pending:
+                return  # (a preempted request waits until its pending token is read back)
             hits = self._prefix_hits(req)
             if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in pending:
                 return  # a running request is computing this prompt's next blocks: wait, then hit them
@@ -224,7 +227,7 @@ class Scheduler:
             if p.admission_mode == "reserve":
                 outstanding += self.blocks_for(req.max_total_tokens()) - len(req.block_ids)
             self._start(req, cached)
-            pending.update(req.block_hashes[len(hits):len(req.prompt_ids) // self.bs])
+            pending.update(req.block_hashes[len(hits):req.num_prompt_tokens // self.bs])
             out.scheduled.append((req, n))
             out.num_admitted += 1
             budget -= n
@@ -238,27 +241,27 @@ class Scheduler:
             return set()
         pending: set = set()
         for r in self.running:
-            if r.num_computed_tokens < len(r.prompt_ids):
+            if r.num_computed_tokens < r.num_prompt_tokens:
                 r.extend_block_hashes(self.bs)
-                pending.update(r.block_hashes[r.num_computed_tokens // self.bs:len(r.prompt_ids) // self.bs])
+                pending.update(r.block_hashes[r.num_computed_tokens // self.bs:r.num_prompt_tokens // self.bs])
         return pending
 
     def _requeue_front(self, req: Request) -> None:
         (self.resumed if req.status is Status.PREEMPTED else self.waiting[req.priority]).appendleft(req)
-        self.queued_tokens += len(req.prompt_ids)
+        self.queued_tokens += req.num_prompt_tokens
 
     def _prefix_hits(self, req: Request) -> list[int]:
         if not self.cache.enable_prefix_cache or req.uses_penalties:
             return []  # penalty state is built from computed tokens, so compute them all
         req.extend_block_hashes(self.bs)
         usable = (req.num_tokens - 1) // self.bs  # the last token is always computed: its logits are needed
-        return self.pool.lookup_prefix(req.block_hashes[:usable], req.all_token_ids)
+        return self.pool.lookup_prefix(req.block_hashes[:usable], req.token_ids)
 
     def _start(self, req: Request, cached: int) -> None:
         first = req.num_cached_tokens < 0
         if first:
             req.num_cached_tokens = cached
-            self.counters.prefix_queries += len(req.prompt_ids)
+            self.counters.prefix_queries += req.num_prompt_tokens
             self.counters.prefix_hits += cached
         req.num_computed_tokens = cached
         req.num_registered_blocks = cached // self.bs
@@ -268,20 +271,33 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
 
-    # --- after the device step --------------------------------------------------------
+    # --- once a step is launched ------------------------------------------------------
     def commit(self, req: Request, n: int) -> bool:
-        """Account `n` computed tokens; register newly full blocks in the prefix cache.
-        Returns True when the sampled token belongs to the request (the chunk reached
-        the end of its known tokens)."""
+        """Account `n` tokens of a launched step as computed (their KV is being written) and
+        register newly full blocks whose tokens the host knows. Returns True when the step
+        samples a token for the request (the chunk reached the end of its tokens): that
+        token is pending until `append_token` brings it back."""
         req.num_computed_tokens += n
         req.needs_row_reset = False
-        if self.cache.enable_prefix_cache:
-            full = req.num_computed_tokens // self.bs
-            if full > req.num_registered_blocks:
-                req.extend_block_hashes(self.bs)
-                toks = req.all_token_ids
-                for b in range(req.num_registered_blocks, full):
-                    self.pool.cache_block(req.block_ids[b], req.block_hashes[b],
-                                          toks[b * self.bs:(b + 1) * self.bs])
-                req.num_registered_blocks = full
-        return req.num_computed_tokens == req.num_tokens
+        sampled = req.num_computed_tokens == req.num_tokens
+        if sampled:
+            req.num_pending += 1
+            req.row_counted_upto = req.num_tokens  # the device counts the sampled token itself
+        self._register_full_blocks(req)
+        return sampled
+
+    def append_token(self, req: Request, token: int) -> None:
+        """The host read back a sampled token."""
+        req.append_token(token)
+        self._register_full_blocks(req)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        if not self.cache.enable_prefix_cache or req.status is not Status.RUNNING:
+            return
+        full = min(req.num_computed_tokens, len(req.token_ids)) // self.bs  # hashes need known tokens
+        if full > req.num_registered_blocks:
+            req.extend_block_hashes(self.bs)
+            toks = req.token_ids
+            for b in range(req.num_registered_blocks, full):
+                self.pool.cache_block(req.block_ids[b], req.block_hashes[b], toks[b * self.bs:(b + 1) * self.bs])
+            req.num_registered_blocks = full

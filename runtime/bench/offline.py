@@ -30,11 +30,11 @@ HOST_TARGET_US = 1000.0
 # --- (a) host-side scheduler + block pool --------------------------------------------------
 def bench_host(num_seqs: int = 256, steps: int = 200, *, prompt_len: int = 48, shared_prefix_len: int = 32,
                block_size: int = 16, token_budget: int = 2048) -> dict[str, Any]:
-    from runtime.batch import ScheduledSeq, build_step_input
+    from runtime.batch import build_step_input, step_row
     from runtime.block_pool import BlockPool
     from runtime.config import AdmissionPolicy, CacheConfig, SchedulerConfig
     from runtime.request import Request
-    from runtime.sampling import SamplingParams, SamplingRow
+    from runtime.sampling import SamplingParams
     from runtime.scheduler import Scheduler
 
     if num_seqs < 1 or steps < 1:
@@ -65,16 +65,13 @@ def bench_host(num_seqs: int = 256, steps: int = 200, *, prompt_len: int = 48, s
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
-        seqs = [ScheduledSeq(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n], r.num_computed_tokens,
-                             r.block_ids, len(r.prompt_ids), r.state_row, r.needs_row_reset,
-                             r.num_computed_tokens + n == r.num_tokens, SamplingRow(r.params, len(r.output_ids)))
-                for r, n in plan.scheduled]
+        seqs = [step_row(r, n) for r, n in plan.scheduled]
         s_b, t_b = envelope.bucket_for(len(seqs), plan.num_batched_tokens)
         build_step_input(seqs, s_b, t_b, blocks_per_seq, block_size, num_seqs)
         t2 = time.perf_counter()
         for i, (req, n) in enumerate(plan.scheduled):
             if sched.commit(req, n):
-                req.output_ids.append((step * 7 + i) % 40000 + 3)  # the fake runner's "sampled" token
+                sched.append_token(req, (step * 7 + i) % 40000 + 3)  # the fake runner's "sampled" token
         t3 = time.perf_counter()
         if len(plan.scheduled) == num_seqs and plan.num_batched_tokens == num_seqs:  # steady decode
             sched_us.append((t1 - t0 + t3 - t2) * 1e6)
@@ -163,8 +160,9 @@ def _noop_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
 
 
 def _decode_input(runner: Any, batch: int, context_len: int) -> Any:
-    from runtime.batch import ScheduledSeq, build_step_input
-    from runtime.sampling import SamplingParams, SamplingRow
+    from runtime.batch import build_step_input, step_row
+    from runtime.request import Request
+    from runtime.sampling import SamplingParams
 
     bs = runner.cache_cfg.block_size
     per = math.ceil(context_len / bs)
@@ -173,9 +171,12 @@ def _decode_input(runner: Any, batch: int, context_len: int) -> Any:
                          f"the cache has {runner.cache_cfg.num_blocks}")
     if batch > runner.sched.max_num_seqs:
         raise ValueError(f"max_num_seqs: batch {batch} exceeds the envelope ({runner.sched.max_num_seqs})")
-    row = SamplingRow(SamplingParams(temperature=0.0, max_tokens=16), 0)
-    seqs = [ScheduledSeq([(17 * i) % 1000 + 5], context_len - 1, list(range(i * per, (i + 1) * per)),
-                         context_len - 1, i, False, True, row) for i in range(batch)]
+    seqs = []
+    for i in range(batch):  # a request that has computed all but its last prompt token
+        req = Request(f"decode-{i}", [(17 * i + j) % 1000 + 5 for j in range(context_len)],
+                      SamplingParams(temperature=0.0, max_tokens=16))
+        req.block_ids, req.state_row, req.num_computed_tokens = list(range(i * per, (i + 1) * per)), i, context_len - 1
+        seqs.append(step_row(req, 1))
     return build_step_input(seqs, batch, batch, runner.max_blocks_per_seq, bs, runner.scratch_row)
 
 

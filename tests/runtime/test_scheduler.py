@@ -24,7 +24,7 @@ def step(s):
     out = s.schedule()
     for r, n in out.scheduled:
         if s.commit(r, n):
-            r.output_ids.append(7)
+            s.append_token(r, 7)
             if len(r.output_ids) >= r.params.max_tokens:
                 s.finish(r, "length")
     return out
