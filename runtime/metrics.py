@@ -7,7 +7,9 @@ Gauges that mirror scheduler state are refreshed once per step by the engine thr
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -97,9 +99,15 @@ class StepSample:
         return (self.t,)[i]
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """q-th percentile (0..100) with linear interpolation between closest ranks (the
+    numpy default); None for no values. The one definition: console and benchmarks."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q: must be within 0..100, got {q}")
+    xs = sorted(values)
+    if not xs:
         return None
-    v = sorted(values)
-    k = min(len(v) - 1, max(0, int(round(q / 100 * (len(v) - 1)))))
-    return v[k]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -13,24 +13,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from runtime.metrics import percentile  # noqa: F401  (re-exported for the benchmarks)
+
 PERCENTILES = (50, 90, 99)
 
 
 # --- statistics --------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """q-th percentile (0..100) with linear interpolation between closest ranks (the
-    numpy default); None for no values."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"q: must be within 0..100, got {q}")
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
     xs = [float(v) for v in values if v is not None]
     out: dict[str, float | int | None] = {"count": len(xs), "mean": sum(xs) / len(xs) if xs else None}
