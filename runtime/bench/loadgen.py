@@ -204,6 +204,11 @@ SERVER_COUNTERS = {  # our key -> metric names (pagedjax, then vLLM)
     "prefix_cache_hits": ("pagedjax:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
     "prefix_cache_queries": ("pagedjax:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
     "preemptions": ("pagedjax:num_preemptions_total", "vllm:num_preemptions_total"),
+    # pagedjax only: programs compiled during the run (must stay 0 after warm-up), and the
+    # engine's step time (its sum against the wall time says whether the engine is the bottleneck)
+    "compilations": ("pagedjax:compilations_total",),
+    "engine_steps": ("pagedjax:step_time_seconds_count",),
+    "engine_step_seconds": ("pagedjax:step_time_seconds_sum",),
 }
 
 
