@@ -164,8 +164,8 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 class SchedulerConfig:
     """The compiled envelope: shapes XLA compiles once at start."""
 
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     min_token_bucket: int = 8
 
@@ -209,10 +209,10 @@ class AdmissionPolicy:
 
     watermark: float = 0.05
     admission_mode: AdmissionMode = "optimistic"
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256
-    long_prefill_token_threshold: int = 128
-    max_admissions_per_step: int = 8
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 512
+    max_admissions_per_step: int = 32
     max_queue_len: int = 1024
     max_queued_tokens: int = 1 << 20
 

@@ -211,13 +211,23 @@ class LLMEngine:
         with self.lock:
             self._apply_boundary(outputs)
             launched = self._launch(self.scheduler.schedule(), outputs)
-            done, self._inflight = (self._inflight, launched) if self.async_scheduling else (launched, None)
-            if done is None:
+            if self.async_scheduling:
+                done, self._inflight = [self._inflight], launched
+            else:
+                done, self._inflight = [self._inflight, launched], None
+            done = [d for d in done if d is not None]
+            if not done:
                 self._refresh_gauges()
-        if done is not None:
-            self._read_back(done, outputs)
+        for d in done:
+            self._read_back(d, outputs)
         self._deliver(outputs)
         return outputs
+
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Switch the pipeline on or off (benchmarks compare the two); takes effect at the
+        next step, which also reads back a step still in flight."""
+        with self.lock:
+            self.async_scheduling = bool(enabled)
 
     def _launch(self, plan: SchedulerOutput, outputs: list[RequestOutput]) -> _InFlight | None:
         """Plan -> step rows -> device; the plan's tokens count as computed from here on."""

@@ -8,20 +8,24 @@ from typing import Callable
 from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, GiB, ModelConfig, SchedulerConfig,
                             parse_memory)
 
-CPU_DEFAULT_KV_MEMORY = 1 * GiB
+CPU_DEFAULT_KV_MEMORY = 2 * GiB  # 64 streams of ~700 unshared tokens (SmolLM2, float32) without preemption
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache budget in bytes or with a unit (e.g. 2GiB); default 1GiB on CPU, "
+                   help="KV cache budget in bytes or with a unit (e.g. 2GiB); default 2GiB on CPU, "
                         "60%% of free device memory on GPU")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model, 4096))")
-    g.add_argument("--max-num-seqs", type=int, default=32 if serving else 4, help="compiled sequence envelope")
-    g.add_argument("--max-num-batched-tokens", type=int, default=256 if serving else 128,
+    # Serving defaults: 64 streams decode in one step and a 512-token step admits a dozen
+    # shared-prefix chats at once (measured: BENCHMARKS.md, "Serving defaults").
+    g.add_argument("--max-num-seqs", type=int, default=64 if serving else 4, help="compiled sequence envelope")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512 if serving else 128,
                    help="compiled per-step token envelope")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step back before planning the next (for comparison; slower)")
     g.add_argument("--attention-backend", choices=("auto", "xla", "pallas"), default="auto")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype (auto: float32 on CPU, bfloat16 on GPU)")
@@ -29,7 +33,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     a.add_argument("--watermark", type=float, default=0.05)
     a.add_argument("--admission-mode", choices=("reserve", "optimistic"), default="optimistic")
     a.add_argument("--long-prefill-token-threshold", type=int, default=None)
-    a.add_argument("--max-admissions-per-step", type=int, default=8)
+    a.add_argument("--max-admissions-per-step", type=int, default=32)
     a.add_argument("--max-queue-len", type=int, default=1024)
     a.add_argument("--max-queued-tokens", type=int, default=1 << 22)
 
@@ -72,6 +76,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
             max_admissions_per_step=args.max_admissions_per_step, max_queue_len=args.max_queue_len,
             max_queued_tokens=args.max_queued_tokens)
         policy.validate(envelope)
-        return EngineConfig(model, cache, envelope, policy, args.attention_backend, dtype)
+        return EngineConfig(model, cache, envelope, policy, args.attention_backend, dtype,
+                            async_scheduling=not getattr(args, "no_async_scheduling", False))
 
     return build

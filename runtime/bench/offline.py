@@ -1,4 +1,4 @@
-"""The engine's in-process benchmarks behind `pagedjax bench offline --part host|throughput|decode|all`.
+"""The engine's in-process benchmarks behind `pagedjax bench offline --part PART[,PART...]|all`.
 
 host        Scheduler.schedule() + commit() per step with N running sequences, no device
             (a fake runner appends a token per sequence); plus the host cost of building
@@ -8,6 +8,8 @@ throughput  output tokens/s on chat requests sharing a ~320-token system prompt 
 decode      the jitted decode step (S == T) at several batch sizes and a fixed context,
             against the same step with attention replaced by a no-op of the same shapes:
             attention time = difference. Plus the memory-bandwidth limit at batch 1.
+breakdown   the decode step part by part against each part's floor (runtime/bench/breakdown.py).
+overlap     exposed host time per step with async scheduling on and off (same module).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 
 from runtime.bench.report import summarize
 
-PARTS = ("host", "throughput", "decode")
+PARTS = ("host", "throughput", "decode", "breakdown", "overlap")
+ALL_PARTS = ("host", "throughput", "decode")  # breakdown/overlap want a 256-sequence envelope: asked by name
 HOST_TARGET_US = 1000.0
 
 
@@ -265,7 +268,10 @@ def run_offline(args: argparse.Namespace) -> int:
     from runtime.bench.benchmarks_md import machine_info
     from runtime.bench.report import write_json
 
-    parts = PARTS if args.part == "all" else (args.part,)
+    parts = ALL_PARTS if args.part == "all" else tuple(args.part.split(","))
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        raise SystemExit(f"pagedjax bench offline: error: part: unknown {bad[0]!r} (known: {', '.join(PARTS)}, all)")
     result: dict[str, Any] = {}
     if args.out and Path(args.out).is_file():
         try:  # running parts one by one accumulates them in one file
@@ -277,7 +283,7 @@ def run_offline(args: argparse.Namespace) -> int:
         load = loadavg()
         result["host"] = {**bench_host(args.host_seqs, args.host_steps), "loadavg_1m": load}
         print(format_host(result["host"]), flush=True)
-    if "throughput" in parts or "decode" in parts:
+    if any(p in parts for p in ("throughput", "decode", "breakdown", "overlap")):
         from runtime.cli import resolve_checkpoint
 
         result["checkpoint"] = Path(resolve_checkpoint(args.checkpoint)).resolve().name
@@ -296,6 +302,19 @@ def run_offline(args: argparse.Namespace) -> int:
                                             iters=args.iters)
             result["decode"]["loadavg_1m"] = load
             print(format_decode(result["decode"]), flush=True)
+        if "breakdown" in parts or "overlap" in parts:
+            from runtime.bench.breakdown import bench_breakdown, bench_overlap, format_breakdown, format_overlap
+
+            batches = tuple(int(x) for x in args.breakdown_batches.split(","))
+            load = loadavg()
+            bd = bench_breakdown(engine, batches=batches, iters=args.iters)
+            result["breakdown"] = {**bd, "loadavg_1m": load}
+            print(format_breakdown(bd), flush=True)
+            if "overlap" in parts:
+                load = loadavg()
+                ov = bench_overlap(engine, {x["batch"]: x["full_ms"] for x in bd["rows"]}, batches=batches)
+                result["overlap"] = {**ov, "loadavg_1m": load}
+                print(format_overlap(ov), flush=True)
     if args.out:
         write_json(result, args.out)
         print(f"wrote {args.out}")
@@ -316,7 +335,8 @@ def add_offline_arguments(p: argparse.ArgumentParser) -> None:
     from runtime.engine_args import add_engine_arguments
 
     p.add_argument("--checkpoint", help="checkpoint directory (default: the pulled default model)")
-    p.add_argument("--part", choices=(*PARTS, "all"), default="all")
+    p.add_argument("--part", default="all", help=f"all ({', '.join(ALL_PARTS)}) or a comma-separated list of "
+                                                 f"{', '.join(PARTS)}")
     p.add_argument("--out", metavar="FILE.json", help="write (merge) results as JSON")
     p.add_argument("--host-seqs", type=int, default=256, help="host: running sequences")
     p.add_argument("--host-steps", type=int, default=200, help="host: measured decode steps")
@@ -327,6 +347,8 @@ def add_offline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batches", default="1,8,32,64", help="decode: batch sizes")
     p.add_argument("--context-len", type=int, default=350, help="decode: context tokens per sequence")
+    p.add_argument("--breakdown-batches", default="64,256",
+                   help="breakdown/overlap: batch sizes (the envelope's --max-num-seqs must cover them)")
     p.add_argument("--iters", type=int, default=10, help="decode: timed steps per batch size (median)")
     p.add_argument("--no-progress", action="store_true")
     add_engine_arguments(p, serving=True)

@@ -1,0 +1,271 @@
+"""Where a decode step's time goes, part by part, beside each part's floor on this machine;
+and how much host time the async pipeline leaves exposed.
+
+breakdown  one jitted decode step at S sequences sharing a system prompt (the workload the
+           engine is tuned for), against isolated timings of its parts: the layer matmuls
+           (projections + MLP), the LM head, sampling, attention (full step - the same step
+           with attention replaced by a no-op), the KV write, the rest (norms, RoPE,
+           embedding and penalty-state updates, padding); plus the host's per-step work:
+           building the padded input, the device->host copy, detokenizing and SSE encoding.
+           Floors: matmuls at the machine's measured XLA dot rate for S rows (or one read of
+           their weights, if slower), attention/sampling/KV write at its measured read
+           bandwidth (the shared prefix read once).
+overlap    the engine itself in steady decode at S sequences: wall time per step with async
+           scheduling on and off; exposed host time = step wall - device time of the step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from runtime.bench.report import summarize
+
+
+def _median_ms(fn, iters: int, warmup: int = 1) -> float:
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts) * 1e3)
+
+
+def _shared_decode_rows(runner: Any, batch: int, shared_len: int, unique_len: int) -> list:
+    """`batch` decode rows whose contexts start with the same `shared_len` tokens in the same
+    blocks (prefix-cache hits on one system prompt), then `unique_len` tokens of their own."""
+    from runtime.batch import step_row
+    from runtime.request import Request
+    from runtime.sampling import SamplingParams
+
+    bs = runner.cache_cfg.block_size
+    shared_blocks = shared_len // bs
+    ctx = shared_blocks * bs + unique_len
+    own = math.ceil(ctx / bs) - shared_blocks
+    if shared_blocks + batch * own > runner.cache_cfg.num_blocks:
+        raise ValueError(f"kv_cache_memory: {batch} sequences of {ctx} tokens need "
+                         f"{shared_blocks + batch * own} blocks, the cache has {runner.cache_cfg.num_blocks}")
+    if batch > runner.sched.max_num_seqs:
+        raise ValueError(f"max_num_seqs: batch {batch} exceeds the envelope ({runner.sched.max_num_seqs})")
+    rows = []
+    for i in range(batch):
+        req = Request(f"bd-{i}", [(13 * i + j) % 1000 + 5 for j in range(ctx)], SamplingParams(temperature=0.0))
+        start = shared_blocks + i * own
+        req.block_ids = list(range(shared_blocks)) + list(range(start, start + own))
+        req.state_row, req.num_computed_tokens = i, ctx - 1
+        rows.append(step_row(req, 1))
+    return rows
+
+
+def _layer_matmuls(params: Any, x: Any) -> Any:
+    """The decoder's projections and MLP alone (what XLA must do at best for these rows)."""
+    import jax
+
+    def body(h, lp):
+        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+        h = h + q @ lp["wo"] + 0 * (k.sum() + v.sum())
+        h = h + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+        return h, None
+
+    return jax.lax.scan(body, x, params["layers"])[0]
+
+
+def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared_len: int = 320,
+                    unique_len: int = 48, iters: int = 5, bandwidth_mb: int = 256) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from runtime.attention import write_kv
+    from runtime.batch import build_step_input
+    from runtime.bench.offline import _noop_attention
+    from runtime.model_runner import NUM_LOGPROBS, _step
+    from runtime.models.llama import lm_head
+    from runtime.planner import measure_cpu
+    from runtime.sampling import make_sampling_inputs, sample
+
+    runner, cfg = engine.runner, engine.runner.cfg
+    d, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+    dev = measure_cpu(size_mb=bandwidth_mb)
+    bw = dev.bandwidth_bytes_per_s
+    kv_tok = cfg.kv_bytes_per_token(runner.cache_cfg.kv_dtype)
+    layer_w = [a for k, a in runner.params["layers"].items() if k.startswith("w")]
+    layer_flops_per_row = 2 * sum(int(np.prod(a.shape)) for a in layer_w)  # all L layers
+    layer_bytes = sum(int(a.size) * a.dtype.itemsize for a in layer_w)
+    head_bytes = int(runner.params["embed"].size) * runner.params["embed"].dtype.itemsize
+    noop = jax.jit(partial(_step, cfg, _noop_attention, runner.cache_cfg.num_blocks), donate_argnums=(1, 2))
+    detok_tok = engine.tokenizer
+    rows_out = []
+    for S in batches:
+        seqs = _shared_decode_rows(runner, S, shared_len, unique_len)
+        host_in = build_step_input(seqs, S, S, runner.max_blocks_per_seq, runner.cache_cfg.block_size,
+                                   runner.scratch_row)
+        inp = jax.device_put(host_in)
+        state = {"kv": runner.kv, "rows": runner.penalty}
+
+        def run(fn):
+            def go():
+                state["kv"], state["rows"], out = fn(runner.params, state["kv"], state["rows"], inp)
+                return out.token_ids
+            return go
+        try:
+            full = _median_ms(run(runner._step), iters)
+            no_attn = _median_ms(run(noop), iters)
+            full = min(full, _median_ms(run(runner._step), iters))  # interleaved: a load burst hits both
+        finally:
+            runner.kv, runner.penalty = state["kv"], state["rows"]
+        x = jnp.ones((S, d), runner.params["embed"].dtype)
+        mm = jax.jit(_layer_matmuls)
+        matmuls = _median_ms(lambda: mm(runner.params, x), iters)
+        lm = jax.jit(partial(lm_head, cfg))
+        head = _median_ms(lambda: lm(runner.params, x), iters)
+        logits = lm(runner.params, x)
+        si = jax.device_put(make_sampling_inputs([sq.sampling_row for sq in seqs], S))
+        smp = jax.jit(partial(sample, num_logprobs=NUM_LOGPROBS, only_if_asked=True))
+        sampling = _median_ms(lambda: smp(logits, si, None, None).token_ids, iters)
+        kc = jnp.zeros((64, *runner.kv[0].shape[1:]), runner.kv[0].dtype)
+        kv_new = jnp.ones((S, cfg.num_kv_heads, cfg.head_dim), kc.dtype)
+        slots = jnp.arange(S, dtype=jnp.int32) % (64 * runner.cache_cfg.block_size)
+
+        @jax.jit
+        def kv_writes(kc):
+            return jax.lax.fori_loop(0, L, lambda i, c: write_kv(c[0], c[1], kv_new, kv_new, slots), (kc, kc))
+        kv_write = _median_ms(lambda: kv_writes(kc), iters)
+        # dot rate of XLA for this row count: the issue's own yardstick (S x d by d x 4d)
+        w = jnp.ones((d, 4 * d), x.dtype)
+        dot = jax.jit(lambda a: a @ w)
+        dot_ms = _median_ms(lambda: dot(x), max(iters, 10))
+        gflops = 2 * S * d * 4 * d / (dot_ms / 1e3) / 1e9
+        # host side
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            build_step_input(seqs, S, S, runner.max_blocks_per_seq, runner.cache_cfg.block_size, runner.scratch_row)
+        build_ms = (time.perf_counter() - t0) / iters * 1e3
+        out = smp(logits, si, None, None)
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            jax.device_get(out)
+        d2h_ms = (time.perf_counter() - t0) / iters * 1e3
+        dets = [detok_tok.detokenizer([1, 2, 3]) for _ in range(S)]
+        t0 = time.perf_counter()
+        for k in range(iters):
+            for i, dt in enumerate(dets):
+                dt.push([(i * 7 + k * 13) % 2000 + 100])
+        detok_ms = (time.perf_counter() - t0) / iters * 1e3
+        chunk = {"id": "cmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": " word"}, "finish_reason": None}]}
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            for _ in range(S):
+                ("data: " + json.dumps(chunk) + "\n\n").encode()
+        sse_ms = (time.perf_counter() - t0) / iters * 1e3
+        attention = max(0.0, full - no_attn)
+        other = max(0.0, no_attn - matmuls - head - sampling - kv_write)
+        shared_blocks = shared_len // runner.cache_cfg.block_size
+        attn_bytes = (shared_blocks * runner.cache_cfg.block_size + S * unique_len) * kv_tok
+        # a matmul can beat neither the dot rate nor one read of its weights
+        floors = {
+            "matmuls_ms": max(S * layer_flops_per_row / (gflops * 1e9), layer_bytes / bw) * 1e3,
+            "lm_head_ms": max(2 * S * d * V / (gflops * 1e9), head_bytes / bw) * 1e3,
+            "sampling_ms": S * V * 4 / bw * 1e3,
+            "attention_ms": attn_bytes / bw * 1e3,
+            "kv_write_ms": S * kv_tok / bw * 1e3,
+        }
+        parts = {"matmuls_ms": matmuls, "lm_head_ms": head, "sampling_ms": sampling, "attention_ms": attention,
+                 "kv_write_ms": kv_write, "other_ms": other}
+        rows_out.append({"batch": S, "context_len": shared_blocks * runner.cache_cfg.block_size + unique_len,
+                         "shared_len": shared_blocks * runner.cache_cfg.block_size, "full_ms": full,
+                         "no_attention_ms": no_attn, "parts": parts, "floors": floors,
+                         "matmul_floor_ms": floors["matmuls_ms"] + floors["lm_head_ms"],
+                         "dot_gflops": gflops,
+                         "host": {"build_input_ms": build_ms, "device_to_host_ms": d2h_ms,
+                                  "detokenize_ms": detok_ms, "sse_encode_ms": sse_ms}})
+    engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
+    return {"model": cfg.name, "dtype": str(runner.kv[0].dtype), "iters": iters,
+            "read_bandwidth_gb_s": bw / 1e9, "rows": rows_out}
+
+
+def format_breakdown(r: dict[str, Any]) -> str:
+    lines = [f"== decode step breakdown: {r['model']} ({r['dtype']}), shared-prefix contexts, median of "
+             f"{r['iters']}; read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s =="]
+    for x in r["rows"]:
+        p, f, h = x["parts"], x["floors"], x["host"]
+        lines.append(f"  batch {x['batch']} (context {x['context_len']}, {x['shared_len']} shared): full step "
+                     f"{x['full_ms']:.1f} ms = {x['full_ms'] / x['matmul_floor_ms']:.2f}x its matmul floor "
+                     f"{x['matmul_floor_ms']:.1f} ms (XLA dot {x['dot_gflops']:.0f} GFLOP/s at {x['batch']} rows)")
+        for k in ("matmuls_ms", "lm_head_ms", "attention_ms", "sampling_ms", "kv_write_ms", "other_ms"):
+            fl = f.get(k)
+            lines.append(f"    {k[:-3]:<10} {p[k]:>8.2f} ms" + (f"   floor {fl:>7.2f} ms" if fl is not None else ""))
+        lines.append(f"    host: build input {h['build_input_ms']:.2f} ms, device->host {h['device_to_host_ms']:.2f} ms, "
+                     f"detokenize {h['detokenize_ms']:.2f} ms, SSE encode {h['sse_encode_ms']:.2f} ms per step")
+    return "\n".join(lines)
+
+
+# --- exposed host time ---------------------------------------------------------------------------
+def bench_overlap(engine: Any, device_ms: dict[int, float], *, batches: tuple[int, ...] = (64, 256),
+                  steps: int = 8, shared_len: int = 320) -> dict[str, Any]:
+    """Steady decode through LLMEngine.step(): per-step wall time with async scheduling on
+    and off, against the device time of the same step (`device_ms[batch]`, from the
+    breakdown). Requests share a system prompt and never finish during the measurement."""
+    from runtime.sampling import SamplingParams
+
+    tok = engine.tokenizer
+    rows = []
+    prefix = [(7 * j) % 2000 + 100 for j in range(shared_len)]
+    for S in batches:
+        if S > engine.envelope.max_num_seqs:
+            raise ValueError(f"max_num_seqs: batch {S} exceeds the envelope ({engine.envelope.max_num_seqs})")
+        res: dict[str, Any] = {"batch": S, "device_ms": device_ms.get(S)}
+        for mode in (True, False):
+            engine.set_async_scheduling(mode)
+            params = SamplingParams(temperature=0.0, max_tokens=4 * steps + 64, ignore_eos=True)
+            reqs = [engine.add_request(prefix + [(31 * i + j) % 2000 + 100 for j in range(40)], params)
+                    for i in range(S)]
+            for _ in range(400):  # prefill until every request decodes
+                engine.step()
+                if all(r.num_output_tokens > 0 for r in reqs) and len(engine.scheduler.running) == S:
+                    break
+            for _ in range(2):
+                engine.step()
+            walls = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                walls.append((time.perf_counter() - t0) * 1e3)
+            for r in reqs:
+                engine.abort(r.request_id)
+            engine.run_until_done()
+            s = summarize(walls)
+            key = "async" if mode else "sync"
+            res[f"{key}_step_ms"] = s["p50"]
+            if res["device_ms"]:
+                res[f"{key}_exposed_host_ms"] = max(0.0, s["p50"] - res["device_ms"])
+                res[f"{key}_exposed_share"] = max(0.0, s["p50"] - res["device_ms"]) / s["p50"]
+        engine.set_async_scheduling(True)
+        rows.append(res)
+    engine.reset_prefix_cache()
+    del tok
+    return {"steps": steps, "rows": rows}
+
+
+def format_overlap(r: dict[str, Any]) -> str:
+    lines = ["== exposed host time: LLMEngine.step() in steady decode (median step wall - device step) =="]
+    for x in r["rows"]:
+        dev = x.get("device_ms")
+        line = f"  batch {x['batch']}: device {dev:.1f} ms; " if dev else f"  batch {x['batch']}: "
+        for key in ("async", "sync"):
+            line += f"{key} step {x[f'{key}_step_ms']:.1f} ms"
+            if f"{key}_exposed_host_ms" in x:
+                line += f" (exposed host {x[f'{key}_exposed_host_ms']:.2f} ms = {x[f'{key}_exposed_share'] * 100:.1f}%)"
+            line += "; "
+        lines.append(line.rstrip("; "))
+    return "\n".join(lines)
