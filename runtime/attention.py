@@ -23,6 +23,22 @@ import jax.numpy as jnp
 NEG = -1e30  # finite "minus infinity": fully masked rows give weights 0, not NaN
 
 
+# Chunk sizes, in blocks of 16 tokens, measured on a 2-core AMD EPYC (SmolLM2 heads, 320-token
+# shared prompt + 48-112 own tokens, or 368 unshared; /tmp sweeps summarised in BENCHMARKS.md):
+# per-sequence products are tiny batched matmuls whose cost grows with the chunk's padding
+# and cache footprint, so 2-block chunks win at every batch (S=64 shared: 2.5 ms per layer
+# against 3.9 ms at 8 blocks; S=256: 16 vs 26 ms). The cascade product is one real matmul
+# with S*G rows: at S >= 128 fewer, longer trips win (8 blocks: 7.3 ms against 16.7 ms).
+def decode_chunk_blocks(num_seqs: int) -> int:
+    """KV blocks per trip of the per-sequence decode loop."""
+    return 2
+
+
+def cascade_chunk_blocks(num_seqs: int) -> int:
+    """KV blocks per trip of the shared-prefix (cascade) loop."""
+    return 2 if num_seqs <= 64 else 8
+
+
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scatter new K/V rows [T, Hkv, D] into caches [NB, BS, Hkv, D] at flat slots
@@ -152,22 +168,26 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
     return out[:T]
 
 
-@partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "q_tile"))
+@partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "shared_chunk_blocks", "prefill_chunk_blocks",
+                                   "q_tile"))
 def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
                                block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array,
-                               *, sm_scale: float, kv_chunk_blocks: int = 8, q_tile: int = 32,
-                               shared: "SharedPrefix | None" = None) -> jax.Array:
+                               *, sm_scale: float, kv_chunk_blocks: int | None = None,
+                               shared_chunk_blocks: int | None = None, prefill_chunk_blocks: int = 8,
+                               q_tile: int = 32, shared: "SharedPrefix | None" = None) -> jax.Array:
     """q [T,Hq,D]; caches [NB,BS,Hkv,D]; kv_lens [S]; block_tables [S,MB]; query_start_loc [S+1];
     num_seqs [1]. Returns [T,Hq,D] in q.dtype; padding rows are 0. See pallas_kernels.paged_attention
     for the full contract. `shared` (optional) names blocks several sequences share at the start
-    of their tables; the last-token path then reads them once for all (cascade attention)."""
+    of their tables; the last-token path then reads them once for all (cascade attention).
+    Chunk sizes (in blocks; None = the tuned defaults at the top of this file) for the per-sequence
+    decode loop, the shared-prefix loop and the prefill tiles."""
     T, Hq, D = q.shape
     S, mb = block_tables.shape
     hkv = k_cache.shape[2]
-    # Few sequences: bigger chunks mean fewer loop trips (each trip's fixed cost dominates at
-    # batch 1); many sequences: small chunks keep each gathered chunk in cache.
-    cb = min(kv_chunk_blocks if S >= 16 else 4 * kv_chunk_blocks, mb)
-    pad = (-mb) % cb
+    cb = min(kv_chunk_blocks or decode_chunk_blocks(S), mb)
+    cb_shared = min(shared_chunk_blocks or cascade_chunk_blocks(S), mb)
+    cb_prefill = min(prefill_chunk_blocks, mb)
+    pad = -mb % max(cb, cb_shared, cb_prefill)  # chunks are powers of two: one pad serves every loop
 
     def padded(t):  # the chunk loops slice whole chunks of a table
         return jnp.pad(t, [(0, 0)] * (t.ndim - 1) + [(0, pad)]) if pad else t
@@ -188,7 +208,7 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     else:
         member = (shared.suffix_start > 0) & has_query
         init = _shared_prefix_attention(qg, k_cache, v_cache, padded(shared.blocks), shared.length.reshape(()),
-                                        member, cb)
+                                        member, cb_shared)
         start = jnp.where(member, shared.suffix_start, 0)
         partials = _last_token_attention(qg, k_cache, v_cache, a_lens, padded(shared.suffix_tables), start, cb,
                                          init)
@@ -198,8 +218,8 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     # its setup (real control flow on CPU).
     out = jax.lax.cond(
         jnp.any(live & (q_len > 1)),
-        lambda: _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, n, sm_scale, cb,
-                               min(q_tile, T)),
+        lambda: _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, n, sm_scale,
+                               cb_prefill, min(q_tile, T)),
         lambda: jnp.zeros((T, Hq, D), jnp.float32))
     out = out.at[jnp.where(has_query, last, T)].set(out_last, mode="drop")
     return out.astype(q.dtype)

@@ -23,7 +23,7 @@ def test_xla_path_matches_oracle(name, hq, hkv):
     batch = random_batch(rng, q_lens, kv_lens, hq=hq, hkv=hkv, pad_seqs=2, pad_tokens=5)
     want = oracle(*batch, sm_scale=0.25)
     got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, batch), sm_scale=0.25,
-                                                kv_chunk_blocks=2, q_tile=8))
+                                                kv_chunk_blocks=2, shared_chunk_blocks=2, prefill_chunk_blocks=2, q_tile=8))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
     assert not got[sum(q_lens):].any(), "padding rows must be zero"
 
@@ -47,7 +47,7 @@ def test_xla_path_matches_pallas_reference():
     batch = tuple(map(jnp.asarray, random_batch(rng, [1, 12, 1, 30], [17, 40, 3, 30], hq=6, hkv=2, pad_seqs=1,
                                                 pad_tokens=3)))
     want = np.asarray(ref_ragged_paged_attention(*batch, sm_scale=0.3))
-    got = np.asarray(xla_ragged_paged_attention(*batch, sm_scale=0.3, kv_chunk_blocks=2, q_tile=4))
+    got = np.asarray(xla_ragged_paged_attention(*batch, sm_scale=0.3, kv_chunk_blocks=2, shared_chunk_blocks=2, prefill_chunk_blocks=2, q_tile=4))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -65,7 +65,7 @@ def test_shared_prefix_cascade_matches_oracle():
     assert int(shared.length[0]) == 16 and list(shared.suffix_start) == [16, 16, 16, 16, 0, 0]
     want = oracle(q, kc, vc, kvl, tables, qsl, ns, 0.25)
     got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, (q, kc, vc, kvl, tables, qsl, ns)),
-                                                sm_scale=0.25, kv_chunk_blocks=2, q_tile=4,
+                                                sm_scale=0.25, kv_chunk_blocks=2, shared_chunk_blocks=2, prefill_chunk_blocks=2, q_tile=4,
                                                 shared=jax.tree_util.tree_map(jnp.asarray, shared)))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
