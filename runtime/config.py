@@ -265,3 +265,4 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | xla | pallas
     dtype: str = "float32"
     async_scheduling: bool = True    # plan and launch step N+1 while step N runs on the device
+    quantization: str = "none"       # none | w8a8 (runtime/quant.py)

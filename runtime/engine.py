@@ -95,7 +95,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.cache, self.envelope, self._policy, self.pool)
         dtype = dtype or {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.dtype]
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
-                                  config.attention_backend, dtype)
+                                  config.attention_backend, dtype, config.quantization)
         self.metrics = EngineMetrics()
         self.lock = threading.RLock()
         self._tracked: dict[str, _Tracked] = {}

@@ -24,6 +24,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     g.add_argument("--max-num-seqs", type=int, default=64 if serving else 4, help="compiled sequence envelope")
     g.add_argument("--max-num-batched-tokens", type=int, default=512 if serving else 128,
                    help="compiled per-step token envelope")
+    g.add_argument("--quantization", choices=("none", "w8a8"), default="none",
+                   help="w8a8: int8 weights (per-channel scales) and per-token int8 activations in every "
+                        "decoder projection; the LM head and embeddings stay float. Accuracy: "
+                        "`pagedjax bench accuracy`")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before planning the next (for comparison; slower)")
     g.add_argument("--attention-backend", choices=("auto", "xla", "pallas"), default="auto")
@@ -77,6 +81,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
             max_queued_tokens=args.max_queued_tokens)
         policy.validate(envelope)
         return EngineConfig(model, cache, envelope, policy, args.attention_backend, dtype,
-                            async_scheduling=not getattr(args, "no_async_scheduling", False))
+                            async_scheduling=not getattr(args, "no_async_scheduling", False),
+                            quantization=getattr(args, "quantization", "none"))
 
     return build

@@ -24,6 +24,7 @@ from runtime.attention import SharedPrefix, write_kv, xla_ragged_paged_attention
 from runtime.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from runtime.models.llama import Params, forward_hidden, lm_head
+from runtime.quant import quantize_params
 from runtime.sampling import SampleOutput, penalties_on, sample
 
 log = logging.getLogger(__name__)
@@ -158,11 +159,17 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, cache: CacheConfig, sched: SchedulerConfig,
-                 attention_backend: str = "auto", dtype: Any = jnp.float32):
+                 attention_backend: str = "auto", dtype: Any = jnp.float32, quantization: str = "none"):
         self.cfg, self.cache_cfg, self.sched = cfg, cache, sched
         if jax.default_backend() == "cpu":
             tune_cpu_allocator()
-        self.params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
+        self.quantization = quantization
+        params = quantize_params(params, quantization)
+
+        def place(path, a):  # int8 weights and their float32 scales keep their dtype
+            keep = np.asarray(a).dtype == np.int8 or jax.tree_util.keystr(path).endswith("['s']")
+            return jnp.asarray(a) if keep else jnp.asarray(a, dtype)
+        self.params = jax.tree_util.tree_map_with_path(place, params)
         self.max_blocks_per_seq = -(-sched.max_model_len // cache.block_size)
         if cache.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype: {cache.kv_dtype!r} is not supported by the runner "

@@ -16,7 +16,7 @@
 #
 # Environment: PEERS, BENCH_PEERS_N (requests, default 64), BENCH_PEERS_CONCURRENCY (64),
 # BENCH_PEERS_MAX_TOKENS (64), BENCH_PEERS_EXTRA (more `bench serve` flags, e.g.
-# --ignore-eos), PAGEDJAX_FLAGS (default: the run_benchmarks.sh envelope), VLLM_FLAGS,
+# --ignore-eos), PAGEDJAX_FLAGS (default: none, the `serve` defaults), VLLM_FLAGS,
 # LLAMACPP_FLAGS, BENCH_PEERS_PORT (first port, default 18461), BENCH_PEERS_START_TIMEOUT
 # (seconds to wait for a server, default 900), BENCH_RESULTS (default bench-results).
 set -euo pipefail
@@ -34,7 +34,7 @@ START_TIMEOUT=${BENCH_PEERS_START_TIMEOUT:-900}
 LOGS=$ROOT/.peers/logs  # server logs stay out of bench-results: pagedjax prints its admin token
 MODEL_NAME=smollm2-135m-instruct
 # Flags split on spaces on purpose (they are command-line flags).
-read -ra PAGEDJAX_ARGS <<< "${PAGEDJAX_FLAGS:---max-num-seqs 64 --max-num-batched-tokens 512 --max-model-len 1024 --kv-cache-memory 1536MiB}"
+read -ra PAGEDJAX_ARGS <<< "${PAGEDJAX_FLAGS:-}"  # default: plain `pagedjax serve` defaults
 read -ra VLLM_ARGS <<< "${VLLM_FLAGS:-}"
 read -ra LLAMACPP_ARGS <<< "${LLAMACPP_FLAGS:-}"
 read -ra EXTRA_ARGS <<< "${BENCH_PEERS_EXTRA:-}"

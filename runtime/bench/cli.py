@@ -174,6 +174,13 @@ def add_bench_parser(subparsers: Any) -> None:
     add_offline_arguments(s)
     s.set_defaults(func=cmd_offline)
 
+    from runtime.bench.accuracy import add_accuracy_arguments, run_accuracy
+
+    s = sub.add_parser("accuracy", help="a quantized model against float32: perplexity, logprob difference, "
+                                        "greedy agreement, with the quantization gates")
+    add_accuracy_arguments(s)
+    s.set_defaults(func=run_accuracy)
+
     s = sub.add_parser("render", help="render BENCHMARKS.md from a results directory")
     s.add_argument("--results", default="bench-results")
     s.add_argument("--commands", help="file with the commands to list in the page")

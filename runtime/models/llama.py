@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from runtime.config import ModelConfig
+from runtime.quant import linear
 
 Params = dict[str, Any]
 # attention(q [T,Hq,D], k_new [T,Hkv,D], v_new [T,Hkv,D], layer) -> out [T,Hq,D]; it also
@@ -94,7 +95,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 def qkv_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array,
                    inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     T = x.shape[0]
-    q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+    q, k, v = linear(x, lp["wq"]), linear(x, lp["wk"]), linear(x, lp["wv"])
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -104,7 +105,7 @@ def qkv_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Ar
 
 
 def mlp(lp: Params, x: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+    return linear(jax.nn.silu(linear(x, lp["w_gate"])) * linear(x, lp["w_up"]), lp["w_down"])
 
 
 def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, positions: jax.Array,
@@ -121,7 +122,7 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
         y = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = qkv_projection(cfg, lp, y, positions, inv_freq)
         attn, cache = attention(q, k, v, layer, cache)
-        h = h + attn.reshape(T, -1) @ lp["wo"]
+        h = h + linear(attn.reshape(T, -1), lp["wo"])
         h = h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
         return (h, cache), None
 
@@ -132,8 +133,9 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
 
 def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     """hidden [N, d] -> float32 logits [N, V]."""
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+    # A tied head contracts the embedding's model axis in place (no transposed copy).
+    w, axis = (params["embed"], 1) if cfg.tie_word_embeddings else (params["lm_head"], 0)
+    return jax.lax.dot_general(hidden, w, (((1,), (axis,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, num_segments_mask: jax.Array
