@@ -94,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  " greedy tokens of attention_backend=pallas vs xla (dry run: xla only)")
   p.add_argument("--engine-max-tokens", type=int, default=24,
                  help="greedy tokens per prompt in the engine check")
+  p.add_argument("--engine-tps", action="store_true",
+                 help="engine decode TPS of a Llama-3-8B-shaped model with random bf16 weights made on"
+                 " the device, at B in 1,16,64,B_max, against the planner, with exposed host time"
+                 " (dry run: a scaled-down shape in float32 on CPU)")
   args = p.parse_args(argv)
   if args.reps < 1:
     p.error("--reps must be >= 1")
@@ -668,6 +672,28 @@ def run_engine_step(args: argparse.Namespace, rec: Recorder, backends: tuple[str
   return not r.get("ok", False)
 
 
+def run_engine_tps(args: argparse.Namespace, rec: Recorder) -> bool:
+  """The Llama-3-8B-shaped engine run; returns True when it failed."""
+  from runtime.bench.gpu_engine import LLAMA3_8B, LLAMA3_SCALED, engine_decode_tps, format_engine_tps
+
+  rec.step = "engine_tps"
+  try:
+    if args.dry_run:
+      r = engine_decode_tps(LLAMA3_SCALED, (1, 4, 8), context_len=200, steps=3, dtype="float32",
+                            kv_memory=64 << 20, device_name="cpu-none")
+    else:
+      r = engine_decode_tps(LLAMA3_8B, (1, 16, 64, 100_000), context_len=1000, steps=8)
+    rec.results["engine_tps"] = r
+    print(format_engine_tps(r), flush=True)
+    return False
+  except Exception as e:  # noqa: BLE001
+    rec.results["engine_tps"] = {"error": err(e)[:800]}
+    print(f"engine TPS check failed: {err(e)[:300]}")
+    return True
+  finally:
+    rec.save()
+
+
 def dry_run(args: argparse.Namespace) -> int:
   """Everything that does not need a GPU, at the real shapes where affordable."""
   xla_fn, xla_name = xla_path()
@@ -725,6 +751,8 @@ def dry_run(args: argparse.Namespace) -> int:
     # The Pallas engine would run in the (very slow) interpreter here: XLA only.
     failed |= run_engine_step(args, rec, ("xla",))
     print_summary({"engine": results.get("engine")})
+  if args.engine_tps:
+    failed |= run_engine_tps(args, rec)
   rec.save()
   print(f"dry run {'FAILED' if failed else 'ok'} in {results['seconds']:.0f}s;"
         f" wrote {args.out}")
@@ -814,6 +842,9 @@ def run_gpu_checks(args: argparse.Namespace, rec: Recorder, xla_fn, xla_name: st
 
   if args.engine_checkpoint is not None:
     failed |= run_engine_step(args, rec, ("xla", "pallas"))
+
+  if args.engine_tps:
+    failed |= run_engine_tps(args, rec)
 
   if args.tune and time_left() > 60:
     tb = Batch("tune_b32_ctx4096", (1,) * 32, (4096,) * 32)

@@ -1,0 +1,149 @@
+"""The engine at Llama-3-8B's shapes with random bfloat16 weights made on the device (no
+checkpoint can travel to the GPU machine): decode tokens/s at several batch sizes against
+the planner's B*W / (2P + B*C_seq), and the host time the async pipeline leaves exposed.
+Used by scripts/gpu_check.py; `--dry-run` there runs it at a scaled-down shape on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0,
+                 eos_token_ids=(1,), pad_token_id=0, name="llama-3-8b-shaped-random")
+# The same architecture, small enough for a CPU dry run of the whole path.
+LLAMA3_SCALED = {**LLAMA3_8B, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 896, "num_layers": 2,
+                 "num_heads": 8, "num_kv_heads": 2, "head_dim": 32, "name": "llama-3-shaped-scaled"}
+
+
+def random_params_on_device(cfg: Any, dtype: Any) -> Any:
+    """Every leaf drawn by a jitted normal on the device (fan-in scaled; norms = 1)."""
+    import jax
+    import jax.numpy as jnp
+
+    from runtime.models.llama import param_shapes
+
+    leaves, tree = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    out = []
+    for i, (path, shape) in enumerate(leaves):
+        name = jax.tree_util.keystr(path)
+        if name.endswith("norm']"):
+            out.append(jnp.ones(shape, dtype))
+            continue
+        fan_in = shape[-1] if "embed" in name else shape[-2]
+        draw = jax.jit(lambda k, shape=shape, s=1.0 / math.sqrt(fan_in): (jax.random.normal(k, shape) * s).astype(dtype))
+        out.append(draw(jax.random.key(i)))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def synthetic_tokenizer(vocab: int) -> Any:
+    """A byte-level tokenizer with `vocab` entries, so any sampled id detokenizes."""
+    from tokenizers import Tokenizer
+
+    from runtime.tokenizer import TextTokenizer, build_byte_level_bpe
+
+    alphabet = [chr(c) for c in range(33, 127)]  # printable ASCII: its own byte-level symbols
+    tokens = ["<pad>", "<eos>"] + alphabet + [f"w{i}" for i in range(vocab - 2 - len(alphabet))]
+    tok = Tokenizer.from_str(build_byte_level_bpe(tokens, [], ["<pad>", "<eos>"], "smollm").to_str())
+    return TextTokenizer(tok, None, 0, (1,))
+
+
+def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, context_len: int = 1000,
+                      steps: int = 8, dtype: str = "bfloat16", kv_memory: int | None = None,
+                      device_name: str = "h200", attention_backend: str = "auto") -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from runtime.bench.breakdown import _median_ms
+    from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from runtime.engine import LLMEngine
+    from runtime.engine_args import _default_kv_memory
+    from runtime.planner import DEVICES, tokens_per_s
+    from runtime.sampling import SamplingParams
+
+    cfg = ModelConfig(**cfg_kw)
+    jdt = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype]
+    params = random_params_on_device(cfg, jdt)
+    weight_bytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
+    max_len = 16 * math.ceil((context_len + steps + 64) / 16)
+    cache = CacheConfig.from_memory(cfg, kv_memory or _default_kv_memory(cfg), 16, dtype)
+    per_seq_blocks = max_len // 16
+    b_cap = cache.num_blocks // per_seq_blocks
+    batches = tuple(sorted({min(b, b_cap) for b in batches}))
+    top = max(batches)
+    tokens = max(top, 2048)
+    env = SchedulerConfig(top, tokens, max_len)
+    pol = AdmissionPolicy(max_num_seqs=top, max_num_batched_tokens=tokens, long_prefill_token_threshold=tokens,
+                          max_admissions_per_step=top, watermark=0.0)
+    eng = LLMEngine(EngineConfig(cfg, cache, env, pol, attention_backend, dtype), params,
+                    synthetic_tokenizer(cfg.vocab_size), warmup=False, progress=False)
+    dev = DEVICES.get(device_name)
+    kv_seq = cfg.kv_bytes_per_token(dtype) * context_len
+    rng = np.random.default_rng(0)
+    rows = []
+    for B in batches:
+        sp = SamplingParams(temperature=0.0, max_tokens=steps * 3 + 8, ignore_eos=True)
+        res: dict[str, Any] = {"batch": B}
+        for mode in (True, False):
+            eng.set_async_scheduling(mode)
+            reqs = [eng.add_request(list(rng.integers(2, cfg.vocab_size, size=context_len)), sp) for _ in range(B)]
+            for _ in range(10_000):
+                eng.step()
+                if len(eng.scheduler.running) == B and all(r.num_output_tokens > 0 for r in reqs):
+                    break
+            eng.step()
+            eng.step()
+            walls = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                eng.step()
+                walls.append(time.perf_counter() - t0)
+            for r in reqs:
+                eng.abort(r.request_id)
+            eng.run_until_done()
+            res["async_step_ms" if mode else "sync_step_ms"] = float(np.median(walls) * 1e3)
+        # device time of the same decode step, alone
+        from runtime.batch import build_step_input, step_row
+        from runtime.request import Request
+
+        r_ = eng.runner
+        seqs = []
+        for i in range(B):
+            q = Request(f"d{i}", [5] * context_len, sp)
+            q.block_ids = list(range(i * per_seq_blocks, i * per_seq_blocks + math.ceil(context_len / 16)))
+            q.state_row, q.num_computed_tokens = i, context_len - 1
+            seqs.append(step_row(q, 1))
+        s_b, t_b = env.bucket_for(B, B)
+        inp = jax.device_put(build_step_input(seqs, s_b, t_b, r_.max_blocks_per_seq, 16, r_.scratch_row))
+
+        def go():
+            r_.kv, r_.penalty, out = r_._step(r_.params, r_.kv, r_.penalty, inp)
+            return out.token_ids
+        res["device_step_ms"] = _median_ms(go, steps)
+        eng.reset_prefix_cache()
+        res["tokens_per_s"] = B / (res["async_step_ms"] / 1e3)
+        res["exposed_host_ms"] = max(0.0, res["async_step_ms"] - res["device_step_ms"])
+        res["exposed_share"] = res["exposed_host_ms"] / res["async_step_ms"]
+        if dev is not None:
+            res["planner_tokens_per_s"] = tokens_per_s(B, weight_bytes, kv_seq, dev.bandwidth_bytes_per_s)
+            res["measured_vs_planner"] = res["tokens_per_s"] / res["planner_tokens_per_s"]
+        rows.append(res)
+    return {"model": cfg.name, "dtype": dtype, "context_len": context_len, "weight_bytes": weight_bytes,
+            "kv_blocks": cache.num_blocks, "b_max_at_context": b_cap, "device_profile": device_name, "rows": rows}
+
+
+def format_engine_tps(r: dict[str, Any]) -> str:
+    lines = [f"== engine decode: {r['model']} ({r['dtype']}, random weights), context {r['context_len']}, "
+             f"B_max {r['b_max_at_context']} =="]
+    for x in r["rows"]:
+        plan = (f"  planner {x['planner_tokens_per_s']:,.0f} tok/s ({x['measured_vs_planner'] * 100:.0f}%)"
+                if "planner_tokens_per_s" in x else "")
+        lines.append(f"  B={x['batch']:<4} step {x['async_step_ms']:8.2f} ms (sync {x['sync_step_ms']:.2f}, device "
+                     f"{x['device_step_ms']:.2f}; exposed host {x['exposed_host_ms']:.2f} ms = "
+                     f"{x['exposed_share'] * 100:.1f}%)  {x['tokens_per_s']:,.0f} tok/s{plan}")
+    return "\n".join(lines)
