@@ -58,7 +58,8 @@ def _shared_decode_rows(runner: Any, batch: int, shared_len: int, unique_len: in
         raise ValueError(f"max_num_seqs: batch {batch} exceeds the envelope ({runner.sched.max_num_seqs})")
     rows = []
     for i in range(batch):
-        req = Request(f"bd-{i}", [(13 * i + j) % 1000 + 5 for j in range(ctx)], SamplingParams(temperature=0.0))
+        vocab = runner.cfg.vocab_size
+        req = Request(f"bd-{i}", [3 + (13 * i + j) % (vocab - 3) for j in range(ctx)], SamplingParams(temperature=0.0))
         start = shared_blocks + i * own
         req.block_ids = list(range(shared_blocks)) + list(range(start, start + own))
         req.state_row, req.num_computed_tokens = i, ctx - 1
@@ -218,9 +219,10 @@ def bench_overlap(engine: Any, device_ms: dict[int, float], *, batches: tuple[in
     breakdown). Requests share a system prompt and never finish during the measurement."""
     from runtime.sampling import SamplingParams
 
-    tok = engine.tokenizer
+    vocab = engine.config.model.vocab_size
+    token = lambda x: 3 + x % (vocab - 3)
     rows = []
-    prefix = [(7 * j) % 2000 + 100 for j in range(shared_len)]
+    prefix = [token(7 * j) for j in range(shared_len)]
     for S in batches:
         if S > engine.envelope.max_num_seqs:
             raise ValueError(f"max_num_seqs: batch {S} exceeds the envelope ({engine.envelope.max_num_seqs})")
@@ -228,7 +230,7 @@ def bench_overlap(engine: Any, device_ms: dict[int, float], *, batches: tuple[in
         for mode in (True, False):
             engine.set_async_scheduling(mode)
             params = SamplingParams(temperature=0.0, max_tokens=4 * steps + 64, ignore_eos=True)
-            reqs = [engine.add_request(prefix + [(31 * i + j) % 2000 + 100 for j in range(40)], params)
+            reqs = [engine.add_request(prefix + [token(31 * i + j + 1) for j in range(40)], params)
                     for i in range(S)]
             for _ in range(400):  # prefill until every request decodes
                 engine.step()
@@ -253,7 +255,6 @@ def bench_overlap(engine: Any, device_ms: dict[int, float], *, batches: tuple[in
         engine.set_async_scheduling(True)
         rows.append(res)
     engine.reset_prefix_cache()
-    del tok
     return {"steps": steps, "rows": rows}
 
 

@@ -1,0 +1,55 @@
+"""The engine-side benchmarks on the tiny model: the step breakdown, exposed host time, the
+accuracy evaluation and the Llama-3-shaped random-weight engine run (structure and
+invariants only; no wall-clock asserts)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.bench.accuracy import evaluate, token_logprobs
+from runtime.bench.breakdown import bench_breakdown, bench_overlap, format_breakdown, format_overlap
+from runtime.bench.gpu_engine import LLAMA3_SCALED, engine_decode_tps, format_engine_tps, synthetic_tokenizer
+from runtime.checkpoint.store import load_checkpoint
+from tests.engine_util import make_engine
+
+PARTS = ("matmuls_ms", "lm_head_ms", "sampling_ms", "attention_ms", "kv_write_ms", "other_ms")
+
+
+def test_breakdown_and_overlap_report_every_part(tiny_ckpt):
+    eng = make_engine(tiny_ckpt, num_blocks=200, max_num_seqs=8, max_num_batched_tokens=64)
+    bd = bench_breakdown(eng, batches=(2, 8), shared_len=32, unique_len=8, iters=2, bandwidth_mb=16)
+    assert [r["batch"] for r in bd["rows"]] == [2, 8]
+    for r in bd["rows"]:
+        assert set(r["parts"]) == set(PARTS) and all(v >= 0 for v in r["parts"].values())
+        assert r["full_ms"] > 0 and r["matmul_floor_ms"] > 0 and r["shared_len"] == 32
+        assert set(r["host"]) == {"build_input_ms", "device_to_host_ms", "detokenize_ms", "sse_encode_ms"}
+    assert "batch 8" in format_breakdown(bd)
+    assert eng.pool.num_cached_blocks == 0  # the benchmark's KV writes were not left in the prefix cache
+    ov = bench_overlap(eng, {r["batch"]: r["full_ms"] for r in bd["rows"]}, batches=(2, 8), steps=3, shared_len=32)
+    for r in ov["rows"]:
+        assert r["async_step_ms"] > 0 and r["sync_step_ms"] > 0 and 0 <= r["async_exposed_share"] < 1
+    assert "exposed host" in format_overlap(ov)
+    assert eng.async_scheduling and not eng.has_unfinished() and eng.pool.num_used_blocks == 0
+
+
+def test_accuracy_of_the_float_model_against_itself_is_exact(tiny_ckpt):
+    cfg, params, _ = load_checkpoint(tiny_ckpt)
+    ids = list(np.random.default_rng(0).integers(3, 260, size=70))
+    lp = token_logprobs(cfg, params, ids, window=32)
+    assert lp.shape == (69,) and (lp <= 0).all()
+    r = evaluate(cfg, params, ids, "w8a8", 32)
+    assert r["tokens"] == 69 and r["perplexity"] > 1 and r["perplexity_float32"] > 1
+    assert abs(r["perplexity_increase"]) < 0.5 and r["mean_abs_logprob_diff"] > 0
+
+
+def test_llama3_shaped_random_engine_run():
+    tok = synthetic_tokenizer(300)
+    assert tok.decode([5, 250]) and tok.eos_token_ids == (1,)
+    cfg = {**LLAMA3_SCALED, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+           "num_kv_heads": 2, "head_dim": 16}
+    r = engine_decode_tps(cfg, (1, 4), context_len=40, steps=2, dtype="float32", kv_memory=8 << 20,
+                          device_name="h200")
+    assert [x["batch"] for x in r["rows"]] == [1, 4]
+    for x in r["rows"]:
+        assert x["tokens_per_s"] > 0 and x["planner_tokens_per_s"] > 0 and x["device_step_ms"] > 0
+    assert "B=4" in format_engine_tps(r)
