@@ -115,8 +115,35 @@ def _shared_prefix_attention(qg, k_cache, v_cache, shared_blocks, shared_len, me
     return jax.lax.fori_loop(0, n_chunks, body, _online_init(S, hkv, g, D))
 
 
-def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm_scale, cb, qt):
-    """Path B: every non-last query token, tile by tile. Returns [T, Hq, D] (zeros elsewhere)."""
+def _shared_prefix_rows(qh, k_cache, v_cache, shared_blocks, shared_len, row_ok, row_pos, cb):
+    """The cascade step for prefill tokens: qh [Hkv, R, D] (rows = (token, group), head-major
+    so the products need no transposes) against the shared prefix, causal by `row_pos` [R];
+    rows with row_ok False see nothing. Returns online-softmax partials [Hkv, R(, D)]."""
+    hkv, R, D = qh.shape
+    chunk = cb * k_cache.shape[1]
+    n_chunks = (shared_len + chunk - 1) // chunk
+
+    def body(c, carry):
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(shared_blocks, c * cb, cb)
+        k = _gather_chunk(k_cache, ids)  # [Hkv, C, D]
+        v = _gather_chunk(v_cache, ids)
+        sc = jnp.einsum("krd,kcd->krc", qh, k)
+        pos = c * chunk + jnp.arange(chunk)
+        visible = (pos[None, :] < shared_len) & row_ok[:, None] & (pos[None, :] <= row_pos[:, None])  # [R, C]
+        sc = jnp.where(visible[None], sc, NEG)
+        return _online_update(m, l, acc, sc, lambda p: jnp.einsum("krc,kcd->krd", p, v))
+
+    init = (jnp.full((hkv, R), NEG), jnp.zeros((hkv, R)), jnp.zeros((hkv, R, D)))
+    return jax.lax.fori_loop(0, n_chunks, body, init)
+
+
+def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm_scale, cb, qt,
+                   shared=None, cb_shared=1):
+    """Path B: every non-last query token, tile by tile. Returns [T, Hq, D] (zeros elsewhere).
+    With `shared` (cascade), all prefill tokens of member sequences meet the shared prefix in
+    one product first (a burst of chats on one system prompt would otherwise re-read it per
+    tile); each tile then continues over its own suffix only."""
     T, Hq, D = q.shape
     S = kv_lens.shape[0]
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
@@ -136,6 +163,17 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
 
     q_pad = jnp.concatenate([q, jnp.zeros((qt, Hq, D), q.dtype)]).astype(jnp.float32) * sm_scale
     out = jnp.zeros((T + qt, Hq, D), jnp.float32)
+    start = jnp.zeros((S,), jnp.int32)  # where each sequence's table (and tile loop) begins
+    tables = block_tables
+    if shared is not None:
+        tok = jnp.arange(T + qt)
+        seq_of = jnp.clip(jnp.searchsorted(qsl[1:], tok, side="right"), 0, S - 1)
+        tok_pos = kv_lens[seq_of] - q_len[seq_of] + (tok - qsl[seq_of])
+        member = (shared.suffix_start > 0) & live
+        qh = jnp.moveaxis(q_pad.reshape(T + qt, hkv, g, D), 0, 1).reshape(hkv, (T + qt) * g, D)
+        parts = _shared_prefix_rows(qh, k_cache, v_cache, shared.blocks, shared.length.reshape(()),
+                                    jnp.repeat(member[seq_of] & (tok < T), g), jnp.repeat(tok_pos, g), cb_shared)
+        start, tables = jnp.where(member, shared.suffix_start, 0), shared.suffix_tables
 
     def tile_body(i, out):
         s, first, rows = t_seq[i], t_first[i], t_rows[i]
@@ -143,8 +181,9 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
         qg = jax.lax.dynamic_slice_in_dim(q_pad, first, qt).reshape(qt, hkv, g, D)
         qg = jnp.moveaxis(qg, 0, 1).reshape(hkv, qt * g, D)  # rows = (token, group)
         row_pos = start_pos + jnp.repeat(jnp.arange(qt), g)
-        n_chunks = (start_pos + rows + chunk - 1) // chunk
-        table = block_tables[s]
+        base = start[s]
+        n_chunks = (start_pos + rows - base + chunk - 1) // chunk
+        table = tables[s]
 
         def kv_body(c, carry):
             m, l, acc = carry
@@ -152,11 +191,14 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
             k = _gather_chunk(k_cache, ids)  # [Hkv, C, D]
             v = _gather_chunk(v_cache, ids)
             sc = jnp.einsum("krd,kcd->krc", qg, k)
-            pos = c * chunk + jnp.arange(chunk)
+            pos = base + c * chunk + jnp.arange(chunk)
             sc = jnp.where(pos[None, None, :] <= row_pos[None, :, None], sc, NEG)
             return _online_update(m, l, acc, sc, lambda p: jnp.einsum("krc,kcd->krd", p, v))
 
-        init = (jnp.full((hkv, qt * g), NEG), jnp.zeros((hkv, qt * g)), jnp.zeros((hkv, qt * g, D)))
+        if shared is None:
+            init = (jnp.full((hkv, qt * g), NEG), jnp.zeros((hkv, qt * g)), jnp.zeros((hkv, qt * g, D)))
+        else:  # this tile's rows of the shared-prefix partials (same (token, group) row order)
+            init = tuple(jax.lax.dynamic_slice_in_dim(a, first * g, qt * g, axis=1) for a in parts)
         m, l, acc = jax.lax.fori_loop(0, n_chunks, kv_body, init)
         res = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(hkv, qt, g, D)
         res = jnp.moveaxis(res, 1, 0).reshape(qt, Hq, D)
@@ -202,16 +244,17 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     last = jnp.clip(query_start_loc[1:] - 1, 0, T - 1)
     qg = q[last].reshape(S, hkv, Hq // hkv, D).astype(jnp.float32) * sm_scale
     a_lens = jnp.where(has_query, kv_lens, 0)
+    shared_p = None if shared is None else SharedPrefix(padded(shared.blocks), shared.length, shared.suffix_start,
+                                                        padded(shared.suffix_tables))
     if shared is None:
         partials = _last_token_attention(qg, k_cache, v_cache, a_lens, block_tables, jnp.zeros_like(a_lens), cb,
                                          _online_init(S, hkv, Hq // hkv, D))
     else:
         member = (shared.suffix_start > 0) & has_query
-        init = _shared_prefix_attention(qg, k_cache, v_cache, padded(shared.blocks), shared.length.reshape(()),
+        init = _shared_prefix_attention(qg, k_cache, v_cache, shared_p.blocks, shared.length.reshape(()),
                                         member, cb_shared)
         start = jnp.where(member, shared.suffix_start, 0)
-        partials = _last_token_attention(qg, k_cache, v_cache, a_lens, padded(shared.suffix_tables), start, cb,
-                                         init)
+        partials = _last_token_attention(qg, k_cache, v_cache, a_lens, shared_p.suffix_tables, start, cb, init)
     m, l, acc = partials
     out_last = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(S, Hq, D)
     # A pure decode step (every sequence one token) leaves path B without work: skip even
@@ -219,7 +262,7 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     out = jax.lax.cond(
         jnp.any(live & (q_len > 1)),
         lambda: _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, n, sm_scale,
-                               cb_prefill, min(q_tile, T)),
+                               cb_prefill, min(q_tile, T), shared_p, cb_prefill),
         lambda: jnp.zeros((T, Hq, D), jnp.float32))
     out = out.at[jnp.where(has_query, last, T)].set(out_last, mode="drop")
     return out.astype(q.dtype)

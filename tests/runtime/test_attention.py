@@ -78,3 +78,27 @@ def test_mixed_step_with_as_many_tokens_as_slots():
     want = oracle(*batch, sm_scale=0.25)
     got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, batch), sm_scale=0.25))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_cascade_with_prefill_chunks_of_members():
+    """A burst of chats on one system prompt: several members prefill chunks (longer than one
+    query tile) after a 3-block shared prefix, beside decodes and a non-member."""
+    import jax
+
+    from runtime.batch import choose_shared_prefix
+
+    rng = np.random.default_rng(12)
+    q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, [9, 1, 6, 13, 1], [70, 60, 55, 61, 30], hq=6, hkv=2,
+                                                   pad_seqs=1, mb=6)
+    for i in (1, 2, 3):
+        tables[i, :3] = tables[0, :3]
+    nblocks = np.array([5, 4, 4, 4, 2, 0])
+    shared = choose_shared_prefix(tables, nblocks, kvl, 5, 16)
+    assert int(shared.length[0]) == 48
+    want = oracle(q, kc, vc, kvl, tables, qsl, ns, 0.25)
+    for cb, qt in ((1, 4), (2, 8), (4, 32)):
+        got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, (q, kc, vc, kvl, tables, qsl, ns)),
+                                                    sm_scale=0.25, kv_chunk_blocks=cb, shared_chunk_blocks=cb,
+                                                    prefill_chunk_blocks=cb, q_tile=qt,
+                                                    shared=jax.tree_util.tree_map(jnp.asarray, shared)))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
