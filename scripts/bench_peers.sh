@@ -25,7 +25,7 @@ ROOT=$PWD
 PY=$ROOT/.venv/bin/python
 OUT=${BENCH_RESULTS:-$ROOT/bench-results}
 CKPT=${BENCH_CHECKPOINT:-$ROOT/checkpoints/smollm2-135m-instruct}
-PEERS=${PEERS:-pagedjax,vllm-fp32,vllm-bf16,llamacpp}
+PEERS=${PEERS:-pagedjax,pagedjax-w8a8,vllm-fp32,vllm-bf16,llamacpp}
 N=${BENCH_PEERS_N:-64}
 CONCURRENCY=${BENCH_PEERS_CONCURRENCY:-64}
 MAX_TOKENS=${BENCH_PEERS_MAX_TOKENS:-64}
@@ -92,7 +92,7 @@ wait_ready() {
 # Why a system cannot run here, or nothing when it can.
 missing() {
   case $1 in
-    pagedjax)
+    pagedjax|pagedjax-w8a8)
       [[ -f $CKPT/config.json ]] || echo "no checkpoint at ${CKPT#$ROOT/} (run .venv/bin/pagedjax pull smollm2)" ;;
     # A peer script owns its install layout; its `version` succeeds only when installed.
     vllm-*)
@@ -112,6 +112,8 @@ server_cmd() {  # the server's command line for system $1 on port $2, into SERVE
   case $1 in
     pagedjax) SERVER_CMD=("$PY" -m runtime.cli serve --checkpoint "$CKPT" --host 127.0.0.1 --port "$2"
                           --served-model-name "$MODEL_NAME" --no-access-log "${PAGEDJAX_ARGS[@]}") ;;
+    # int8 weights and activations (runtime/quant.py); its accuracy: pagedjax bench accuracy
+    pagedjax-w8a8) server_cmd pagedjax "$2"; SERVER_CMD+=(--quantization w8a8) ;;
     vllm-fp32) SERVER_CMD=(bash scripts/peers/vllm_cpu.sh serve --port "$2" --dtype float32 "${VLLM_ARGS[@]}") ;;
     vllm-bf16) SERVER_CMD=(bash scripts/peers/vllm_cpu.sh serve --port "$2" --dtype bfloat16 "${VLLM_ARGS[@]}") ;;
     llamacpp) SERVER_CMD=(bash scripts/peers/llama_cpp.sh serve --port "$2" "${LLAMACPP_ARGS[@]}") ;;
@@ -121,7 +123,7 @@ server_cmd() {  # the server's command line for system $1 on port $2, into SERVE
 version_of() {
   local v=""
   case $1 in
-    pagedjax) v=$("$PY" -c 'import importlib.metadata as m; print("pagedjax " + m.version("pagedjax"))' 2>/dev/null) ;;
+    pagedjax*) v=$("$PY" -c 'import importlib.metadata as m; print("pagedjax " + m.version("pagedjax"))' 2>/dev/null) ;;
     vllm-*) v=$(timeout 60 bash scripts/peers/vllm_cpu.sh version 2>/dev/null) ;;
     # Its output only when it succeeds (first line: llama-server prints two).
     llamacpp) v=$(timeout 60 bash scripts/peers/llama_cpp.sh version 2>/dev/null) ;;
@@ -143,8 +145,9 @@ except Exception as exc:
 
 IFS=, read -ra SYSTEMS <<< "$PEERS"
 for system in "${SYSTEMS[@]}"; do  # a typo in PEERS is an error, not a silent skip
-  case $system in pagedjax|vllm-fp32|vllm-bf16|llamacpp) ;;
-    *) echo "PEERS: unknown system '$system' (known: pagedjax, vllm-fp32, vllm-bf16, llamacpp)" >&2; exit 2 ;;
+  case $system in pagedjax|pagedjax-w8a8|vllm-fp32|vllm-bf16|llamacpp) ;;
+    *) echo "PEERS: unknown system '$system' (known: pagedjax, pagedjax-w8a8, vllm-fp32, vllm-bf16, llamacpp)" >&2
+       exit 2 ;;
   esac
 done
 status=0

@@ -42,7 +42,7 @@ def test_side_by_side_ratios_cpu_and_load(tmp_path):
     head = _row(text, "system")
     col = head.index("tok/s vs pagedjax")
     # Each system's output tok/s over pagedjax's.
-    assert _row(text, "pagedjax")[col] == "1.00x"
+    assert _row(text, "pagedjax float32")[col] == "1.00x"
     assert _row(text, "vLLM-CPU float32")[col] == "0.40x"
     assert _row(text, "vLLM-CPU bfloat16")[col] == "0.50x"
     assert _row(text, "llama.cpp")[col] == "1.25x"
@@ -52,12 +52,12 @@ def test_side_by_side_ratios_cpu_and_load(tmp_path):
     assert "pagedjax vs llama.cpp: **0.80x**" in text
     # Rows in a fixed order, pagedjax first; CPU model once (all the same), load per row.
     labels = [ln.split("|")[1].strip() for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
-    assert labels == ["pagedjax", "vLLM-CPU float32", "vLLM-CPU bfloat16", "llama.cpp"]
+    assert labels == ["pagedjax float32", "vLLM-CPU float32", "vLLM-CPU bfloat16", "llama.cpp"]
     assert "Measured on: Test CPU 9000, 2 cores." in text
     assert _row(text, "vLLM-CPU float32")[head.index("load avg 1m at start")] == "1.25"
-    assert _row(text, "pagedjax")[head.index("CPU busy before run")] == "2%"
-    assert _row(text, "pagedjax")[head.index("output tok/s")] == "200.0"
-    assert _row(text, "pagedjax")[head.index("ok/failed")] == "64/0"
+    assert _row(text, "pagedjax float32")[head.index("CPU busy before run")] == "2%"
+    assert _row(text, "pagedjax float32")[head.index("output tok/s")] == "200.0"
+    assert _row(text, "pagedjax float32")[head.index("ok/failed")] == "64/0"
     assert "not quiet" not in text and "Not comparable" not in text
     assert "serve vllm-fp32 &" in text and "pagedjax bench serve --out peers-llamacpp.json" in text
 
@@ -90,7 +90,7 @@ def test_side_by_side_not_run_and_a_failed_run(tmp_path):
                       "vllm-fp32": _report("vllm-fp32", 80.0)})
     text = "\n".join(render_peers(tmp_path))
     head = _row(text, "system")
-    assert _row(text, "pagedjax")[head.index("ok/failed")] == "0/64"
+    assert _row(text, "pagedjax float32")[head.index("ok/failed")] == "0/64"
     assert _row(text, "vLLM-CPU float32")[head.index("tok/s vs pagedjax")] == "-"  # no division by zero
 
 
