@@ -393,6 +393,9 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
     L.append("")
 
     L += render_peers(d)
+    from runtime.bench.engine_md import render_engine_sections
+
+    L += render_engine_sections(d)
 
     L += ["## Independent client: guidellm", "",
           "guidellm runs from its own venv (`$GUIDELLM_VENV`, default /tmp/guidellm-venv): installing it into the "

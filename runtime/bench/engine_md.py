@@ -1,0 +1,91 @@
+"""BENCHMARKS.md sections for the engine-speed work: the decode-step breakdown against its
+floors, exposed host time with async scheduling on and off, and the w8a8 accuracy gates
+(from bench-results/breakdown.json and accuracy-w8a8.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PART_LABELS = (("matmuls_ms", "projections + MLP"), ("lm_head_ms", "LM head"), ("attention_ms", "attention"),
+               ("sampling_ms", "sampling"), ("kv_write_ms", "KV write"),
+               ("other_ms", "rest (norms, RoPE, embedding, penalty state, per-layer weight slices)"))
+
+
+def _load(p: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _machine(r: dict[str, Any], key: str = "loadavg_1m") -> str:
+    m = r.get("machine") or {}
+    load = r.get(key)
+    return (f"CPU: {m.get('cpu_model', '?')}, {m.get('cores', '?')} cores"
+            + (f"; load average {load:.2f} at start" if isinstance(load, (int, float)) else ""))
+
+
+def render_engine_sections(results: str | Path) -> list[str]:
+    d = Path(results)
+    L: list[str] = []
+    bd_all = _load(d / "breakdown.json") or {}
+    bd, ov = bd_all.get("breakdown"), bd_all.get("overlap")
+    L += ["## Decode step breakdown (engine speed)", ""]
+    if bd:
+        L.append(f"`pagedjax bench offline --part breakdown,overlap`: one jitted decode step of {bd['model']} "
+                 f"({bd['dtype']}) where every sequence shares a {bd['rows'][0]['shared_len']}-token system "
+                 f"prompt and has {bd['rows'][0]['context_len'] - bd['rows'][0]['shared_len']} tokens of its own; "
+                 f"median of {bd['iters']}. Floors: matmuls at this machine's XLA dot rate for that many rows "
+                 f"(or one read of the weights at {bd['read_bandwidth_gb_s']:.1f} GB/s, if slower); attention, "
+                 f"sampling and the KV write at that read bandwidth (the shared prompt read once). "
+                 f"{_machine(bd_all.get('breakdown', {}) | {'machine': bd_all.get('machine')})}.")
+        L.append("")
+        head = ["part"] + [f"batch {r['batch']} ms" for r in bd["rows"]] + [f"floor at {r['batch']} ms"
+                                                                           for r in bd["rows"]]
+        rows = []
+        for key, label in PART_LABELS:
+            rows.append([label] + [f"{r['parts'][key]:.1f}" for r in bd["rows"]]
+                        + [f"{r['floors'][key]:.1f}" if key in r["floors"] else "-" for r in bd["rows"]])
+        rows.append(["**whole step**"] + [f"**{r['full_ms']:.1f}**" for r in bd["rows"]]
+                    + [f"{r['matmul_floor_ms']:.1f} (matmuls)" for r in bd["rows"]])
+        for hk, label in (("build_input_ms", "host: build step input"), ("device_to_host_ms", "host: device->host"),
+                          ("detokenize_ms", "host: detokenize"), ("sse_encode_ms", "host: SSE encode")):
+            rows.append([label] + [f"{r['host'][hk]:.2f}" for r in bd["rows"]] + ["hidden (async)"] * len(bd["rows"]))
+        L += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        L += ["| " + " | ".join(r) + " |" for r in rows]
+        L.append("")
+        L += [f"Decode step at {r['batch']} sequences: **{r['full_ms'] / r['matmul_floor_ms']:.2f}x** its matmul "
+              f"floor (XLA dot {r['dot_gflops']:.0f} GFLOP/s at {r['batch']} rows)." for r in bd["rows"]]
+        L.append("")
+    else:
+        L += ["_not measured_ (run `pagedjax bench offline --part breakdown,overlap --out bench-results/breakdown.json`).", ""]
+    if ov:
+        L += ["Exposed host time: `LLMEngine.step()` in steady decode, median step wall minus the device time of "
+              "the same step (above).", ""]
+        head = ["batch", "device step ms", "async step ms", "exposed host (async)", "sync step ms", "exposed host (sync)"]
+        L += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        for r in ov["rows"]:
+            L.append(f"| {r['batch']} | {r['device_ms']:.1f} | {r['async_step_ms']:.1f} | "
+                     f"{r.get('async_exposed_host_ms', 0):.2f} ms ({r.get('async_exposed_share', 0) * 100:.1f}%) | "
+                     f"{r['sync_step_ms']:.1f} | {r.get('sync_exposed_host_ms', 0):.2f} ms "
+                     f"({r.get('sync_exposed_share', 0) * 100:.1f}%) |")
+        L.append("")
+    acc = _load(d / "accuracy-w8a8.json")
+    L += ["## Quantization accuracy (w8a8 vs float32)", ""]
+    if acc:
+        tf, g, gate = acc["teacher_forced"], acc["greedy"], acc["gate"]
+        L += [f"`pagedjax bench accuracy --quantization w8a8` on {acc['checkpoint']}: {tf['tokens']:,} tokens of "
+              f"{', '.join(Path(t).name for t in acc['text'])} (teacher-forced, {tf['window']}-token windows); "
+              f"{_machine(acc)}.", "",
+              "| measure | value |", "|---|---|",
+              f"| perplexity float32 -> w8a8 | {tf['perplexity_float32']:.3f} -> {tf['perplexity']:.3f} "
+              f"({tf['perplexity_increase'] * 100:+.2f}%; gate +{gate['perplexity_increase_max'] * 100:.0f}%: "
+              f"**{'pass' if gate['passed'] else 'FAIL'}**) |",
+              f"| mean abs difference of the reference token's logprob | {tf['mean_abs_logprob_diff']:.4f} nats |",
+              f"| greedy agreement, {g['prompts']} prompts x {g['max_tokens']} tokens | {g['identical']} identical; "
+              f"{g['mean_tokens_before_divergence']:.1f} tokens before the first difference on average |", ""]
+    else:
+        L += ["_not measured_ (run `pagedjax bench accuracy --out bench-results/accuracy-w8a8.json`).", ""]
+    return L
