@@ -94,6 +94,10 @@ class LLMEngine:
         self._policy.validate(self.envelope)
         self.scheduler = Scheduler(config.cache, self.envelope, self._policy, self.pool)
         dtype = dtype or {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.dtype]
+        if config.quantization != "none":
+            from runtime.quant import prepare
+
+            params = prepare(params, config.quantization, config.model, tokenizer)
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
                                   config.attention_backend, dtype, config.quantization)
         self.metrics = EngineMetrics()

@@ -160,11 +160,12 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, cache: CacheConfig, sched: SchedulerConfig,
                  attention_backend: str = "auto", dtype: Any = jnp.float32, quantization: str = "none"):
+        """`params` may already be quantized (runtime.quant.prepare, which calibrates)."""
         self.cfg, self.cache_cfg, self.sched = cfg, cache, sched
         if jax.default_backend() == "cpu":
             tune_cpu_allocator()
         self.quantization = quantization
-        params = quantize_params(params, quantization)
+        params = quantize_params(params, quantization)  # (already-quantized weights pass through)
 
         def place(path, a):  # int8 weights and their float32 scales keep their dtype
             keep = np.asarray(a).dtype == np.int8 or jax.tree_util.keystr(path).endswith("['s']")

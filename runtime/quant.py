@@ -37,15 +37,99 @@ def quantize_weight(w: np.ndarray) -> dict[str, np.ndarray]:
     return {"q": q, "s": scale}
 
 
-def quantize_params(params: dict[str, Any], method: str) -> dict[str, Any]:
-    """The checkpoint tree with every decoder projection quantized (host side, numpy)."""
+SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength: half the outlier range moves to the weights
+
+
+def quantize_params(params: dict[str, Any], method: str, act_absmax: dict[str, np.ndarray] | None = None
+                    ) -> dict[str, Any]:
+    """The checkpoint tree with every decoder projection quantized (host side, numpy).
+    With `act_absmax` (per-layer, per-input-channel maxima of each projection's input, from
+    `activation_absmax` on calibration text) the activation outliers are smoothed first
+    (SmoothQuant): x W = (x / s)(s W), s = max|x|^a / max|W|^(1-a) per input channel. For
+    the projections after a norm, 1/s folds into the norm's weight; wo and w_down carry
+    1/s as an input scale (`"in"`) applied before quantizing the activations."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     if method == "none":
         return params
-    layers = {k: (quantize_weight(v) if k in LINEAR_WEIGHTS and not is_quantized(v) else v)
-              for k, v in params["layers"].items()}
+    lay = {k: np.asarray(v, np.float32) if (k in LINEAR_WEIGHTS or k.endswith("norm")) and not is_quantized(v)
+           else v for k, v in params["layers"].items()}
+    in_scale: dict[str, np.ndarray] = {}
+    if act_absmax is not None:
+        def smooth(x_max: np.ndarray, ws: list[str]) -> np.ndarray:  # [L, in]
+            w_max = np.max([np.abs(lay[w]).max(axis=-1) for w in ws], axis=0)
+            sc = np.maximum(x_max, 1e-5) ** SMOOTH_ALPHA / np.maximum(w_max, 1e-5) ** (1 - SMOOTH_ALPHA)
+            sc = np.clip(sc, 1e-2, 1e2).astype(np.float32)
+            for w in ws:
+                lay[w] = lay[w] * sc[..., :, None]
+            return sc
+        for norm, key, ws in (("attn_norm", "attn_in", ["wq", "wk", "wv"]), ("mlp_norm", "mlp_in", ["w_gate", "w_up"])):
+            lay[norm] = lay[norm] / smooth(act_absmax[key], ws)
+        for key, w in (("o_in", "wo"), ("down_in", "w_down")):
+            in_scale[w] = 1.0 / smooth(act_absmax[key], [w])
+    layers = {}
+    for k, v in lay.items():
+        if k in LINEAR_WEIGHTS and not is_quantized(v):
+            v = quantize_weight(v)
+            if k in in_scale:
+                v["in"] = in_scale[k]
+        layers[k] = v
     return {**params, "layers": layers}
+
+
+CALIBRATION_TOKENS = 1024
+
+
+def calibration_ids(tokenizer: Any, max_positions: int) -> list[int]:
+    """Calibration text for SmoothQuant: support-chat traffic (the load generator's system
+    prompt and questions through the chat template), never the accuracy evaluation's text."""
+    from runtime.bench.loadgen import shared_prefix_messages
+
+    ids: list[int] = []
+    for messages in shared_prefix_messages(8, seed=3):
+        text = tokenizer.apply_chat_template(messages) if tokenizer.chat else " ".join(m["content"] for m in messages)
+        ids += tokenizer.encode(text)
+    return ids[:min(CALIBRATION_TOKENS, max_positions)]
+
+
+def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any) -> dict[str, Any]:
+    """quantize_params with the activation maxima measured on the calibration text."""
+    if method == "none":
+        return params
+    return quantize_params(params, method,
+                           activation_absmax(cfg, params, calibration_ids(tokenizer, cfg.max_position_embeddings)))
+
+
+def activation_absmax(cfg: Any, params: dict[str, Any], token_ids: list[int]) -> dict[str, np.ndarray]:
+    """Per layer, the largest |value| of each input channel of the four projection groups
+    (attention in, attention out, MLP in, MLP down) over `token_ids`, float model, dense."""
+    from runtime.models.llama import dense_causal_attention, qkv_projection, rms_norm, rope_inv_freq
+
+    p = jax.tree_util.tree_map(jnp.asarray, params)
+    T = len(token_ids)
+    mask = jnp.tril(jnp.ones((T, T), dtype=bool))
+    pos = jnp.arange(T, dtype=jnp.int32)
+
+    @jax.jit
+    def run(p, ids):
+        inv = jnp.asarray(rope_inv_freq(cfg))
+
+        def layer(h, lp):
+            y = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = qkv_projection(cfg, lp, y, pos, inv)
+            a = dense_causal_attention(q, k, v, mask).reshape(T, -1)
+            h = h + a @ lp["wo"]
+            z = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+            u = jax.nn.silu(z @ lp["w_gate"]) * (z @ lp["w_up"])
+            h = h + u @ lp["w_down"]
+            amax = lambda t: jnp.max(jnp.abs(t), axis=0)
+            return h, (amax(y), amax(a), amax(z), amax(u))
+
+        _, (ai, oi, mi, di) = jax.lax.scan(layer, p["embed"][ids], p["layers"])
+        return ai, oi, mi, di
+
+    ai, oi, mi, di = run(p, jnp.asarray(token_ids, jnp.int32))
+    return {"attn_in": np.asarray(ai), "o_in": np.asarray(oi), "mlp_in": np.asarray(mi), "down_in": np.asarray(di)}
 
 
 def linear(x: jax.Array, w: Any) -> jax.Array:
@@ -54,6 +138,8 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
     if not is_quantized(w):
         return x @ w
     x32 = x.astype(jnp.float32)
+    if "in" in w:  # SmoothQuant's per-channel input scale (see quantize_params)
+        x32 = x32 * w["in"]
     sx = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / 127.0
     sx = jnp.where(sx > 0, sx, 1.0)
     xq = jnp.clip(jnp.round(x32 / sx), -127, 127).astype(jnp.int8)

@@ -2,7 +2,8 @@
 
 Perplexity over a held-out English text (teacher-forced, in fixed windows), the mean
 absolute difference of the reference token's logprob, and greedy agreement of the engine
-over prompts cut from the same text. Gates (the quantization issue's): perplexity within
+over prompts cut from the same text. The quantized model is built as the engine builds it
+(SmoothQuant scales calibrated on support-chat text, not on the evaluation text). Gates (the quantization issue's): perplexity within
 +3% for w8a8.
 """
 
@@ -43,14 +44,18 @@ def token_logprobs(cfg: Any, params: Any, ids: list[int], window: int) -> np.nda
     return np.concatenate(out)
 
 
-def evaluate(cfg: Any, params: Any, ids: list[int], method: str, window: int) -> dict[str, Any]:
+def evaluate(cfg: Any, params: Any, ids: list[int], method: str, window: int, tokenizer: Any = None
+             ) -> dict[str, Any]:
+    """Teacher-forced comparison; with `tokenizer`, quantized exactly as the engine does
+    (calibrated smoothing), else plain per-channel quantization."""
     import jax
     import jax.numpy as jnp
 
-    from runtime.quant import quantize_params
+    from runtime.quant import prepare, quantize_params
 
     ref = token_logprobs(cfg, jax.tree.map(jnp.asarray, params), ids, window)
-    got = token_logprobs(cfg, jax.tree.map(jnp.asarray, quantize_params(params, method)), ids, window)
+    qp = prepare(params, method, cfg, tokenizer) if tokenizer is not None else quantize_params(params, method)
+    got = token_logprobs(cfg, jax.tree.map(jnp.asarray, qp), ids, window)
     ppl_ref, ppl = math.exp(-ref.mean()), math.exp(-got.mean())
     return {"tokens": len(ref), "window": min(window, len(ids) - 1), "perplexity_float32": ppl_ref, "perplexity": ppl,
             "perplexity_increase": ppl / ppl_ref - 1.0, "mean_abs_logprob_diff": float(np.abs(got - ref).mean())}
@@ -97,7 +102,7 @@ def run_accuracy(args: argparse.Namespace) -> int:
     ids = tok.encode(text)[:args.max_text_tokens]
     res = {"kind": "accuracy", "machine": machine_info(), "checkpoint": ckpt.name, "method": args.quantization,
            "text": [str(t) for t in texts]}
-    res["teacher_forced"] = evaluate(cfg, params, ids, args.quantization, args.window)
+    res["teacher_forced"] = evaluate(cfg, params, ids, args.quantization, args.window, tok)
     sents = [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.split()) >= 8]
     step = max(1, len(sents) // args.prompts)
     prompts = [tok.encode(s + ".") for s in sents[::step][:args.prompts]]

@@ -63,3 +63,34 @@ def test_engine_serves_w8a8(tiny_ckpt):
     assert all(len(g) == 8 for g in got)
     agree = np.mean([a == b for g, w in zip(got, want) for a, b in zip(g, w)])
     assert agree >= 0.5  # random tiny weights: quantization may flip near-ties, not the whole output
+
+
+HELD_OUT = (
+    "The river town woke slowly that spring. Fishermen pulled their boats onto the gravel bank, "
+    "children ran between the market stalls, and the baker opened his shutters to let the smell of "
+    "fresh bread drift across the square. Nobody in the town remembered a winter as long as the one "
+    "that had just ended. Snow had closed the mountain road for eleven weeks, and the ferry had stopped "
+    "running when ice formed along the western shore. Now the water was high and brown, carrying "
+    "branches and pieces of old fences down toward the sea. The mayor called a meeting in the school "
+    "hall to decide how the town would repair the damaged bridge before the summer traders arrived. "
+    "Some people wanted to borrow money from the regional bank; others argued that every family should "
+    "give a few days of work instead. The debate lasted until late in the evening, and in the end they "
+    "agreed to do both: the bank would pay for steel and cement, and volunteers would do the digging, "
+    "carrying and painting. By the first week of June the new bridge was finished, and the whole town "
+    "walked across it together, singing the old songs their grandparents had taught them."
+)
+
+
+@pytest.mark.real_model
+def test_w8a8_accuracy_gate_on_smollm2(smollm2_ckpt):
+    """The quantization gate (perplexity within +3% of float32), on a short held-out text,
+    with the engine's own calibrated SmoothQuant weights."""
+    from runtime.bench.accuracy import PPL_GATES, evaluate
+    from runtime.checkpoint.store import load_checkpoint
+
+    cfg, params, tok = load_checkpoint(smollm2_ckpt)
+    ids = tok.encode(HELD_OUT)
+    assert len(ids) > 200
+    r = evaluate(cfg, params, ids, "w8a8", 128, tok)
+    assert r["perplexity_increase"] <= PPL_GATES["w8a8"], r
+    assert r["mean_abs_logprob_diff"] < 0.2, r
