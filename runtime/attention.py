@@ -115,6 +115,15 @@ def _shared_prefix_attention(qg, k_cache, v_cache, shared_blocks, shared_len, me
     return jax.lax.fori_loop(0, n_chunks, body, _online_init(S, hkv, g, D))
 
 
+def _head_major_chunk(carry, qh, k_cache, v_cache, block_ids, visible):
+    """One online-softmax step of head-major query rows qh [Hkv, R, D] over the KV chunk in
+    `block_ids` [CB]; visible [R, C] masks (row, position) pairs."""
+    k = _gather_chunk(k_cache, block_ids)  # [Hkv, C, D]
+    v = _gather_chunk(v_cache, block_ids)
+    sc = jnp.where(visible[None], jnp.einsum("krd,kcd->krc", qh, k), NEG)
+    return _online_update(*carry, sc, lambda p: jnp.einsum("krc,kcd->krd", p, v))
+
+
 def _shared_prefix_rows(qh, k_cache, v_cache, shared_blocks, shared_len, row_ok, row_pos, cb):
     """The cascade step for prefill tokens: qh [Hkv, R, D] (rows = (token, group), head-major
     so the products need no transposes) against the shared prefix, causal by `row_pos` [R];
@@ -124,15 +133,10 @@ def _shared_prefix_rows(qh, k_cache, v_cache, shared_blocks, shared_len, row_ok,
     n_chunks = (shared_len + chunk - 1) // chunk
 
     def body(c, carry):
-        m, l, acc = carry
-        ids = jax.lax.dynamic_slice_in_dim(shared_blocks, c * cb, cb)
-        k = _gather_chunk(k_cache, ids)  # [Hkv, C, D]
-        v = _gather_chunk(v_cache, ids)
-        sc = jnp.einsum("krd,kcd->krc", qh, k)
         pos = c * chunk + jnp.arange(chunk)
         visible = (pos[None, :] < shared_len) & row_ok[:, None] & (pos[None, :] <= row_pos[:, None])  # [R, C]
-        sc = jnp.where(visible[None], sc, NEG)
-        return _online_update(m, l, acc, sc, lambda p: jnp.einsum("krc,kcd->krd", p, v))
+        return _head_major_chunk(carry, qh, k_cache, v_cache,
+                                 jax.lax.dynamic_slice_in_dim(shared_blocks, c * cb, cb), visible)
 
     init = (jnp.full((hkv, R), NEG), jnp.zeros((hkv, R)), jnp.zeros((hkv, R, D)))
     return jax.lax.fori_loop(0, n_chunks, body, init)
@@ -186,14 +190,9 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
         table = tables[s]
 
         def kv_body(c, carry):
-            m, l, acc = carry
-            ids = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
-            k = _gather_chunk(k_cache, ids)  # [Hkv, C, D]
-            v = _gather_chunk(v_cache, ids)
-            sc = jnp.einsum("krd,kcd->krc", qg, k)
             pos = base + c * chunk + jnp.arange(chunk)
-            sc = jnp.where(pos[None, None, :] <= row_pos[None, :, None], sc, NEG)
-            return _online_update(m, l, acc, sc, lambda p: jnp.einsum("krc,kcd->krd", p, v))
+            return _head_major_chunk(carry, qg, k_cache, v_cache, jax.lax.dynamic_slice_in_dim(table, c * cb, cb),
+                                     pos[None, :] <= row_pos[:, None])
 
         if shared is None:
             init = (jnp.full((hkv, qt * g), NEG), jnp.zeros((hkv, qt * g)), jnp.zeros((hkv, qt * g, D)))

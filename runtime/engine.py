@@ -32,7 +32,7 @@ from runtime.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
 from runtime.metrics import EngineMetrics, StepSample
 from runtime.model_runner import ModelRunner, StepHandle, compilations
-from runtime.request import Request, Status
+from runtime.request import Request
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded, Scheduler, SchedulerOutput
 from runtime.snapshot import EngineSnapshot, take_snapshot
@@ -332,8 +332,8 @@ class LLMEngine:
                     reason, stop_reason, text_end = "stop", s, idx
             hold = 0 if reason else max(len(s) for s in p.stop) - 1
             text_end = text_end if reason else max(t.emitted, len(t.detok.text) - hold)
-        generated = len(req.token_ids) - req.num_prompt_tokens  # (a token still pending is dropped)
-        if reason is None and (generated >= p.max_tokens or len(req.token_ids) >= self.envelope.max_model_len):
+        # (a token still pending on the device is dropped)
+        if reason is None and (req.num_generated >= p.max_tokens or len(req.token_ids) >= self.envelope.max_model_len):
             reason = "length"
             text_end = len(t.detok.text)
         if reason is not None:
@@ -346,7 +346,7 @@ class LLMEngine:
         t.emitted = max(t.emitted, text_end)
         lp = req.logprobs[-len(ids):] if (req.params.logprobs is not None and ids) else []
         return RequestOutput(req.request_id, ids, text, prompt_tokens=req.num_prompt_tokens,
-                             completion_tokens=len(req.token_ids) - req.num_prompt_tokens, cached_tokens=max(req.num_cached_tokens, 0),
+                             completion_tokens=req.num_generated, cached_tokens=max(req.num_cached_tokens, 0),
                              logprobs=lp, **kw)
 
     def _finish(self, req: Request, reason: str, *, stop_reason: Any = None, error: str | None = None,

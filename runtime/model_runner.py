@@ -24,7 +24,6 @@ from runtime.attention import SharedPrefix, write_kv, xla_ragged_paged_attention
 from runtime.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from runtime.models.llama import Params, forward_hidden, lm_head
-from runtime.quant import quantize_params
 from runtime.sampling import SampleOutput, penalties_on, sample
 
 log = logging.getLogger(__name__)
@@ -160,12 +159,12 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, cache: CacheConfig, sched: SchedulerConfig,
                  attention_backend: str = "auto", dtype: Any = jnp.float32, quantization: str = "none"):
-        """`params` may already be quantized (runtime.quant.prepare, which calibrates)."""
+        """With a quantization, `params` come quantized (runtime.quant.prepare calibrates and
+        quantizes them once, in the engine)."""
         self.cfg, self.cache_cfg, self.sched = cfg, cache, sched
         if jax.default_backend() == "cpu":
             tune_cpu_allocator()
         self.quantization = quantization
-        params = quantize_params(params, quantization)  # (already-quantized weights pass through)
 
         def place(path, a):  # int8 weights and their float32 scales keep their dtype
             keep = np.asarray(a).dtype == np.int8 or jax.tree_util.keystr(path).endswith("['s']")

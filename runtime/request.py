@@ -75,9 +75,14 @@ class Request:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_generated(self) -> int:
+        """Generated tokens the host knows (a pending one not counted)."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         """Generated tokens, pending ones included (what max_tokens counts)."""
-        return len(self.token_ids) - self.num_prompt_tokens + self.num_pending
+        return self.num_generated + self.num_pending
 
     @property
     def num_tokens(self) -> int:

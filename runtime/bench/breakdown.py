@@ -17,7 +17,6 @@ overlap    the engine itself in steady decode at S sequences: wall time per step
 from __future__ import annotations
 
 import json
-import math
 import time
 from functools import partial
 from typing import Any
@@ -40,33 +39,6 @@ def _median_ms(fn, iters: int, warmup: int = 1) -> float:
     return float(np.median(ts) * 1e3)
 
 
-def _shared_decode_rows(runner: Any, batch: int, shared_len: int, unique_len: int) -> list:
-    """`batch` decode rows whose contexts start with the same `shared_len` tokens in the same
-    blocks (prefix-cache hits on one system prompt), then `unique_len` tokens of their own."""
-    from runtime.batch import step_row
-    from runtime.request import Request
-    from runtime.sampling import SamplingParams
-
-    bs = runner.cache_cfg.block_size
-    shared_blocks = shared_len // bs
-    ctx = shared_blocks * bs + unique_len
-    own = math.ceil(ctx / bs) - shared_blocks
-    if shared_blocks + batch * own > runner.cache_cfg.num_blocks:
-        raise ValueError(f"kv_cache_memory: {batch} sequences of {ctx} tokens need "
-                         f"{shared_blocks + batch * own} blocks, the cache has {runner.cache_cfg.num_blocks}")
-    if batch > runner.sched.max_num_seqs:
-        raise ValueError(f"max_num_seqs: batch {batch} exceeds the envelope ({runner.sched.max_num_seqs})")
-    rows = []
-    for i in range(batch):
-        vocab = runner.cfg.vocab_size
-        req = Request(f"bd-{i}", [3 + (13 * i + j) % (vocab - 3) for j in range(ctx)], SamplingParams(temperature=0.0))
-        start = shared_blocks + i * own
-        req.block_ids = list(range(shared_blocks)) + list(range(start, start + own))
-        req.state_row, req.num_computed_tokens = i, ctx - 1
-        rows.append(step_row(req, 1))
-    return rows
-
-
 def _layer_matmuls(params: Any, x: Any) -> Any:
     """The decoder's projections and MLP alone (what XLA must do at best for these rows)."""
     import jax
@@ -87,7 +59,7 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
 
     from runtime.attention import write_kv
     from runtime.batch import build_step_input
-    from runtime.bench.offline import _noop_attention
+    from runtime.bench.offline import _noop_attention, decode_rows
     from runtime.model_runner import NUM_LOGPROBS, _step
     from runtime.models.llama import lm_head
     from runtime.planner import measure_cpu
@@ -106,7 +78,8 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
     detok_tok = engine.tokenizer
     rows_out = []
     for S in batches:
-        seqs = _shared_decode_rows(runner, S, shared_len, unique_len)
+        seqs = decode_rows(runner, S, shared_len // runner.cache_cfg.block_size * runner.cache_cfg.block_size
+                           + unique_len, shared_len)
         host_in = build_step_input(seqs, S, S, runner.max_blocks_per_seq, runner.cache_cfg.block_size,
                                    runner.scratch_row)
         inp = jax.device_put(host_in)

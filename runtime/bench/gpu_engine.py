@@ -108,16 +108,11 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
             eng.run_until_done()
             res["async_step_ms" if mode else "sync_step_ms"] = float(np.median(walls) * 1e3)
         # device time of the same decode step, alone
-        from runtime.batch import build_step_input, step_row
-        from runtime.request import Request
+        from runtime.batch import build_step_input
+        from runtime.bench.offline import decode_rows
 
         r_ = eng.runner
-        seqs = []
-        for i in range(B):
-            q = Request(f"d{i}", [5] * context_len, sp)
-            q.block_ids = list(range(i * per_seq_blocks, i * per_seq_blocks + math.ceil(context_len / 16)))
-            q.state_row, q.num_computed_tokens = i, context_len - 1
-            seqs.append(step_row(q, 1))
+        seqs = decode_rows(r_, B, context_len)
         s_b, t_b = env.bucket_for(B, B)
         inp = jax.device_put(build_step_input(seqs, s_b, t_b, r_.max_blocks_per_seq, 16, r_.scratch_row))
 

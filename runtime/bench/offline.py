@@ -162,25 +162,39 @@ def _noop_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
     return q
 
 
-def _decode_input(runner: Any, batch: int, context_len: int) -> Any:
-    from runtime.batch import build_step_input, step_row
+def decode_rows(runner: Any, batch: int, context_len: int, shared_len: int = 0) -> list:
+    """`batch` requests that have computed all but their last token, as decode step rows. The
+    first `shared_len` tokens (whole blocks) sit in the same blocks for all of them, as
+    prefix-cache hits on one system prompt put them; the rest are each request's own."""
+    from runtime.batch import step_row
     from runtime.request import Request
     from runtime.sampling import SamplingParams
 
     bs = runner.cache_cfg.block_size
-    per = math.ceil(context_len / bs)
-    if batch * per > runner.cache_cfg.num_blocks:
-        raise ValueError(f"kv_cache_memory: batch {batch} x {context_len} tokens needs {batch * per} blocks, "
-                         f"the cache has {runner.cache_cfg.num_blocks}")
+    shared_blocks = min(shared_len, context_len) // bs
+    own = math.ceil(context_len / bs) - shared_blocks
+    if shared_blocks + batch * own > runner.cache_cfg.num_blocks:
+        raise ValueError(f"kv_cache_memory: {batch} sequences of {context_len} tokens need "
+                         f"{shared_blocks + batch * own} blocks, the cache has {runner.cache_cfg.num_blocks}")
     if batch > runner.sched.max_num_seqs:
         raise ValueError(f"max_num_seqs: batch {batch} exceeds the envelope ({runner.sched.max_num_seqs})")
-    seqs = []
-    for i in range(batch):  # a request that has computed all but its last prompt token
-        req = Request(f"decode-{i}", [(17 * i + j) % 1000 + 5 for j in range(context_len)],
+    vocab = runner.cfg.vocab_size
+    rows = []
+    for i in range(batch):
+        req = Request(f"decode-{i}", [3 + (13 * i + j) % (vocab - 3) for j in range(context_len)],
                       SamplingParams(temperature=0.0, max_tokens=16))
-        req.block_ids, req.state_row, req.num_computed_tokens = list(range(i * per, (i + 1) * per)), i, context_len - 1
-        seqs.append(step_row(req, 1))
-    return build_step_input(seqs, batch, batch, runner.max_blocks_per_seq, bs, runner.scratch_row)
+        start = shared_blocks + i * own
+        req.block_ids = list(range(shared_blocks)) + list(range(start, start + own))
+        req.state_row, req.num_computed_tokens = i, context_len - 1
+        rows.append(step_row(req, 1))
+    return rows
+
+
+def _decode_input(runner: Any, batch: int, context_len: int) -> Any:
+    from runtime.batch import build_step_input
+
+    return build_step_input(decode_rows(runner, batch, context_len), batch, batch, runner.max_blocks_per_seq,
+                            runner.cache_cfg.block_size, runner.scratch_row)
 
 
 def _time_steps(fns: list[Callable], runner: Any, inp: Any, iters: int, warmup: int) -> list[list[float]]:

