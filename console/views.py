@@ -255,6 +255,7 @@ def _jax_device() -> str:
 
 def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
     from runtime import planner
+    from runtime.config import DTYPE_BYTES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES
     from runtime.model_runner import compilations
 
     cfg = engine.config
@@ -273,7 +274,9 @@ def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
     return {
         "checkpoint": str(getattr(settings, "checkpoint", "") or "—"),
         "model_name": getattr(settings, "model_name", None) or m.name,
-        "m": m, "cache": c, "env": env, "dtype": cfg.dtype, "backend": cfg.attention_backend,
+        "m": m, "cache": c, "env": env, "dtype": cfg.dtype, "backend": engine.runner.attention_backend,
+        "quantization": cfg.quantization, "kv_quantized": c.kv_dtype in QUANTIZED_KV_DTYPES,
+        "kv_elem_bytes": DTYPE_BYTES[c.kv_dtype], "kv_scale_bytes": KV_SCALE_BYTES,
         "device": _jax_device(), "params": m.param_count(),
         "weight_bytes": m.param_count() * planner.WEIGHT_DTYPE_BYTES.get(cfg.dtype, 4),
         "kv_per_token": per_token, "bytes_per_block": c.bytes_per_block(m),

@@ -14,8 +14,10 @@ so each part gives XLA large, regular products and touches only the KV blocks in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,15 +41,65 @@ def cascade_chunk_blocks(num_seqs: int) -> int:
     return 2 if num_seqs <= 64 else 8
 
 
-def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter new K/V rows [T, Hkv, D] into caches [NB, BS, Hkv, D] at flat slots
+# Largest magnitude of each quantized element type: a row's absmax maps onto it.
+QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedPages:
+    """K or V of a quantized cache: values [NB, BS, Hkv, D] int8 or fp8_e4m3 and one float32
+    scale per (slot, KV head) [NB, BS, Hkv], so a token's outlier head cannot coarsen the
+    others. Indexing by block ids returns dequantized float32 rows: the attention loops read
+    it exactly like a float cache, and only the gathered chunk is ever dequantized."""
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.values.dtype
+
+    def __getitem__(self, ids: jax.Array) -> jax.Array:
+        return self.values[ids].astype(jnp.float32) * self.scales[ids][..., None]
+
+
+def quantize_rows(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] float -> (values [..., D] of `dtype`, float32 scales [...]): symmetric,
+    absmax over the last axis (one token of one head)."""
+    x = x.astype(jnp.float32)
+    amax = jnp.abs(x).max(-1)
+    scale = jnp.where(amax > 0, amax / QUANT_MAX[jnp.dtype(dtype)], 1.0)
+    y = x / scale[..., None]
+    if jnp.issubdtype(dtype, jnp.integer):
+        y = jnp.clip(jnp.round(y), -127, 127)
+    return y.astype(dtype), scale
+
+
+def _scatter(cache: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
+    nb, bs = cache.shape[:2]
+    flat = cache.reshape(nb * bs, *cache.shape[2:]).at[idx].set(rows.astype(cache.dtype), mode="drop")
+    return flat.reshape(cache.shape)
+
+
+def write_kv(k_cache: Any, v_cache: Any, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> tuple[Any, Any]:
+    """Scatter new K/V rows [T, Hkv, D] into caches [NB, BS, Hkv, D] (arrays or
+    QuantizedPages, which quantize each row on the way in) at flat slots
     (block * BS + offset); slot -1 (padding) is dropped."""
-    nb, bs, hkv, d = k_cache.shape
+    nb, bs = k_cache.shape[:2]
     idx = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)  # out of range -> dropped
-    kf = k_cache.reshape(nb * bs, hkv, d).at[idx].set(k.astype(k_cache.dtype), mode="drop")
-    vf = v_cache.reshape(nb * bs, hkv, d).at[idx].set(v.astype(v_cache.dtype), mode="drop")
-    return kf.reshape(k_cache.shape), vf.reshape(v_cache.shape)
+
+    def put(cache, x):
+        if isinstance(cache, QuantizedPages):
+            q, scale = quantize_rows(x, cache.values.dtype)
+            return QuantizedPages(_scatter(cache.values, q, idx), _scatter(cache.scales, scale, idx))
+        return _scatter(cache, x, idx)
+
+    return put(k_cache, k), put(v_cache, v)
 
 
 def _online_update(m, l, acc, s, pv):
@@ -228,7 +280,7 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     cb = min(kv_chunk_blocks or decode_chunk_blocks(S), mb)
     cb_shared = min(shared_chunk_blocks or cascade_chunk_blocks(S), mb)
     cb_prefill = min(prefill_chunk_blocks, mb)
-    pad = -mb % max(cb, cb_shared, cb_prefill)  # chunks are powers of two: one pad serves every loop
+    pad = -mb % math.lcm(cb, cb_shared, cb_prefill)  # every loop slices whole chunks of the padded table
 
     def padded(t):  # the chunk loops slice whole chunks of a table
         return jnp.pad(t, [(0, 0)] * (t.ndim - 1) + [(0, pad)]) if pad else t

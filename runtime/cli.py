@@ -41,13 +41,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     src_path = Path(args.src)
     if not src_path.exists():
         raise CheckpointError(f"{src_path}: no such file or directory")
+    if args.source == "pagedjax":
+        if args.quantize == "none":
+            raise CheckpointError("--from pagedjax: give --quantize w8a8 (or w8a16); a float copy needs no convert")
+        from runtime.checkpoint.store import quantize_checkpoint
+        print(quantize_checkpoint(src_path, Path(args.out), args.quantize, force=args.force))
+        return 0
     if args.source == "gguf":
         from runtime.checkpoint.gguf_source import GGUFSource
         source = GGUFSource(src_path)
     else:
         from runtime.checkpoint.hf_source import HFSource
         source = HFSource(src_path)
-    out = convert(source, Path(args.out), dtype=args.dtype, force=args.force)
+    if args.quantize != "none" and args.dtype != "float32":
+        raise CheckpointError("--quantize: quantizes float32 weights; drop --dtype bfloat16")
+    out = convert(source, Path(args.out), dtype=args.dtype, force=args.force, quantize=args.quantize)
     print(out)
     return 0
 
@@ -56,12 +64,11 @@ def inspect_text(path: Path) -> str:
     from runtime.checkpoint.store import load_config
 
     cfg = load_config(path)
-    meta = (path / "pagedjax.json")
-    dtype = "float32"
-    if meta.is_file():
-        import json
-        dtype = json.loads(meta.read_text()).get("dtype", dtype)
-    from runtime.config import DTYPE_BYTES
+    from runtime.checkpoint.store import read_meta, stored_weight_bytes
+
+    meta = read_meta(path)
+    stored_bytes = stored_weight_bytes(path)
+    dtype, quant = meta["dtype"], meta["quantization"]
     n = cfg.param_count()
     kv_tok = cfg.kv_bytes_per_token(dtype)
     rows = [
@@ -79,7 +86,9 @@ def inspect_text(path: Path) -> str:
         ("tied embeddings", cfg.tie_word_embeddings),
         ("parameters", f"{n:,} ({n / 1e6:.1f} M)"),
         ("dtype", dtype),
-        ("weight bytes", f"{n * DTYPE_BYTES[dtype]:,} ({n * DTYPE_BYTES[dtype] / 2**20:.1f} MiB)"),
+        ("quantization", {"none": "none (float weights)", "w8a8": "w8a8 (int8 decoder weights + scales, SmoothQuant)",
+                          "w8a16": "w8a16 (int8 decoder weights + scales, weight-only)"}.get(quant, quant)),
+        ("weight bytes", f"{stored_bytes:,} ({stored_bytes / 2**20:.1f} MiB)"),
         ("KV bytes per token", f"{kv_tok:,} ({kv_tok / 1024:.1f} KiB, {dtype})"),
         ("KV bytes per 1,000-token seq", f"{kv_tok * 1000:,} ({kv_tok * 1000 / 2**20:.1f} MiB)"),
         ("KV bytes per 16-token block", f"{kv_tok * 16:,}"),
@@ -141,8 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_pull)
 
     s = sub.add_parser("convert", help="convert GGUF or Hugging Face safetensors into a pagedjax checkpoint")
-    s.add_argument("--from", dest="source", choices=("gguf", "hf"), required=True)
-    s.add_argument("src", help="GGUF file or Hugging Face model directory")
+    s.add_argument("--from", dest="source", choices=("gguf", "hf", "pagedjax"), required=True,
+                   help="pagedjax: an existing float checkpoint, to store it quantized (--quantize)")
+    s.add_argument("src", help="GGUF file, Hugging Face model directory or pagedjax checkpoint")
+    s.add_argument("--quantize", choices=("none", "w8a8", "w8a16"), default="none",
+                   help="store int8 weights and scales (w8a8: SmoothQuant-calibrated, as `serve --quantization "
+                        "w8a8` would at start-up), so start-up loads them without requantizing")
     s.add_argument("--out", required=True, help="output checkpoint directory, e.g. checkpoints/NAME")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     s.add_argument("--force", action="store_true", help="overwrite an existing --out")

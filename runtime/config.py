@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 GiB = 1 << 30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
+# A quantized KV cache keeps one float32 scale per token, per KV head, for K and for V.
+QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
+KV_SCALE_BYTES = 4
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -75,8 +78,10 @@ class ModelConfig:
         return L * per_layer + emb + d
 
     def kv_bytes_per_token(self, kv_dtype: str = "bfloat16") -> int:
-        """2 (K and V) x layers x KV heads x head dim x bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+        """2 (K and V) x layers x KV heads x (head dim x bytes per element, plus the
+        per-token-per-head scale of a quantized cache)."""
+        scale = KV_SCALE_BYTES if kv_dtype in QUANTIZED_KV_DTYPES else 0
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * DTYPE_BYTES[kv_dtype] + scale)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -265,4 +270,4 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | xla | pallas
     dtype: str = "float32"
     async_scheduling: bool = True    # plan and launch step N+1 while step N runs on the device
-    quantization: str = "none"       # none | w8a8 (runtime/quant.py)
+    quantization: str = "auto"       # auto (as the checkpoint stores it) | none | w8a8 | w8a16 (runtime/quant.py)

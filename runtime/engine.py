@@ -17,6 +17,7 @@ work of a beat thus overlaps the device's work on N+1. `AsyncEngine`
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -94,10 +95,11 @@ class LLMEngine:
         self._policy.validate(self.envelope)
         self.scheduler = Scheduler(config.cache, self.envelope, self._policy, self.pool)
         dtype = dtype or {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.dtype]
-        if config.quantization != "none":
-            from runtime.quant import prepare
+        from runtime.quant import prepare, quantization_of
 
-            params = prepare(params, config.quantization, config.model, tokenizer)
+        if config.quantization == "auto":  # serve the checkpoint as it is stored
+            config = self.config = dataclasses.replace(config, quantization=quantization_of(params))
+        params = prepare(params, config.quantization, config.model, tokenizer)
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
                                   config.attention_backend, dtype, config.quantization)
         self.metrics = EngineMetrics()

@@ -24,10 +24,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     g.add_argument("--max-num-seqs", type=int, default=64 if serving else 4, help="compiled sequence envelope")
     g.add_argument("--max-num-batched-tokens", type=int, default=512 if serving else 128,
                    help="compiled per-step token envelope")
-    g.add_argument("--quantization", choices=("none", "w8a8"), default="none",
-                   help="w8a8: int8 weights (per-channel scales) and per-token int8 activations in every "
-                        "decoder projection; the LM head and embeddings stay float. Accuracy: "
-                        "`pagedjax bench accuracy`")
+    g.add_argument("--quantization", choices=("auto", "none", "w8a8", "w8a16"), default="auto",
+                   help="auto: as the checkpoint stores it (float, or what `convert --quantize` wrote). "
+                        "w8a8: int8 weights (per-channel scales) and per-token int8 activations in every "
+                        "decoder projection, SmoothQuant-calibrated; the LM head and embeddings stay float. "
+                        "w8a16: int8 weights only, for bandwidth-bound GPU decode (slower on CPU). "
+                        "Accuracy: `pagedjax bench accuracy`")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "int8", "fp8_e4m3"), default="auto",
+                   help="auto: the compute dtype. int8 / fp8_e4m3 store one scale per token and KV head "
+                        "(3.8x the tokens of a float32 cache for SmolLM2) and dequantize on read; XLA "
+                        "attention path only. Accuracy: `pagedjax bench accuracy --kv-cache-dtype int8`")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before planning the next (for comparison; slower)")
     g.add_argument("--attention-backend", choices=("auto", "xla", "pallas"), default="auto")
@@ -65,9 +71,11 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
         if dtype == "auto":
             dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
         memory = parse_memory(args.kv_cache_memory) if args.kv_cache_memory else _default_kv_memory(model)
-        # The cache stores the compute dtype: a bfloat16 cache on XLA:CPU measured ~100x
-        # slower (its scatter/convert path), so there is no separate knob.
-        cache = CacheConfig.from_memory(model, memory, args.block_size, kv_dtype=dtype,
+        # auto stores the compute dtype (a bfloat16 cache on XLA:CPU measured ~100x slower:
+        # its scatter/convert path).
+        kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+        kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
+        cache = CacheConfig.from_memory(model, memory, args.block_size, kv_dtype=kv_dtype,
                                         enable_prefix_cache=not args.no_prefix_cache)
         max_len = args.max_model_len or min(model.max_position_embeddings, 4096)
         if max_len > model.max_position_embeddings:
@@ -82,6 +90,6 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
         policy.validate(envelope)
         return EngineConfig(model, cache, envelope, policy, args.attention_backend, dtype,
                             async_scheduling=not getattr(args, "no_async_scheduling", False),
-                            quantization=getattr(args, "quantization", "none"))
+                            quantization=getattr(args, "quantization", "auto"))
 
     return build

@@ -20,16 +20,26 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from runtime.attention import SharedPrefix, write_kv, xla_ragged_paged_attention
+from runtime.attention import QuantizedPages, SharedPrefix, write_kv, xla_ragged_paged_attention
 from runtime.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
-from runtime.config import CacheConfig, ModelConfig, SchedulerConfig
+from runtime.config import QUANTIZED_KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 from runtime.models.llama import Params, forward_hidden, lm_head
+from runtime.quant import cast_params
 from runtime.sampling import SampleOutput, penalties_on, sample
 
 log = logging.getLogger(__name__)
 NUM_LOGPROBS = 20  # always computed, so one program serves requests with and without logprobs
 STEP_FN_NAME = "pagedjax_step"
-KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def allocate_kv(shape: tuple[int, ...], kv_dtype: str) -> tuple[Any, Any]:
+    """Empty K and V caches [L*NB, BS, Hkv, D]: plain arrays, or QuantizedPages (values plus
+    one float32 scale per slot and head) for int8 / fp8_e4m3."""
+    dtype = KV_DTYPES[kv_dtype]
+    if kv_dtype in QUANTIZED_KV_DTYPES:
+        return tuple(QuantizedPages(jnp.zeros(shape, dtype), jnp.ones(shape[:-1], jnp.float32)) for _ in "kv")
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 _compile_lock = threading.Lock()
 _compilations: dict[str, int] = {}
@@ -69,9 +79,26 @@ def tune_cpu_allocator() -> None:
         pass
 
 
+def resolve_attention_backend(backend: str, kv_dtype: str = "float32") -> str:
+    """auto -> pallas on GPU, xla elsewhere. The Pallas kernel reads float caches only: a
+    quantized cache with auto takes the XLA path (logged), with pallas it is an error."""
+    if backend not in ("auto", "xla", "pallas"):
+        raise ValueError(f"attention_backend: must be auto, xla or pallas, got {backend!r}")
+    quantized = kv_dtype in QUANTIZED_KV_DTYPES
+    if backend == "pallas" and quantized:
+        raise ValueError(f"kv_cache_dtype: {kv_dtype} needs --attention-backend xla (the Pallas kernel does "
+                         "not read a quantized cache yet)")
+    if backend == "auto":
+        backend = "pallas" if jax.default_backend() == "gpu" and not quantized else "xla"
+        if quantized and jax.default_backend() == "gpu":
+            log.warning("kv_cache_dtype=%s: attention runs on the XLA path (the Pallas kernel reads float "
+                        "caches only)", kv_dtype)
+    return backend
+
+
 def select_attention(backend: str) -> Callable[..., jax.Array]:
     if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+        backend = resolve_attention_backend(backend)
     if backend == "xla":
         return xla_ragged_paged_attention
     if backend == "pallas":
@@ -166,23 +193,19 @@ class ModelRunner:
             tune_cpu_allocator()
         self.quantization = quantization
 
-        def place(path, a):  # int8 weights and their float32 scales keep their dtype
-            keep = np.asarray(a).dtype == np.int8 or jax.tree_util.keystr(path).endswith("['s']")
-            return jnp.asarray(a) if keep else jnp.asarray(a, dtype)
-        self.params = jax.tree_util.tree_map_with_path(place, params)
+        self.params = cast_params(params, dtype)
         self.max_blocks_per_seq = -(-sched.max_model_len // cache.block_size)
         if cache.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype: {cache.kv_dtype!r} is not supported by the runner "
                              f"(supported: {', '.join(KV_DTYPES)})")
-        kv_dtype = KV_DTYPES[cache.kv_dtype]
         shape = (cfg.num_layers * cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
+        self.kv = allocate_kv(shape, cache.kv_dtype)
         rows = sched.max_num_seqs + 1  # last row is scratch for padding
         self.penalty = (jnp.zeros((rows, cfg.vocab_size), jnp.int32), jnp.zeros((rows, cfg.vocab_size), bool),
                         jnp.zeros((rows,), jnp.int32))
         self.scratch_row = rows - 1
-        self.attention_backend = attention_backend
-        fn = partial(_step, cfg, select_attention(attention_backend), cache.num_blocks)
+        self.attention_backend = resolve_attention_backend(attention_backend, cache.kv_dtype)
+        fn = partial(_step, cfg, select_attention(self.attention_backend), cache.num_blocks)
         fn.__name__ = STEP_FN_NAME  # type: ignore[attr-defined]
         self._step = jax.jit(fn, donate_argnums=(1, 2))
         self.fail_next_step: Exception | None = None  # test hook: the next step raises this
@@ -190,15 +213,15 @@ class ModelRunner:
     def recover(self) -> bool:
         """After a failed step the donated cache may be gone: rebuild it empty. Returns
         True when KV contents were lost (the caller drops cached prefixes and recomputes)."""
-        arrays = (*self.kv, *self.penalty)
+        arrays = jax.tree.leaves((self.kv, self.penalty))
         if not any(a.is_deleted() for a in arrays):
             return False
-        self.kv = tuple(jnp.zeros(a.shape, a.dtype) for a in self.kv)
+        self.kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.kv)
         self.penalty = tuple(jnp.zeros(a.shape, a.dtype) for a in self.penalty)
         return True
 
     def kv_cache_bytes(self) -> int:
-        return 2 * self.kv[0].size * self.kv[0].dtype.itemsize
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.kv))
 
     def launch(self, seqs: list, num_seqs_bucket: int, num_tokens_bucket: int) -> "StepHandle":
         """Build the padded input and dispatch the step; returns at once (JAX dispatch is

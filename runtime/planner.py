@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from runtime.config import DTYPE_BYTES, GiB, ModelConfig
+from runtime.config import DTYPE_BYTES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES, GiB, ModelConfig
 
 GB = 10**9
 BLOCK_SIZE = 16
 WEIGHT_DTYPE_BYTES: dict[str, float] = {**DTYPE_BYTES, "int4": 0.5}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
-                 "fp32": "float32", "f32": "float32", "float": "float32", "float8": "fp8", "i8": "int8"}
+                 "fp32": "float32", "f32": "float32", "float": "float32", "float8": "fp8_e4m3", "fp8": "fp8_e4m3", "i8": "int8"}
 
 
 def _llama(name: str, vocab: int, d: int, ffn: int, layers: int, heads: int, kv: int, *,
@@ -241,6 +241,7 @@ def format_plan(p: CapacityPlan) -> str:
     attn = "MHA" if group == 1 else f"GQA {group}:1"
     kv_note = (f"MHA ({p.num_heads} KV heads) would be {_bin(p.kv_bytes_per_token_mha)}, {group}x more"
                if group > 1 else "no GQA: every query head has its own K/V")
+    scale_note = f" + {KV_SCALE_BYTES} B scale" if p.kv_dtype in QUANTIZED_KV_DTYPES else ""
     lines = [
         f"Capacity plan: {p.model} on {d.name}, weights {p.weight_dtype}, KV {p.kv_dtype}, "
         f"context {p.context_len} tokens",
@@ -250,7 +251,7 @@ def format_plan(p: CapacityPlan) -> str:
         f"{d.bandwidth_bytes_per_s / 1e12:.3g} TB/s, {d.peak_flops / 1e12:.3g} TFLOP/s",
         f"  weights       {p.weight_bytes / GB:.2f} GB  (+ overhead {p.overhead_bytes / GB:.2f} GB)",
         f"  KV / token    {_bin(p.kv_bytes_per_token)} = 2 x {p.num_layers} x {p.num_kv_heads} x "
-        f"{p.head_dim} x {DTYPE_BYTES[p.kv_dtype]} B  [{kv_note}]",
+        f"({p.head_dim} x {DTYPE_BYTES[p.kv_dtype]} B{scale_note})  [{kv_note}]",
         f"  KV / block    {_bin(p.kv_bytes_per_block)} ({BLOCK_SIZE} tokens)",
         f"  KV / seq      {p.kv_bytes_per_seq / GB:.3f} GB ({_bin(p.kv_bytes_per_seq)}) at "
         f"{p.context_len} tokens",
@@ -311,8 +312,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-len", type=int, default=1000, help="tokens of KV per sequence (S)")
     parser.add_argument("--output-tokens", type=int, default=200, help="mean output tokens per request")
     parser.add_argument("--rps", type=float, default=None, help="target requests/s (sizes a fleet)")
-    parser.add_argument("--weight-dtype", default="bfloat16", help="bfloat16|float16|float32|int8|fp8|int4")
-    parser.add_argument("--kv-dtype", default="bfloat16", help="bf16|bfloat16|int8|fp8|float32")
+    parser.add_argument("--weight-dtype", default="bfloat16", help="bfloat16|float16|float32|int8|fp8_e4m3|int4")
+    parser.add_argument("--kv-dtype", default="bfloat16", help="bf16|bfloat16|int8|fp8_e4m3|float32 (int8/fp8 add a float32 scale per token and head)")
     parser.add_argument("--overhead", type=float, default=None,
                         help="GB (1e9 B) held back besides weights; default 3 for GPUs, 1 for cpu")
     parser.add_argument("--headroom", type=float, default=0.2, help="fleet burst headroom (0.2 = 20%%)")

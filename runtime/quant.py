@@ -7,8 +7,13 @@ logprobs directly).
 rows on an AVX512-BF16 EPYC, but inside the layer scan XLA:CPU made the whole step 1.4x
 slower at batch 64 and 7x at batch 1.)
 
-A quantized weight is a pytree {"q": int8 [..., in, out], "s": float32 [..., out]} in place
-of the float array, so the stacked-layer scan and the checkpoint tree keep their shape.
+A quantized weight is a pytree in place of the float array, so the stacked-layer scan and
+the checkpoint tree keep their shape:
+  w8a8   {"q": int8 [..., in, out], "s": float32 [..., out] (, "in": float32 [..., in])}
+  w8a16  {"w8": int8 [..., in, out], "s": float32 [..., out]}: weight-only, dequantized in
+         the graph and multiplied in the compute dtype (halves the weight bytes a
+         bandwidth-bound GPU decode reads; on XLA:CPU it is slower than float32, measured
+         in BENCHMARKS.md).
 `linear(x, w)` is the one matmul of the decoder: float weights take the plain product.
 """
 
@@ -20,12 +25,43 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QUANTIZATIONS = ("none", "w8a8")
+QUANTIZATIONS = ("none", "w8a8", "w8a16")
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def is_quantized(w: Any) -> bool:
-    return isinstance(w, dict) and "q" in w
+    return isinstance(w, dict) and ("q" in w or "w8" in w)
+
+
+def quantization_of(params: dict[str, Any]) -> str:
+    """Which method a parameter tree was quantized with ("none" for float weights)."""
+    w = params["layers"]["wq"]
+    if not is_quantized(w):
+        return "none"
+    return "w8a8" if "q" in w else "w8a16"
+
+
+def cast_params(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
+    """Device arrays in the compute dtype, except int8 weights and their float32 scales."""
+    def place(path, a):
+        keep = np.asarray(a).dtype == np.int8 or jax.tree_util.keystr(path).endswith("['s']")
+        return jnp.asarray(a) if keep else jnp.asarray(a, dtype)
+    return jax.tree_util.tree_map_with_path(place, params)
+
+
+def quantized_shapes(shapes: dict[str, Any], method: str) -> dict[str, Any]:
+    """param_shapes(cfg) as a checkpoint quantized by `method` stores them (w8a8 as
+    `convert --quantize` writes it: smoothed, so wo and w_down carry an input scale)."""
+    if method == "none":
+        return shapes
+    layers = dict(shapes["layers"])
+    for k in LINEAR_WEIGHTS:
+        shp = tuple(layers[k])
+        q = {"q" if method == "w8a8" else "w8": shp, "s": shp[:-2] + shp[-1:]}
+        if method == "w8a8" and k in ("wo", "w_down"):
+            q["in"] = shp[:-1]
+        layers[k] = q
+    return {**shapes, "layers": layers}
 
 
 def quantize_weight(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -52,6 +88,10 @@ def quantize_params(params: dict[str, Any], method: str, act_absmax: dict[str, n
         raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     if method == "none":
         return params
+    if method == "w8a16":  # weight-only: activations stay float, nothing to smooth
+        layers = {k: ({"w8": (qw := quantize_weight(v))["q"], "s": qw["s"]} if k in LINEAR_WEIGHTS else v)
+                  for k, v in params["layers"].items()}
+        return {**params, "layers": layers}
     lay = {k: np.asarray(v, np.float32) if (k in LINEAR_WEIGHTS or k.endswith("norm")) and not is_quantized(v)
            else v for k, v in params["layers"].items()}
     in_scale: dict[str, np.ndarray] = {}
@@ -93,9 +133,17 @@ def calibration_ids(tokenizer: Any, max_positions: int) -> list[int]:
 
 
 def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any) -> dict[str, Any]:
-    """quantize_params with the activation maxima measured on the calibration text."""
-    if method == "none":
+    """quantize_params with the activation maxima measured on the calibration text (w8a8).
+    A tree that is already quantized by `method` (a `convert --quantize` checkpoint) is
+    returned as it is: start-up never requantizes; one quantized otherwise is an error."""
+    have = quantization_of(params)
+    if have == method:
         return params
+    if have != "none":
+        raise ValueError(f"quantization: the checkpoint stores {have} weights and cannot be served as {method} "
+                         f"(serve it with --quantization {have} or auto, or convert the float source again)")
+    if method in ("none", "w8a16"):
+        return quantize_params(params, method)
     return quantize_params(params, method,
                            activation_absmax(cfg, params, calibration_ids(tokenizer, cfg.max_position_embeddings)))
 
@@ -137,6 +185,8 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
     so one outlier token never costs the others their precision."""
     if not is_quantized(w):
         return x @ w
+    if "w8" in w:  # weight-only: dequantize, multiply in the compute dtype
+        return x @ (w["w8"].astype(x.dtype) * w["s"].astype(x.dtype)[..., None, :])
     x32 = x.astype(jnp.float32)
     if "in" in w:  # SmoothQuant's per-channel input scale (see quantize_params)
         x32 = x32 * w["in"]

@@ -3,8 +3,9 @@
 Perplexity over a held-out English text (teacher-forced, in fixed windows), the mean
 absolute difference of the reference token's logprob, and greedy agreement of the engine
 over prompts cut from the same text. The quantized model is built as the engine builds it
-(SmoothQuant scales calibrated on support-chat text, not on the evaluation text). Gates (the quantization issue's): perplexity within
-+3% for w8a8.
+(SmoothQuant scales calibrated on support-chat text, not on the evaluation text); a quantized
+KV cache is applied as the paged cache stores it. Gates (the quantization issue's):
+perplexity within +3% for w8a8, +1% for an int8 (or fp8) KV cache, their sum for both.
 """
 
 from __future__ import annotations
@@ -17,19 +18,55 @@ from typing import Any
 
 import numpy as np
 
-PPL_GATES = {"w8a8": 0.03}  # allowed relative perplexity increase
+# Allowed relative perplexity increase, per quantized part (the quantization issue's gates);
+# a setting that quantizes both weights and KV is held to the sum.
+PPL_GATES = {"w8a8": 0.03, "int8": 0.01, "fp8_e4m3": 0.01}
+KV_CHOICES = ("float32", "int8", "fp8_e4m3")
+
+
+def ppl_gate(method: str, kv_dtype: str = "float32") -> float:
+    return PPL_GATES.get(method, 0.0) + PPL_GATES.get(kv_dtype, 0.0)
+
+
+def setting_name(method: str, kv_dtype: str = "float32") -> str:
+    parts = ([method] if method != "none" else []) + ([f"{kv_dtype} KV"] if kv_dtype != "float32" else [])
+    return " + ".join(parts) or "float32"
 DEFAULT_TEXTS = ("../shared/seeds/serving-stack-and-capacity.txt", "../shared/seeds/inference-workload.txt")
 
 
-def token_logprobs(cfg: Any, params: Any, ids: list[int], window: int) -> np.ndarray:
+def kv_roundtrip_logits(cfg: Any, params: Any, token_ids: Any, kv_dtype: str) -> Any:
+    """dense_logits with every K/V row quantized and dequantized as the paged cache stores it
+    (per token and KV head, written before it is read): the same numbers the engine's
+    attention sees, without a cache (tests check the two agree)."""
+    import jax.numpy as jnp
+
+    from runtime.attention import quantize_rows
+    from runtime.model_runner import KV_DTYPES
+    from runtime.models.llama import dense_causal_attention, dense_logits, forward_hidden, lm_head
+
+    if kv_dtype == "float32":
+        return dense_logits(cfg, params, token_ids)
+    T = token_ids.shape[0]
+    mask = jnp.tril(jnp.ones((T, T), dtype=bool))
+
+    def roundtrip(x):
+        q, scale = quantize_rows(x, KV_DTYPES[kv_dtype])
+        return q.astype(jnp.float32) * scale[..., None]
+
+    def attention(q, k, v, layer, cache):
+        return dense_causal_attention(q, roundtrip(k), roundtrip(v), mask), cache
+
+    hidden, _ = forward_hidden(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
+    return lm_head(cfg, params, hidden)
+
+
+def token_logprobs(cfg: Any, params: Any, ids: list[int], window: int, kv_dtype: str = "float32") -> np.ndarray:
     """log p(ids[i+1] | ids[:i+1] within its window) for every position, windows of `window`."""
     import jax
     import jax.numpy as jnp
 
-    from runtime.models.llama import dense_logits
-
     window = min(window, len(ids) - 1)
-    fn = jax.jit(lambda p, t: jax.nn.log_softmax(dense_logits(cfg, p, t), -1))
+    fn = jax.jit(lambda p, t: jax.nn.log_softmax(kv_roundtrip_logits(cfg, p, t, kv_dtype), -1))
     out = []
     for a in range(0, len(ids) - 1, window):
         chunk = ids[a:a + window + 1]
@@ -44,10 +81,11 @@ def token_logprobs(cfg: Any, params: Any, ids: list[int], window: int) -> np.nda
     return np.concatenate(out)
 
 
-def evaluate(cfg: Any, params: Any, ids: list[int], method: str, window: int, tokenizer: Any = None
-             ) -> dict[str, Any]:
-    """Teacher-forced comparison; with `tokenizer`, quantized exactly as the engine does
-    (calibrated smoothing), else plain per-channel quantization."""
+def evaluate(cfg: Any, params: Any, ids: list[int], method: str, window: int, tokenizer: Any = None,
+             kv_dtype: str = "float32") -> dict[str, Any]:
+    """Teacher-forced comparison of weights quantized by `method` ("none" keeps them) and
+    the KV cache stored as `kv_dtype`; with `tokenizer`, weights are quantized exactly as the
+    engine does (calibrated smoothing), else plain per-channel quantization."""
     import jax
     import jax.numpy as jnp
 
@@ -55,30 +93,32 @@ def evaluate(cfg: Any, params: Any, ids: list[int], method: str, window: int, to
 
     ref = token_logprobs(cfg, jax.tree.map(jnp.asarray, params), ids, window)
     qp = prepare(params, method, cfg, tokenizer) if tokenizer is not None else quantize_params(params, method)
-    got = token_logprobs(cfg, jax.tree.map(jnp.asarray, qp), ids, window)
+    got = token_logprobs(cfg, jax.tree.map(jnp.asarray, qp), ids, window, kv_dtype)
     ppl_ref, ppl = math.exp(-ref.mean()), math.exp(-got.mean())
     return {"tokens": len(ref), "window": min(window, len(ids) - 1), "perplexity_float32": ppl_ref, "perplexity": ppl,
             "perplexity_increase": ppl / ppl_ref - 1.0, "mean_abs_logprob_diff": float(np.abs(got - ref).mean())}
 
 
-def greedy_agreement(ckpt: Path, prompts: list[list[int]], method: str, max_tokens: int) -> dict[str, Any]:
+def greedy_agreement(ckpt: Path, prompts: list[list[int]], method: str, max_tokens: int,
+                     kv_dtype: str = "float32") -> dict[str, Any]:
+    """Greedy tokens of the engine (paged cache, real KV dtype) against the float32 engine."""
     from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
     from runtime.engine import LLMEngine
     from runtime.sampling import SamplingParams
 
-    outs = {}
-    for q in ("none", method):
-        def build(model, q=q):
+    outs = []
+    for q, kv in (("none", "float32"), (method, kv_dtype)):
+        def build(model, q=q, kv=kv):
             env = SchedulerConfig(16, 256, 1024)
-            return EngineConfig(model, CacheConfig.from_memory(model, 256 << 20), env,
+            return EngineConfig(model, CacheConfig.from_memory(model, 256 << 20, kv_dtype=kv), env,
                                 AdmissionPolicy(max_num_seqs=16, max_num_batched_tokens=256,
                                                 long_prefill_token_threshold=256, max_admissions_per_step=16),
                                 "xla", "float32", quantization=q)
         eng = LLMEngine.from_checkpoint(ckpt, build, warmup=False, progress=False)
         reqs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-        outs[q] = [r.output_ids for r in reqs]
+        outs.append([r.output_ids for r in reqs])
     same_prefix = []
-    for a, b in zip(outs["none"], outs[method]):
+    for a, b in zip(*outs):
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         same_prefix.append(n)
     return {"prompts": len(prompts), "max_tokens": max_tokens, "identical": sum(n == max_tokens for n in same_prefix),
@@ -100,18 +140,24 @@ def run_accuracy(args: argparse.Namespace) -> int:
     cfg, params, tok = load_checkpoint(ckpt)
     text = "\n".join(t.read_text() for t in texts)
     ids = tok.encode(text)[:args.max_text_tokens]
-    res = {"kind": "accuracy", "machine": machine_info(), "checkpoint": ckpt.name, "method": args.quantization,
-           "text": [str(t) for t in texts]}
-    res["teacher_forced"] = evaluate(cfg, params, ids, args.quantization, args.window, tok)
+    method, kv = args.quantization, args.kv_cache_dtype
+    if method == "none" and kv == "float32":
+        print("pagedjax bench accuracy: error: quantization: nothing to compare (give --quantization w8a8 "
+              "and/or --kv-cache-dtype int8)", file=__import__("sys").stderr)
+        return 2
+    name = setting_name(method, kv)
+    res = {"kind": "accuracy", "machine": machine_info(), "checkpoint": ckpt.name, "method": method,
+           "kv_cache_dtype": kv, "setting": name, "text": [str(t) for t in texts]}
+    res["teacher_forced"] = evaluate(cfg, params, ids, method, args.window, tok, kv_dtype=kv)
     sents = [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.split()) >= 8]
     step = max(1, len(sents) // args.prompts)
     prompts = [tok.encode(s + ".") for s in sents[::step][:args.prompts]]
-    res["greedy"] = greedy_agreement(ckpt, prompts, args.quantization, args.max_tokens)
-    gate = PPL_GATES[args.quantization]
+    res["greedy"] = greedy_agreement(ckpt, prompts, method, args.max_tokens, kv_dtype=kv)
+    gate = ppl_gate(method, kv)
     tf = res["teacher_forced"]
     res["gate"] = {"perplexity_increase_max": gate, "passed": tf["perplexity_increase"] <= gate}
     g = res["greedy"]
-    print(f"== accuracy: {args.quantization} vs float32, {ckpt.name}, {tf['tokens']:,} tokens of "
+    print(f"== accuracy: {name} vs float32, {ckpt.name}, {tf['tokens']:,} tokens of "
           f"{', '.join(t.name for t in texts)} ==\n"
           f"  perplexity            {tf['perplexity_float32']:.3f} -> {tf['perplexity']:.3f} "
           f"({tf['perplexity_increase'] * 100:+.2f}%; gate +{gate * 100:.0f}%: "
@@ -127,7 +173,9 @@ def run_accuracy(args: argparse.Namespace) -> int:
 
 def add_accuracy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="checkpoint directory (default: the pulled default model)")
-    p.add_argument("--quantization", choices=tuple(PPL_GATES), default="w8a8")
+    p.add_argument("--quantization", choices=("none", "w8a8"), default="w8a8")
+    p.add_argument("--kv-cache-dtype", choices=KV_CHOICES, default="float32",
+                   help="KV cache storage to evaluate with the weights (gates add: w8a8 +3%%, int8 KV +1%%)")
     p.add_argument("--text", help="held-out English text (default: the two chapters in ../shared/seeds)")
     p.add_argument("--max-text-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512, help="teacher-forced window, tokens")

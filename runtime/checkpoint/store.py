@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -64,20 +65,67 @@ def save_params(path: Path, params: dict[str, Any]) -> None:
 
 
 def write_checkpoint(out: Path, cfg: ModelConfig, params: dict[str, Any], tokenizer_json: str,
-                     chat_template: str | None, dtype: str = "float32", force: bool = False) -> Path:
+                     chat_template: str | None, dtype: str = "float32", force: bool = False,
+                     quantization: str = "none") -> Path:
     with atomic_output_dir(out, force) as tmp:
         save_params(tmp / "params", params)
         cfg.save(tmp / "config.json")
         (tmp / "tokenizer.json").write_text(tokenizer_json)
         if chat_template:
             (tmp / "chat_template.jinja").write_text(chat_template)
-        (tmp / "pagedjax.json").write_text(json.dumps({"format": 1, "dtype": dtype}) + "\n")
+        meta = {"format": 1, "dtype": dtype, "quantization": quantization}
+        (tmp / "pagedjax.json").write_text(json.dumps(meta) + "\n")
     return out
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """pagedjax.json (dtype, quantization); older checkpoints lack it or the quantization."""
+    meta = path / "pagedjax.json"
+    d = json.loads(meta.read_text()) if meta.is_file() else {}
+    return {"dtype": d.get("dtype", "float32"), "quantization": d.get("quantization", "none")}
+
+
+def stored_weight_bytes(path: Path) -> int:
+    """Bytes of the stored parameters: int8 quantized weights at 1 B, scales at 4 B, the
+    rest at the checkpoint's dtype."""
+    from runtime.config import DTYPE_BYTES
+    from runtime.quant import quantized_shapes
+
+    meta = read_meta(path)
+    shapes = quantized_shapes(param_shapes(load_config(path)), meta["quantization"])
+    total = 0
+
+    def walk(tree: dict, key: str = "") -> None:
+        nonlocal total
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                walk(v, k)
+            else:
+                size = int(np.prod(v))
+                total += size * (1 if k in ("q", "w8") else 4 if k in ("s", "in") else DTYPE_BYTES[meta["dtype"]])
+    walk(shapes)
+    return total
+
+
+def quantize_for_checkpoint(cfg: ModelConfig, params: dict[str, Any], method: str, tokenizer_json: str,
+                            chat_template: str | None) -> dict[str, Any]:
+    """Quantize float params as the engine would at start-up (w8a8: SmoothQuant calibrated on
+    the support-chat text through this checkpoint's own tokenizer), as numpy arrays."""
+    import jax
+    from tokenizers import Tokenizer
+
+    from runtime.quant import prepare
+    from runtime.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(Tokenizer.from_str(tokenizer_json), chat_template, cfg.bos_token_id, cfg.eos_token_ids,
+                        cfg.add_bos_token)
+    return jax.tree.map(np.asarray, prepare(params, method, cfg, tok))
+
+
 def convert(source: Any, out: Path, dtype: str = "float32", force: bool = False,
-            progress: bool = True) -> Path:
-    """Stream tensors from a GGUFSource/HFSource into our format, with a per-tensor bar."""
+            progress: bool = True, quantize: str = "none") -> Path:
+    """Stream tensors from a GGUFSource/HFSource into our format, with a per-tensor bar;
+    `quantize` stores int8 weights and their scales (start-up then loads them as they are)."""
     np_dtype = _np_dtype(dtype)
     if out.exists() and not force:
         raise CheckpointError(f"{out}: already exists (pass --force to overwrite)")
@@ -88,7 +136,30 @@ def convert(source: Any, out: Path, dtype: str = "float32", force: bool = False,
                             disable=not progress):
         asm.add(name, array)
     params = asm.finish(param_shapes(cfg))
-    return write_checkpoint(out, cfg, params, source.tokenizer_json(), source.chat_template(), dtype, force)
+    tok_json, template = source.tokenizer_json(), source.chat_template()
+    if quantize != "none":
+        print(f"quantizing ({quantize}) ...", file=sys.stderr)
+        params = quantize_for_checkpoint(cfg, params, quantize, tok_json, template)
+    return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize)
+
+
+def quantize_checkpoint(src: Path, out: Path, method: str, force: bool = False) -> Path:
+    """A pagedjax float checkpoint -> the same model with quantized weights at `out`."""
+    cfg = load_config(src)
+    meta = read_meta(src)
+    if meta["quantization"] != "none":
+        raise CheckpointError(f"{src}: already quantized ({meta['quantization']}); quantize its float source instead")
+    if meta["dtype"] != "float32":
+        raise CheckpointError(f"{src}: stored as {meta['dtype']}; quantize a float32 checkpoint")
+    if out.resolve() == src.resolve():
+        raise CheckpointError(f"{out}: is the source checkpoint; choose another --out")
+    params = load_params(src, cfg, as_numpy=True)
+    template = src / "chat_template.jinja"
+    tok_json = (src / "tokenizer.json").read_text()
+    chat = template.read_text() if template.is_file() else None
+    print(f"quantizing ({method}) ...", file=sys.stderr)
+    qp = quantize_for_checkpoint(cfg, params, method, tok_json, chat)
+    return write_checkpoint(out, cfg, qp, tok_json, chat, "float32", force, method)
 
 
 def check_checkpoint_dir(path: Path) -> None:
@@ -109,21 +180,27 @@ def load_config(path: Path) -> ModelConfig:
         raise CheckpointError(f"{path / 'config.json'}: invalid ({exc})") from None
 
 
-def load_params(path: Path, cfg: ModelConfig, dtype: Any = None) -> dict[str, Any]:
-    """Restore parameters as jax arrays, cast to `dtype` (e.g. jnp.bfloat16 on GPU)."""
+def load_params(path: Path, cfg: ModelConfig, dtype: Any = None, as_numpy: bool = False) -> dict[str, Any]:
+    """Restore parameters as jax arrays, float ones cast to `dtype` (e.g. jnp.bfloat16 on
+    GPU); int8 weights and their scales of a quantized checkpoint keep their dtype."""
     import jax
-    import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
     from runtime.checkpoint.mapping import check_shapes
+    from runtime.quant import QUANTIZATIONS, cast_params, quantized_shapes
 
+    method = read_meta(path)["quantization"]
+    if method not in QUANTIZATIONS:
+        raise CheckpointError(f"{path}: unknown quantization {method!r} in pagedjax.json")
     try:
         with ocp.StandardCheckpointer() as ckptr:
             raw = ckptr.restore((path / "params").resolve())
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot restore parameters ({type(exc).__name__}: {exc})") from None
-    check_shapes(raw, param_shapes(cfg))
-    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dtype or a.dtype), raw)
+    check_shapes(raw, quantized_shapes(param_shapes(cfg), method))
+    if as_numpy:
+        return jax.tree.map(np.asarray, raw)
+    return jax.tree.map(jax.numpy.asarray, raw) if dtype is None else cast_params(raw, dtype)
 
 
 def load_checkpoint(path: Path, dtype: Any = None):

@@ -174,3 +174,18 @@ def test_model_page(client, engine, tiny_ckpt):
     assert text_of(page, "architecture").startswith("llama")
     assert page.count("×") >= len(engine.envelope.bucket_pairs())
     assert "B_max" in page and "H100" in page
+
+
+def test_model_page_shows_quantized_weights_and_kv_cache(tiny_ckpt):
+    eng = make_engine(tiny_ckpt, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+                      kv_dtype="int8", quantization="w8a8")
+    with console_client(eng) as c:
+        logged_in(c)
+        page = c.get("/admin/model").text
+    m = eng.config.model
+    assert text_of(page, "kv-dtype").startswith("int8 (one float32 scale per token and KV head")
+    assert f"({m.head_dim} · 1 B + 4 B scale)" in text_of(page, "kv-per-token")
+    assert text_of(page, "quantization").startswith("w8a8: int8 decoder weights")
+    per_block = eng.config.cache.bytes_per_block(m)
+    assert per_block == 16 * 2 * m.num_layers * m.num_kv_heads * (m.head_dim + 4)
+    assert f"({per_block:,} B)" in text_of(page, "bytes-per-block")

@@ -102,3 +102,13 @@ def test_cascade_with_prefill_chunks_of_members():
                                                     prefill_chunk_blocks=cb, q_tile=qt,
                                                     shared=jax.tree_util.tree_map(jnp.asarray, shared)))
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_table_narrower_than_the_chunk_sizes():
+    """A 7-block table (max_model_len 112) with the default chunk sizes: every loop must read
+    whole chunks of a padded table (the last decode chunk once re-read blocks 5-6)."""
+    rng = np.random.default_rng(9)
+    batch = random_batch(rng, [100, 1], [100, 97], hq=6, hkv=2, mb=7)
+    want = oracle(*batch, sm_scale=0.25)
+    got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, batch), sm_scale=0.25))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

@@ -94,3 +94,69 @@ def test_w8a8_accuracy_gate_on_smollm2(smollm2_ckpt):
     r = evaluate(cfg, params, ids, "w8a8", 128, tok)
     assert r["perplexity_increase"] <= PPL_GATES["w8a8"], r
     assert r["mean_abs_logprob_diff"] < 0.2, r
+
+
+def test_linear_w8a16_dequantizes_weights_only():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    qw = quantize_weight(w)
+    tree = {"w8": jnp.asarray(qw["q"]), "s": jnp.asarray(qw["s"])}
+    got = np.asarray(jax.jit(linear)(jnp.asarray(x), tree))
+    # exactly the float product with the dequantized weights: activations are not rounded
+    want = x @ (qw["q"].astype(np.float32) * qw["s"][None, :])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_serves_w8a16(tiny_ckpt):
+    from runtime.quant import quantization_of
+
+    eng = make_engine(tiny_ckpt, quantization="w8a16")
+    assert quantization_of(eng.runner.params) == "w8a16" and eng.runner.params["layers"]["wq"]["w8"].dtype == jnp.int8
+    ref = make_engine(tiny_ckpt)
+    prompts = [list(range(3, 40)), [7, 8, 9]]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = [r.output_ids for r in eng.generate(prompts, sp)]
+    want = [r.output_ids for r in ref.generate(prompts, sp)]
+    assert np.mean([a == b for g, w in zip(got, want) for a, b in zip(g, w)]) >= 0.5
+
+
+@pytest.mark.parametrize("method", ["w8a8", "w8a16"])
+def test_quantized_checkpoint_loads_without_requantizing(tiny_ckpt, tmp_path, method, monkeypatch):
+    """`convert --from pagedjax --quantize` stores int8 weights and scales; the engine serves
+    them as stored (auto), with the same tokens as quantizing the float checkpoint at start."""
+    from runtime import quant
+    from runtime.checkpoint.store import load_checkpoint, stored_weight_bytes
+    from runtime.cli import inspect_text, main
+
+    out = tmp_path / "q"
+    assert main(["convert", "--from", "pagedjax", str(tiny_ckpt), "--out", str(out), "--quantize", method]) == 0
+    _, params, _ = load_checkpoint(out)
+    key = "q" if method == "w8a8" else "w8"
+    assert params["layers"]["wq"][key].dtype == jnp.int8 and params["layers"]["wq"]["s"].dtype == jnp.float32
+    assert stored_weight_bytes(out) < stored_weight_bytes(tiny_ckpt) / 2
+    assert f"quantization                  {method}" in inspect_text(out)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [list(range(3, 40)), [7, 8, 9]]
+    want = [r.output_ids for r in make_engine(tiny_ckpt, quantization=method).generate(prompts, sp)]
+    calls = []
+    monkeypatch.setattr(quant, "quantize_params", lambda *a, **k: calls.append(a))
+    eng = make_engine(out)  # auto: as stored
+    assert eng.config.quantization == method and not calls
+    assert [r.output_ids for r in eng.generate(prompts, sp)] == want
+    assert make_engine(out, quantization=method).config.quantization == method and not calls
+
+
+def test_quantized_checkpoint_bad_requests(tiny_ckpt, tmp_path, capsys):
+    from runtime.cli import main
+
+    out = tmp_path / "q"
+    assert main(["convert", "--from", "pagedjax", str(tiny_ckpt), "--out", str(out), "--quantize", "w8a8"]) == 0
+    assert main(["convert", "--from", "pagedjax", str(out), "--out", str(tmp_path / "qq"), "--quantize", "w8a8"]) == 2
+    assert "already quantized (w8a8)" in capsys.readouterr().err
+    assert main(["convert", "--from", "pagedjax", str(tiny_ckpt), "--out", str(tmp_path / "f")]) == 2
+    assert "give --quantize" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="stores w8a8 weights and cannot be served as none"):
+        make_engine(out, quantization="none")
+    with pytest.raises(ValueError, match="cannot be served as w8a16"):
+        make_engine(out, quantization="w8a16")
