@@ -45,7 +45,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.quantize == "none":
             raise CheckpointError("--from pagedjax: give --quantize w8a8 (or w8a16); a float copy needs no convert")
         from runtime.checkpoint.store import quantize_checkpoint
-        print(quantize_checkpoint(src_path, Path(args.out), args.quantize, force=args.force))
+        print(quantize_checkpoint(src_path, Path(args.out), args.quantize, force=args.force,
+                                  lm_head=args.quantize_lm_head))
         return 0
     if args.source == "gguf":
         from runtime.checkpoint.gguf_source import GGUFSource
@@ -55,7 +56,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         source = HFSource(src_path)
     if args.quantize != "none" and args.dtype != "float32":
         raise CheckpointError("--quantize: quantizes float32 weights; drop --dtype bfloat16")
-    out = convert(source, Path(args.out), dtype=args.dtype, force=args.force, quantize=args.quantize)
+    out = convert(source, Path(args.out), dtype=args.dtype, force=args.force, quantize=args.quantize,
+                  lm_head=args.quantize_lm_head)
     print(out)
     return 0
 
@@ -156,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quantize", choices=("none", "w8a8", "w8a16"), default="none",
                    help="store int8 weights and scales (w8a8: SmoothQuant-calibrated, as `serve --quantization "
                         "w8a8` would at start-up), so start-up loads them without requantizing")
+    s.add_argument("--quantize-lm-head", action="store_true", help="with --quantize w8a8: store an int8 LM head too")
     s.add_argument("--out", required=True, help="output checkpoint directory, e.g. checkpoints/NAME")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     s.add_argument("--force", action="store_true", help="overwrite an existing --out")

@@ -98,8 +98,9 @@ class LLMEngine:
         from runtime.quant import prepare, quantization_of
 
         if config.quantization == "auto":  # serve the checkpoint as it is stored
-            config = self.config = dataclasses.replace(config, quantization=quantization_of(params))
-        params = prepare(params, config.quantization, config.model, tokenizer)
+            config = self.config = dataclasses.replace(config, quantization=quantization_of(params),
+                                                       quantize_lm_head=config.quantize_lm_head or "head" in params)
+        params = prepare(params, config.quantization, config.model, tokenizer, lm_head=config.quantize_lm_head)
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
                                   config.attention_backend, dtype, config.quantization)
         self.metrics = EngineMetrics()

@@ -30,6 +30,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                         "decoder projection, SmoothQuant-calibrated; the LM head and embeddings stay float. "
                         "w8a16: int8 weights only, for bandwidth-bound GPU decode (slower on CPU). "
                         "Accuracy: `pagedjax bench accuracy`")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="with w8a8: an int8 LM head as well (64-row decode step ~10%% faster on CPU; perplexity "
+                        "+1.87%% instead of +1.55%% on the seed chapters)")
     g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "int8", "fp8_e4m3"), default="auto",
                    help="auto: the compute dtype. int8 / fp8_e4m3 store one scale per token and KV head "
                         "(3.8x the tokens of a float32 cache for SmolLM2) and dequantize on read; XLA "
@@ -90,6 +93,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
         policy.validate(envelope)
         return EngineConfig(model, cache, envelope, policy, args.attention_backend, dtype,
                             async_scheduling=not getattr(args, "no_async_scheduling", False),
-                            quantization=getattr(args, "quantization", "auto"))
+                            quantization=getattr(args, "quantization", "auto"),
+                            quantize_lm_head=getattr(args, "quantize_lm_head", False))
 
     return build

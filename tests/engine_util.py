@@ -10,7 +10,8 @@ from runtime.engine import LLMEngine
 
 def make_engine(ckpt: Path, *, num_blocks: int = 256, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                 max_model_len: int = 512, prefix_cache: bool = True, warmup: bool = False,
-                kv_dtype: str = "float32", quantization: str = "auto", **policy) -> LLMEngine:
+                kv_dtype: str = "float32", quantization: str = "auto", quantize_lm_head: bool = False,
+                **policy) -> LLMEngine:
     envelope = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
     pol = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                long_prefill_token_threshold=max_num_batched_tokens)
@@ -18,6 +19,7 @@ def make_engine(ckpt: Path, *, num_blocks: int = 256, max_num_seqs: int = 8, max
 
     def build(model):
         return EngineConfig(model, CacheConfig(16, num_blocks, kv_dtype, prefix_cache), envelope,
-                            AdmissionPolicy(**pol), "xla", "float32", quantization=quantization)
+                            AdmissionPolicy(**pol), "xla", "float32", quantization=quantization,
+                            quantize_lm_head=quantize_lm_head)
 
     return LLMEngine.from_checkpoint(ckpt, build, warmup=warmup, progress=False)

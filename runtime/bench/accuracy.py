@@ -82,7 +82,7 @@ def token_logprobs(cfg: Any, params: Any, ids: list[int], window: int, kv_dtype:
 
 
 def evaluate(cfg: Any, params: Any, ids: list[int], method: str, window: int, tokenizer: Any = None,
-             kv_dtype: str = "float32") -> dict[str, Any]:
+             kv_dtype: str = "float32", lm_head: bool = False) -> dict[str, Any]:
     """Teacher-forced comparison of weights quantized by `method` ("none" keeps them) and
     the KV cache stored as `kv_dtype`; with `tokenizer`, weights are quantized exactly as the
     engine does (calibrated smoothing), else plain per-channel quantization."""
@@ -92,7 +92,7 @@ def evaluate(cfg: Any, params: Any, ids: list[int], method: str, window: int, to
     from runtime.quant import prepare, quantize_params
 
     ref = token_logprobs(cfg, jax.tree.map(jnp.asarray, params), ids, window)
-    qp = prepare(params, method, cfg, tokenizer) if tokenizer is not None else quantize_params(params, method)
+    qp = prepare(params, method, cfg, tokenizer, lm_head) if tokenizer is not None else quantize_params(params, method)
     got = token_logprobs(cfg, jax.tree.map(jnp.asarray, qp), ids, window, kv_dtype)
     ppl_ref, ppl = math.exp(-ref.mean()), math.exp(-got.mean())
     return {"tokens": len(ref), "window": min(window, len(ids) - 1), "perplexity_float32": ppl_ref, "perplexity": ppl,
@@ -100,20 +100,20 @@ def evaluate(cfg: Any, params: Any, ids: list[int], method: str, window: int, to
 
 
 def greedy_agreement(ckpt: Path, prompts: list[list[int]], method: str, max_tokens: int,
-                     kv_dtype: str = "float32") -> dict[str, Any]:
+                     kv_dtype: str = "float32", lm_head: bool = False) -> dict[str, Any]:
     """Greedy tokens of the engine (paged cache, real KV dtype) against the float32 engine."""
     from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
     from runtime.engine import LLMEngine
     from runtime.sampling import SamplingParams
 
     outs = []
-    for q, kv in (("none", "float32"), (method, kv_dtype)):
-        def build(model, q=q, kv=kv):
+    for q, kv, head in (("none", "float32", False), (method, kv_dtype, lm_head)):
+        def build(model, q=q, kv=kv, head=head):
             env = SchedulerConfig(16, 256, 1024)
             return EngineConfig(model, CacheConfig.from_memory(model, 256 << 20, kv_dtype=kv), env,
                                 AdmissionPolicy(max_num_seqs=16, max_num_batched_tokens=256,
                                                 long_prefill_token_threshold=256, max_admissions_per_step=16),
-                                "xla", "float32", quantization=q)
+                                "xla", "float32", quantization=q, quantize_lm_head=head)
         eng = LLMEngine.from_checkpoint(ckpt, build, warmup=False, progress=False)
         reqs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         outs.append([r.output_ids for r in reqs])
@@ -145,14 +145,18 @@ def run_accuracy(args: argparse.Namespace) -> int:
         print("pagedjax bench accuracy: error: quantization: nothing to compare (give --quantization w8a8 "
               "and/or --kv-cache-dtype int8)", file=__import__("sys").stderr)
         return 2
-    name = setting_name(method, kv)
+    head = args.quantize_lm_head
+    if head and method != "w8a8":
+        print("pagedjax bench accuracy: error: quantize_lm_head: needs --quantization w8a8", file=__import__("sys").stderr)
+        return 2
+    name = setting_name(method, kv) + (" (int8 LM head)" if head else "")
     res = {"kind": "accuracy", "machine": machine_info(), "checkpoint": ckpt.name, "method": method,
-           "kv_cache_dtype": kv, "setting": name, "text": [str(t) for t in texts]}
-    res["teacher_forced"] = evaluate(cfg, params, ids, method, args.window, tok, kv_dtype=kv)
+           "kv_cache_dtype": kv, "lm_head_int8": head, "setting": name, "text": [str(t) for t in texts]}
+    res["teacher_forced"] = evaluate(cfg, params, ids, method, args.window, tok, kv_dtype=kv, lm_head=head)
     sents = [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.split()) >= 8]
     step = max(1, len(sents) // args.prompts)
     prompts = [tok.encode(s + ".") for s in sents[::step][:args.prompts]]
-    res["greedy"] = greedy_agreement(ckpt, prompts, method, args.max_tokens, kv_dtype=kv)
+    res["greedy"] = greedy_agreement(ckpt, prompts, method, args.max_tokens, kv_dtype=kv, lm_head=head)
     gate = ppl_gate(method, kv)
     tf = res["teacher_forced"]
     res["gate"] = {"perplexity_increase_max": gate, "passed": tf["perplexity_increase"] <= gate}
@@ -174,6 +178,7 @@ def run_accuracy(args: argparse.Namespace) -> int:
 def add_accuracy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="checkpoint directory (default: the pulled default model)")
     p.add_argument("--quantization", choices=("none", "w8a8"), default="w8a8")
+    p.add_argument("--quantize-lm-head", action="store_true", help="with w8a8: the int8 LM head too")
     p.add_argument("--kv-cache-dtype", choices=KV_CHOICES, default="float32",
                    help="KV cache storage to evaluate with the weights (gates add: w8a8 +3%%, int8 KV +1%%)")
     p.add_argument("--text", help="held-out English text (default: the two chapters in ../shared/seeds)")

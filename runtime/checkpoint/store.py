@@ -66,14 +66,14 @@ def save_params(path: Path, params: dict[str, Any]) -> None:
 
 def write_checkpoint(out: Path, cfg: ModelConfig, params: dict[str, Any], tokenizer_json: str,
                      chat_template: str | None, dtype: str = "float32", force: bool = False,
-                     quantization: str = "none") -> Path:
+                     quantization: str = "none", lm_head_int8: bool = False) -> Path:
     with atomic_output_dir(out, force) as tmp:
         save_params(tmp / "params", params)
         cfg.save(tmp / "config.json")
         (tmp / "tokenizer.json").write_text(tokenizer_json)
         if chat_template:
             (tmp / "chat_template.jinja").write_text(chat_template)
-        meta = {"format": 1, "dtype": dtype, "quantization": quantization}
+        meta = {"format": 1, "dtype": dtype, "quantization": quantization, "lm_head_int8": lm_head_int8}
         (tmp / "pagedjax.json").write_text(json.dumps(meta) + "\n")
     return out
 
@@ -82,7 +82,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     """pagedjax.json (dtype, quantization); older checkpoints lack it or the quantization."""
     meta = path / "pagedjax.json"
     d = json.loads(meta.read_text()) if meta.is_file() else {}
-    return {"dtype": d.get("dtype", "float32"), "quantization": d.get("quantization", "none")}
+    return {"dtype": d.get("dtype", "float32"), "quantization": d.get("quantization", "none"),
+            "lm_head_int8": bool(d.get("lm_head_int8", False))}
 
 
 def stored_weight_bytes(path: Path) -> int:
@@ -92,7 +93,7 @@ def stored_weight_bytes(path: Path) -> int:
     from runtime.quant import quantized_shapes
 
     meta = read_meta(path)
-    shapes = quantized_shapes(param_shapes(load_config(path)), meta["quantization"])
+    shapes = quantized_shapes(param_shapes(load_config(path)), meta["quantization"], meta["lm_head_int8"])
     total = 0
 
     def walk(tree: dict, key: str = "") -> None:
@@ -108,7 +109,7 @@ def stored_weight_bytes(path: Path) -> int:
 
 
 def quantize_for_checkpoint(cfg: ModelConfig, params: dict[str, Any], method: str, tokenizer_json: str,
-                            chat_template: str | None) -> dict[str, Any]:
+                            chat_template: str | None, lm_head: bool = False) -> dict[str, Any]:
     """Quantize float params as the engine would at start-up (w8a8: SmoothQuant calibrated on
     the support-chat text through this checkpoint's own tokenizer), as numpy arrays."""
     import jax
@@ -119,11 +120,11 @@ def quantize_for_checkpoint(cfg: ModelConfig, params: dict[str, Any], method: st
 
     tok = TextTokenizer(Tokenizer.from_str(tokenizer_json), chat_template, cfg.bos_token_id, cfg.eos_token_ids,
                         cfg.add_bos_token)
-    return jax.tree.map(np.asarray, prepare(params, method, cfg, tok))
+    return jax.tree.map(np.asarray, prepare(params, method, cfg, tok, lm_head=lm_head))
 
 
 def convert(source: Any, out: Path, dtype: str = "float32", force: bool = False,
-            progress: bool = True, quantize: str = "none") -> Path:
+            progress: bool = True, quantize: str = "none", lm_head: bool = False) -> Path:
     """Stream tensors from a GGUFSource/HFSource into our format, with a per-tensor bar;
     `quantize` stores int8 weights and their scales (start-up then loads them as they are)."""
     np_dtype = _np_dtype(dtype)
@@ -139,11 +140,11 @@ def convert(source: Any, out: Path, dtype: str = "float32", force: bool = False,
     tok_json, template = source.tokenizer_json(), source.chat_template()
     if quantize != "none":
         print(f"quantizing ({quantize}) ...", file=sys.stderr)
-        params = quantize_for_checkpoint(cfg, params, quantize, tok_json, template)
-    return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize)
+        params = quantize_for_checkpoint(cfg, params, quantize, tok_json, template, lm_head)
+    return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize, lm_head)
 
 
-def quantize_checkpoint(src: Path, out: Path, method: str, force: bool = False) -> Path:
+def quantize_checkpoint(src: Path, out: Path, method: str, force: bool = False, lm_head: bool = False) -> Path:
     """A pagedjax float checkpoint -> the same model with quantized weights at `out`."""
     cfg = load_config(src)
     meta = read_meta(src)
@@ -158,8 +159,8 @@ def quantize_checkpoint(src: Path, out: Path, method: str, force: bool = False) 
     tok_json = (src / "tokenizer.json").read_text()
     chat = template.read_text() if template.is_file() else None
     print(f"quantizing ({method}) ...", file=sys.stderr)
-    qp = quantize_for_checkpoint(cfg, params, method, tok_json, chat)
-    return write_checkpoint(out, cfg, qp, tok_json, chat, "float32", force, method)
+    qp = quantize_for_checkpoint(cfg, params, method, tok_json, chat, lm_head)
+    return write_checkpoint(out, cfg, qp, tok_json, chat, "float32", force, method, lm_head)
 
 
 def check_checkpoint_dir(path: Path) -> None:
@@ -189,7 +190,8 @@ def load_params(path: Path, cfg: ModelConfig, dtype: Any = None, as_numpy: bool 
     from runtime.checkpoint.mapping import check_shapes
     from runtime.quant import QUANTIZATIONS, cast_params, quantized_shapes
 
-    method = read_meta(path)["quantization"]
+    meta = read_meta(path)
+    method = meta["quantization"]
     if method not in QUANTIZATIONS:
         raise CheckpointError(f"{path}: unknown quantization {method!r} in pagedjax.json")
     try:
@@ -197,7 +199,7 @@ def load_params(path: Path, cfg: ModelConfig, dtype: Any = None, as_numpy: bool 
             raw = ckptr.restore((path / "params").resolve())
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot restore parameters ({type(exc).__name__}: {exc})") from None
-    check_shapes(raw, quantized_shapes(param_shapes(cfg), method))
+    check_shapes(raw, quantized_shapes(param_shapes(cfg), method, meta["lm_head_int8"]))
     if as_numpy:
         return jax.tree.map(np.asarray, raw)
     return jax.tree.map(jax.numpy.asarray, raw) if dtype is None else cast_params(raw, dtype)

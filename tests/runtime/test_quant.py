@@ -160,3 +160,47 @@ def test_quantized_checkpoint_bad_requests(tiny_ckpt, tmp_path, capsys):
         make_engine(out, quantization="none")
     with pytest.raises(ValueError, match="cannot be served as w8a16"):
         make_engine(out, quantization="w8a16")
+
+
+def test_w8a8_int8_lm_head_for_two_rows_and_up(tiny_ckpt):
+    """--quantize-lm-head: calibrated w8a8 adds an int8, smoothed copy of the head; steps of
+    2+ rows use it, a 1-row step keeps the float head (XLA's 1-row int8 dot is slow)."""
+    from runtime.checkpoint.store import load_checkpoint
+    from runtime.models.llama import lm_head
+    from runtime.quant import prepare
+
+    cfg, params, tok = load_checkpoint(tiny_ckpt)
+    assert "head" not in prepare(params, "w8a8", cfg, tok)  # opt-in
+    qp = jax.tree.map(jnp.asarray, prepare(params, "w8a8", cfg, tok, lm_head=True))
+    head = qp["head"]
+    assert head["q"].dtype == jnp.int8 and head["q"].shape == (cfg.hidden_size, cfg.vocab_size)
+    assert head["s"].shape == (cfg.vocab_size,) and head["in"].shape == (cfg.hidden_size,)
+    h = jnp.asarray(np.random.default_rng(5).standard_normal((6, cfg.hidden_size)).astype(np.float32))
+    ref = np.asarray(lm_head(cfg, params, h))
+    got = np.asarray(lm_head(cfg, qp, h))
+    assert not np.array_equal(got, ref) and np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
+    np.testing.assert_array_equal(np.asarray(lm_head(cfg, qp, h[:1])), np.asarray(lm_head(cfg, params, h[:1])))
+
+
+def test_checkpoint_with_int8_lm_head(tiny_ckpt, tmp_path):
+    from runtime.checkpoint.store import read_meta
+    from runtime.cli import main
+
+    out = tmp_path / "qh"
+    assert main(["convert", "--from", "pagedjax", str(tiny_ckpt), "--out", str(out), "--quantize", "w8a8",
+                 "--quantize-lm-head"]) == 0
+    assert read_meta(out)["lm_head_int8"]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [list(range(3, 30)), [9, 8, 7, 6]]
+    eng = make_engine(out)
+    assert eng.config.quantization == "w8a8" and eng.config.quantize_lm_head
+    assert eng.runner.params["head"]["q"].dtype == jnp.int8
+    want = make_engine(tiny_ckpt, quantization="w8a8", quantize_lm_head=True).generate(prompts, sp)
+    assert [r.output_ids for r in eng.generate(prompts, sp)] == [r.output_ids for r in want]
+    plain = tmp_path / "q"
+    assert main(["convert", "--from", "pagedjax", str(tiny_ckpt), "--out", str(plain), "--quantize", "w8a8"]) == 0
+    with pytest.raises(ValueError, match="stored without the int8 LM head"):
+        make_engine(plain, quantize_lm_head=True)
+    with pytest.raises(ValueError, match="needs --quantization w8a8"):
+        make_engine(tiny_ckpt, quantization="w8a16", quantize_lm_head=True)
