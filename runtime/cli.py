@@ -99,8 +99,37 @@ def inspect_text(path: Path) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def gguf_inspect_text(path: Path) -> str:
+    """A GGUF source: its model, tensor types and how `convert` loads each of them."""
+    from collections import Counter
+
+    from runtime.checkpoint.gguf_source import GGUFSource
+
+    src = GGUFSource(path)
+    cfg = src.model_config()
+    types = Counter(t.tensor_type.name for t in src.reader.tensors)
+    n = cfg.param_count()
+    rows = [("GGUF file", str(path)), ("name", cfg.name), ("architecture", cfg.architecture),
+            ("layers", cfg.num_layers),
+            ("heads / KV heads", f"{cfg.num_heads} / {cfg.num_kv_heads}"), ("parameters", f"{n:,}"),
+            ("tensor types", ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))]
+    for k in sorted(types):
+        how = ("float, copied" if k in ("F32", "F16", "BF16") else
+               "blocks dequantized to float; --quantize w8a8 then requantizes per output channel, smoothed"
+               + (" (not loaded into int8 directly: SmoothQuant needs the float weights)" if k == "Q8_0" else ""))
+        rows.append((f"  {k}", how))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    print(inspect_text(Path(args.checkpoint)))
+    path = Path(args.checkpoint)
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                print(gguf_inspect_text(path))
+                return 0
+    print(inspect_text(path))
     return 0
 
 
@@ -164,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="overwrite an existing --out")
     s.set_defaults(func=cmd_convert)
 
-    s = sub.add_parser("inspect", help="show a checkpoint's architecture and sizes")
-    s.add_argument("checkpoint")
+    s = sub.add_parser("inspect", help="show a checkpoint's (or a GGUF file's) architecture, sizes and quantization")
+    s.add_argument("checkpoint", help="pagedjax checkpoint directory or GGUF file")
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")

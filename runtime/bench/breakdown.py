@@ -40,13 +40,16 @@ def _median_ms(fn, iters: int, warmup: int = 1) -> float:
 
 
 def _layer_matmuls(params: Any, x: Any) -> Any:
-    """The decoder's projections and MLP alone (what XLA must do at best for these rows)."""
+    """The decoder's projections and MLP alone (what XLA must do at best for these rows),
+    through the same `linear` as the model (int8 weights take the quantized product)."""
     import jax
 
+    from runtime.quant import linear
+
     def body(h, lp):
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-        h = h + q @ lp["wo"] + 0 * (k.sum() + v.sum())
-        h = h + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+        q, k, v = linear(h, lp["wq"]), linear(h, lp["wk"]), linear(h, lp["wv"])
+        h = h + linear(q, lp["wo"]) + 0 * (k.sum() + v.sum())
+        h = h + linear(jax.nn.silu(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
         return h, None
 
     return jax.lax.scan(body, x, params["layers"])[0]
@@ -60,7 +63,8 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
     from runtime.attention import write_kv
     from runtime.batch import build_step_input
     from runtime.bench.offline import _noop_attention, decode_rows
-    from runtime.model_runner import NUM_LOGPROBS, _step
+    from runtime.model_runner import NUM_LOGPROBS, _step, allocate_kv
+    from runtime.quant import linear
     from runtime.models.llama import lm_head
     from runtime.planner import measure_cpu
     from runtime.sampling import make_sampling_inputs, sample
@@ -70,9 +74,13 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
     dev = measure_cpu(size_mb=bandwidth_mb)
     bw = dev.bandwidth_bytes_per_s
     kv_tok = cfg.kv_bytes_per_token(runner.cache_cfg.kv_dtype)
-    layer_w = [a for k, a in runner.params["layers"].items() if k.startswith("w")]
-    layer_flops_per_row = 2 * sum(int(np.prod(a.shape)) for a in layer_w)  # all L layers
-    layer_bytes = sum(int(a.size) * a.dtype.itemsize for a in layer_w)
+    from runtime.quant import LINEAR_WEIGHTS, quantization_of
+
+    method = quantization_of(runner.params)
+    layer_w = [runner.params["layers"][k] for k in LINEAR_WEIGHTS]
+    layer_flops_per_row = 2 * sum(int(np.prod(jax.tree.leaves(a)[0].shape if isinstance(a, dict) else a.shape))
+                                  for a in layer_w)  # all L layers (the int8 values lead each quantized dict)
+    layer_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(layer_w))
     head_bytes = int(runner.params["embed"].size) * runner.params["embed"].dtype.itemsize
     noop = jax.jit(partial(_step, cfg, _noop_attention, runner.cache_cfg.num_blocks), donate_argnums=(1, 2))
     detok_tok = engine.tokenizer
@@ -105,17 +113,21 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
         si = jax.device_put(make_sampling_inputs([sq.sampling_row for sq in seqs], S))
         smp = jax.jit(partial(sample, num_logprobs=NUM_LOGPROBS, only_if_asked=True))
         sampling = _median_ms(lambda: smp(logits, si, None, None).token_ids, iters)
-        kc = jnp.zeros((64, *runner.kv[0].shape[1:]), runner.kv[0].dtype)
-        kv_new = jnp.ones((S, cfg.num_kv_heads, cfg.head_dim), kc.dtype)
+        kc = allocate_kv((64, *runner.kv[0].shape[1:]), runner.cache_cfg.kv_dtype)[0]
+        kv_new = jnp.ones((S, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
         slots = jnp.arange(S, dtype=jnp.int32) % (64 * runner.cache_cfg.block_size)
 
         @jax.jit
         def kv_writes(kc):
             return jax.lax.fori_loop(0, L, lambda i, c: write_kv(c[0], c[1], kv_new, kv_new, slots), (kc, kc))
         kv_write = _median_ms(lambda: kv_writes(kc), iters)
-        # dot rate of XLA for this row count: the issue's own yardstick (S x d by d x 4d)
-        w = jnp.ones((d, 4 * d), x.dtype)
-        dot = jax.jit(lambda a: a @ w)
+        # dot rate of XLA for this row count: the issue's own yardstick (S x d by d x 4d), in
+        # the product the layers use (w8a8: int8 x int8 -> int32 with the per-row activation
+        # quantization, w8a16: dequantize + float; both the new matmul floor)
+        w = jnp.ones((d, 4 * d), x.dtype) if method == "none" else jax.tree.map(
+            jnp.asarray, {("q" if method == "w8a8" else "w8"): np.ones((d, 4 * d), np.int8),
+                          "s": np.ones((4 * d,), np.float32)})
+        dot = jax.jit(lambda a: linear(a, w))
         dot_ms = _median_ms(lambda: dot(x), max(iters, 10))
         gflops = 2 * S * d * 4 * d / (dot_ms / 1e3) / 1e9
         # host side
@@ -164,12 +176,15 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
                          "host": {"build_input_ms": build_ms, "device_to_host_ms": d2h_ms,
                                   "detokenize_ms": detok_ms, "sse_encode_ms": sse_ms}})
     engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
-    return {"model": cfg.name, "dtype": str(runner.kv[0].dtype), "iters": iters,
+    return {"model": cfg.name, "dtype": str(runner.params["embed"].dtype), "quantization": method,
+            "kv_cache_dtype": runner.cache_cfg.kv_dtype, "iters": iters,
             "read_bandwidth_gb_s": bw / 1e9, "rows": rows_out}
 
 
 def format_breakdown(r: dict[str, Any]) -> str:
-    lines = [f"== decode step breakdown: {r['model']} ({r['dtype']}), shared-prefix contexts, median of "
+    q = f", {r['quantization']}" if r.get("quantization", "none") != "none" else ""
+    kv = f", KV {r['kv_cache_dtype']}" if r.get("kv_cache_dtype") else ""
+    lines = [f"== decode step breakdown: {r['model']} ({r['dtype']}{q}{kv}), shared-prefix contexts, median of "
              f"{r['iters']}; read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s =="]
     for x in r["rows"]:
         p, f, h = x["parts"], x["floors"], x["host"]

@@ -72,20 +72,28 @@ def render_engine_sections(results: str | Path) -> list[str]:
                      f"{r['sync_step_ms']:.1f} | {r.get('sync_exposed_host_ms', 0):.2f} ms "
                      f"({r.get('sync_exposed_share', 0) * 100:.1f}%) |")
         L.append("")
-    acc = _load(d / "accuracy-w8a8.json")
-    L += ["## Quantization accuracy (w8a8 vs float32)", ""]
-    if acc:
-        tf, g, gate = acc["teacher_forced"], acc["greedy"], acc["gate"]
-        L += [f"`pagedjax bench accuracy --quantization w8a8` on {acc['checkpoint']}: {tf['tokens']:,} tokens of "
-              f"{', '.join(Path(t).name for t in acc['text'])} (teacher-forced, {tf['window']}-token windows); "
-              f"{_machine(acc)}.", "",
-              "| measure | value |", "|---|---|",
-              f"| perplexity float32 -> w8a8 | {tf['perplexity_float32']:.3f} -> {tf['perplexity']:.3f} "
-              f"({tf['perplexity_increase'] * 100:+.2f}%; gate +{gate['perplexity_increase_max'] * 100:.0f}%: "
-              f"**{'pass' if gate['passed'] else 'FAIL'}**) |",
-              f"| mean abs difference of the reference token's logprob | {tf['mean_abs_logprob_diff']:.4f} nats |",
-              f"| greedy agreement, {g['prompts']} prompts x {g['max_tokens']} tokens | {g['identical']} identical; "
-              f"{g['mean_tokens_before_divergence']:.1f} tokens before the first difference on average |", ""]
+    accs = [a for a in (_load(f) for f in sorted(d.glob("accuracy-*.json"))) if a and "teacher_forced" in a]
+    L += ["## Quantization accuracy (against float32)", ""]
+    if accs:
+        a0, tf0 = accs[0], accs[0]["teacher_forced"]
+        L += [f"`pagedjax bench accuracy` on {a0['checkpoint']}: {tf0['tokens']:,} tokens of "
+              f"{', '.join(Path(t).name for t in a0['text'])} (teacher-forced, {tf0['window']}-token windows; "
+              f"perplexity float32 {tf0['perplexity_float32']:.3f}) and greedy decoding through the engine; "
+              f"{_machine(a0)}. Gates: w8a8 +3%, int8 KV +1%, their sum for both.", "",
+              "| setting | command flags | perplexity | vs float32 | gate | mean abs logprob diff | greedy: identical "
+              "| greedy: tokens before first difference |", "|---|---|---|---|---|---|---|---|"]
+        for a in sorted(accs, key=lambda a: a["teacher_forced"]["perplexity_increase"]):
+            tf, g, gate = a["teacher_forced"], a["greedy"], a["gate"]
+            flags = " ".join(x for x in (f"--quantization {a['method']}" if a["method"] != "none" else "",
+                                         "--quantize-lm-head" if a.get("lm_head_int8") else "",
+                                         f"--kv-cache-dtype {a['kv_cache_dtype']}"
+                                         if a.get("kv_cache_dtype", "float32") != "float32" else "") if x)
+            L.append(f"| {a.get('setting', a['method'])} | `{flags}` | {tf['perplexity']:.3f} | "
+                     f"{tf['perplexity_increase'] * 100:+.2f}% | +{gate['perplexity_increase_max'] * 100:.0f}%: "
+                     f"**{'pass' if gate['passed'] else 'FAIL'}** | {tf['mean_abs_logprob_diff']:.4f} nats | "
+                     f"{g['identical']}/{g['prompts']} x {g['max_tokens']} tokens | "
+                     f"{g['mean_tokens_before_divergence']:.1f} |")
+        L.append("")
     else:
         L += ["_not measured_ (run `pagedjax bench accuracy --out bench-results/accuracy-w8a8.json`).", ""]
     return L

@@ -53,3 +53,21 @@ def test_llama3_shaped_random_engine_run():
     for x in r["rows"]:
         assert x["tokens_per_s"] > 0 and x["planner_tokens_per_s"] > 0 and x["device_step_ms"] > 0
     assert "B=4" in format_engine_tps(r)
+
+
+def test_breakdown_of_a_quantized_engine_uses_its_own_floor(tiny_ckpt):
+    """w8a8 weights and an int8 KV cache: the matmul floor is the int8 product's rate, and
+    the layer bytes are the int8 weights'."""
+    f32 = make_engine(tiny_ckpt, num_blocks=200, max_num_seqs=8, max_num_batched_tokens=64)
+    q = make_engine(tiny_ckpt, num_blocks=200, max_num_seqs=8, max_num_batched_tokens=64, quantization="w8a8",
+                    kv_dtype="int8")
+    rows = {}
+    for name, eng in (("f32", f32), ("q", q)):
+        bd = bench_breakdown(eng, batches=(4,), shared_len=32, unique_len=8, iters=2, bandwidth_mb=16)
+        rows[name] = bd["rows"][0]
+        assert all(v >= 0 for v in rows[name]["parts"].values())
+    assert bd["quantization"] == "w8a8" and bd["kv_cache_dtype"] == "int8"
+    assert "w8a8, KV int8" in format_breakdown(bd)
+    # same FLOPs, a quarter of the weight bytes: the bandwidth term of the floor shrinks
+    assert rows["q"]["floors"]["matmuls_ms"] > 0 and rows["q"]["dot_gflops"] > 0
+    assert rows["q"]["floors"]["kv_write_ms"] < rows["f32"]["floors"]["kv_write_ms"]

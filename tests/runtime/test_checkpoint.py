@@ -159,3 +159,23 @@ def test_inspect_prints_sizes(tmp_path, tiny, capsys):
     assert re.search(r"heads / KV heads +4 / 2 \(GQA 2:1\)", out)
     assert f"{per_tok:,}" in out and f"{per_tok * 1000:,}" in out
     assert f"{cfg.param_count():,}" in out
+
+
+def test_inspect_a_gguf_file_states_how_each_type_loads(tmp_path, tiny, capsys):
+    cfg, params, tok_json = tiny
+    src = write_gguf(tmp_path / "m.gguf", cfg, params, tok_json, qtype="Q8_0", chat_template=CHAT_TEMPLATE)
+    assert main(["inspect", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert "tensor types" in out and re.search(r"Q8_0 x\d+", out)
+    assert re.search(r"Q8_0 +blocks dequantized to float; --quantize w8a8 then requantizes", out)
+    assert "not loaded into int8 directly" in out
+
+
+def test_convert_gguf_with_quantize_stores_int8(tmp_path, tiny):
+    cfg, params, tok_json = tiny
+    src = write_gguf(tmp_path / "m.gguf", cfg, params, tok_json, qtype="Q8_0", chat_template=CHAT_TEMPLATE)
+    assert main(["convert", "--from", "gguf", str(src), "--out", str(tmp_path / "q"), "--quantize", "w8a8"]) == 0
+    _, qp, _ = load_checkpoint(tmp_path / "q")
+    assert qp["layers"]["w_down"]["q"].dtype == jnp.int8 and "in" in qp["layers"]["w_down"]
+    assert main(["convert", "--from", "gguf", str(src), "--out", str(tmp_path / "b"), "--quantize", "w8a8",
+                 "--dtype", "bfloat16"]) == 2
