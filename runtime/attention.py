@@ -261,19 +261,27 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
     return out[:T]
 
 
+def _kernel_ok(available_only: bool = False) -> bool:
+    from runtime import cpu_attention
+
+    return cpu_attention.available() if available_only else cpu_attention.enabled()
+
+
 @partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "shared_chunk_blocks", "prefill_chunk_blocks",
-                                   "q_tile"))
+                                   "q_tile", "decode_kernel"))
 def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
                                block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array,
                                *, sm_scale: float, kv_chunk_blocks: int | None = None,
                                shared_chunk_blocks: int | None = None, prefill_chunk_blocks: int = 8,
-                               q_tile: int = 32, shared: "SharedPrefix | None" = None) -> jax.Array:
+                               q_tile: int = 32, shared: "SharedPrefix | None" = None,
+                               decode_kernel: bool | None = None) -> jax.Array:
     """q [T,Hq,D]; caches [NB,BS,Hkv,D]; kv_lens [S]; block_tables [S,MB]; query_start_loc [S+1];
     num_seqs [1]. Returns [T,Hq,D] in q.dtype; padding rows are 0. See pallas_kernels.paged_attention
     for the full contract. `shared` (optional) names blocks several sequences share at the start
     of their tables; the last-token path then reads them once for all (cascade attention).
     Chunk sizes (in blocks; None = the tuned defaults at the top of this file) for the per-sequence
-    decode loop, the shared-prefix loop and the prefill tiles."""
+    decode loop, the shared-prefix loop and the prefill tiles. `decode_kernel` (None = when it is
+    available and the cache is float32) runs path A as the C++ kernel of runtime/cpu_attention."""
     T, Hq, D = q.shape
     S, mb = block_tables.shape
     hkv = k_cache.shape[2]
@@ -297,7 +305,15 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     a_lens = jnp.where(has_query, kv_lens, 0)
     shared_p = None if shared is None else SharedPrefix(padded(shared.blocks), shared.length, shared.suffix_start,
                                                         padded(shared.suffix_tables))
-    if shared is None:
+    if decode_kernel is None:
+        decode_kernel = not isinstance(k_cache, QuantizedPages) and k_cache.dtype == jnp.float32 and _kernel_ok()
+    elif decode_kernel and not _kernel_ok(available_only=True):  # also registers it in this process
+        raise ValueError("decode_kernel: the C++ CPU kernel is not available here (see the log)")
+    if decode_kernel:  # the C++ kernel: its own cascade over the shared blocks, then each sequence's
+        from runtime.cpu_attention import decode_attention
+
+        out_last = decode_attention(qg, k_cache, v_cache, a_lens, block_tables, shared_p).reshape(S, Hq, D)
+    elif shared is None:
         partials = _last_token_attention(qg, k_cache, v_cache, a_lens, block_tables, jnp.zeros_like(a_lens), cb,
                                          _online_init(S, hkv, Hq // hkv, D))
     else:
@@ -306,8 +322,9 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
                                         member, cb_shared)
         start = jnp.where(member, shared.suffix_start, 0)
         partials = _last_token_attention(qg, k_cache, v_cache, a_lens, shared_p.suffix_tables, start, cb, init)
-    m, l, acc = partials
-    out_last = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(S, Hq, D)
+    if not decode_kernel:
+        m, l, acc = partials
+        out_last = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(S, Hq, D)
     # A pure decode step (every sequence one token) leaves path B without work: skip even
     # its setup (real control flow on CPU).
     out = jax.lax.cond(

@@ -144,7 +144,7 @@ def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots)
         base = layer * num_blocks
         kw = {}
-        if attention is xla_ragged_paged_attention:  # the Pallas kernel reads shared blocks per sequence
+        if getattr(attention, "func", attention) is xla_ragged_paged_attention:  # Pallas: per-sequence reads
             sh = inp.shared
             kw["shared"] = SharedPrefix(sh.blocks + base, sh.length, sh.suffix_start, sh.suffix_tables + base)
         out = attention(q, k_cache, v_cache, inp.kv_lens, inp.block_tables + base,
@@ -205,7 +205,15 @@ class ModelRunner:
                         jnp.zeros((rows,), jnp.int32))
         self.scratch_row = rows - 1
         self.attention_backend = resolve_attention_backend(attention_backend, cache.kv_dtype)
-        fn = partial(_step, cfg, select_attention(self.attention_backend), cache.num_blocks)
+        attention = select_attention(self.attention_backend)
+        # The C++ decode kernel serves the XLA path's last-token rows for a float32 cache.
+        self.decode_kernel = False
+        if attention is xla_ragged_paged_attention:
+            from runtime import cpu_attention
+
+            self.decode_kernel = cache.kv_dtype == "float32" and cpu_attention.enabled()
+            attention = partial(attention, decode_kernel=self.decode_kernel)
+        fn = partial(_step, cfg, attention, cache.num_blocks)
         fn.__name__ = STEP_FN_NAME  # type: ignore[attr-defined]
         self._step = jax.jit(fn, donate_argnums=(1, 2))
         self.fail_next_step: Exception | None = None  # test hook: the next step raises this

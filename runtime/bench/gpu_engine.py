@@ -21,12 +21,15 @@ LLAMA3_SCALED = {**LLAMA3_8B, "vocab_size": 4096, "hidden_size": 256, "intermedi
                  "num_heads": 8, "num_kv_heads": 2, "head_dim": 32, "name": "llama-3-shaped-scaled"}
 
 
-def random_params_on_device(cfg: Any, dtype: Any) -> Any:
-    """Every leaf drawn by a jitted normal on the device (fan-in scaled; norms = 1)."""
+def random_params_on_device(cfg: Any, dtype: Any, quantization: str = "none") -> Any:
+    """Every leaf drawn by a jitted normal on the device (fan-in scaled; norms = 1). With a
+    quantization, the decoder projections are random int8 values with fan-in scales, in the
+    tree runtime/quant.py serves (w8a16: {"w8", "s"}, w8a8: {"q", "s"})."""
     import jax
     import jax.numpy as jnp
 
     from runtime.models.llama import param_shapes
+    from runtime.quant import LINEAR_WEIGHTS
 
     leaves, tree = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     out = []
@@ -36,6 +39,11 @@ def random_params_on_device(cfg: Any, dtype: Any) -> Any:
             out.append(jnp.ones(shape, dtype))
             continue
         fan_in = shape[-1] if "embed" in name else shape[-2]
+        if quantization != "none" and any(f"['{w}']" in name for w in LINEAR_WEIGHTS):
+            ints = jax.jit(lambda k, shape=shape: jax.random.randint(k, shape, -127, 128, jnp.int8))(jax.random.key(i))
+            scale = jnp.full(shape[:-2] + shape[-1:], 1.7 / (127 * math.sqrt(fan_in)), jnp.float32)
+            out.append({("w8" if quantization == "w8a16" else "q"): ints, "s": scale})
+            continue
         draw = jax.jit(lambda k, shape=shape, s=1.0 / math.sqrt(fan_in): (jax.random.normal(k, shape) * s).astype(dtype))
         out.append(draw(jax.random.key(i)))
     return jax.tree_util.tree_unflatten(tree, out)
@@ -55,7 +63,10 @@ def synthetic_tokenizer(vocab: int) -> Any:
 
 def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, context_len: int = 1000,
                       steps: int = 8, dtype: str = "bfloat16", kv_memory: int | None = None,
-                      device_name: str = "h200", attention_backend: str = "auto") -> dict[str, Any]:
+                      device_name: str = "h200", attention_backend: str = "auto", quantization: str = "none",
+                      kv_dtype: str | None = None) -> dict[str, Any]:
+    """`quantization` (w8a16 / w8a8: int8 weights) and `kv_dtype` (int8 / fp8_e4m3: a quantized
+    cache on the XLA attention path) give the quantization issue's GPU rows."""
     import jax
     import jax.numpy as jnp
 
@@ -68,10 +79,11 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
 
     cfg = ModelConfig(**cfg_kw)
     jdt = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype]
-    params = random_params_on_device(cfg, jdt)
+    params = random_params_on_device(cfg, jdt, quantization)
+    kv_dtype = kv_dtype or dtype
     weight_bytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
     max_len = 16 * math.ceil((context_len + steps + 64) / 16)
-    cache = CacheConfig.from_memory(cfg, kv_memory or _default_kv_memory(cfg), 16, dtype)
+    cache = CacheConfig.from_memory(cfg, kv_memory or _default_kv_memory(cfg), 16, kv_dtype)
     per_seq_blocks = max_len // 16
     b_cap = cache.num_blocks // per_seq_blocks
     batches = tuple(sorted({min(b, b_cap) for b in batches}))
@@ -80,10 +92,10 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
     env = SchedulerConfig(top, tokens, max_len)
     pol = AdmissionPolicy(max_num_seqs=top, max_num_batched_tokens=tokens, long_prefill_token_threshold=tokens,
                           max_admissions_per_step=top, watermark=0.0)
-    eng = LLMEngine(EngineConfig(cfg, cache, env, pol, attention_backend, dtype), params,
+    eng = LLMEngine(EngineConfig(cfg, cache, env, pol, attention_backend, dtype, quantization=quantization), params,
                     synthetic_tokenizer(cfg.vocab_size), warmup=False, progress=False)
     dev = DEVICES.get(device_name)
-    kv_seq = cfg.kv_bytes_per_token(dtype) * context_len
+    kv_seq = cfg.kv_bytes_per_token(kv_dtype) * context_len
     rng = np.random.default_rng(0)
     rows = []
     for B in batches:
@@ -128,12 +140,15 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
             res["planner_tokens_per_s"] = tokens_per_s(B, weight_bytes, kv_seq, dev.bandwidth_bytes_per_s)
             res["measured_vs_planner"] = res["tokens_per_s"] / res["planner_tokens_per_s"]
         rows.append(res)
-    return {"model": cfg.name, "dtype": dtype, "context_len": context_len, "weight_bytes": weight_bytes,
+    return {"model": cfg.name, "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_dtype,
+            "attention_backend": eng.runner.attention_backend, "context_len": context_len, "weight_bytes": weight_bytes,
             "kv_blocks": cache.num_blocks, "b_max_at_context": b_cap, "device_profile": device_name, "rows": rows}
 
 
 def format_engine_tps(r: dict[str, Any]) -> str:
-    lines = [f"== engine decode: {r['model']} ({r['dtype']}, random weights), context {r['context_len']}, "
+    q = f", {r['quantization']} weights" if r.get("quantization", "none") != "none" else ""
+    kv = f", KV {r['kv_cache_dtype']} ({r.get('attention_backend', '?')} attention)" if r.get("kv_cache_dtype") else ""
+    lines = [f"== engine decode: {r['model']} ({r['dtype']}{q}{kv}, random weights), context {r['context_len']}, "
              f"B_max {r['b_max_at_context']} =="]
     for x in r["rows"]:
         plan = (f"  planner {x['planner_tokens_per_s']:,.0f} tok/s ({x['measured_vs_planner'] * 100:.0f}%)"

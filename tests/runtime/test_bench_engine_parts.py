@@ -71,3 +71,17 @@ def test_breakdown_of_a_quantized_engine_uses_its_own_floor(tiny_ckpt):
     # same FLOPs, a quarter of the weight bytes: the bandwidth term of the floor shrinks
     assert rows["q"]["floors"]["matmuls_ms"] > 0 and rows["q"]["dot_gflops"] > 0
     assert rows["q"]["floors"]["kv_write_ms"] < rows["f32"]["floors"]["kv_write_ms"]
+
+
+def test_llama3_shaped_engine_run_with_int8_weights_and_fp8_cache():
+    """The GPU check's quantization rows, scaled down: random int8 weights made in the served
+    tree (no requantizing), an fp8 cache; fewer weight bytes than the float run."""
+    cfg = {**LLAMA3_SCALED, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+           "num_kv_heads": 2, "head_dim": 16}
+    kw = dict(context_len=40, steps=2, dtype="float32", kv_memory=8 << 20, device_name="h200")
+    base = engine_decode_tps(cfg, (2,), **kw)
+    q = engine_decode_tps(cfg, (2,), quantization="w8a16", kv_dtype="fp8_e4m3", **kw)
+    assert q["quantization"] == "w8a16" and q["kv_cache_dtype"] == "fp8_e4m3" and q["attention_backend"] == "xla"
+    assert q["weight_bytes"] < base["weight_bytes"] and q["rows"][0]["tokens_per_s"] > 0
+    assert q["kv_blocks"] > base["kv_blocks"]  # the same memory holds more fp8 blocks
+    assert "w8a16 weights, KV fp8_e4m3 (xla attention)" in format_engine_tps(q)

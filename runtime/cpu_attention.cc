@@ -1,0 +1,361 @@
+// Decode attention on CPU as an XLA FFI custom call: every sequence's last query token
+// against its whole paged context, GQA groups sharing each K/V read. Built on first use by
+// runtime/cpu_attention.py (g++ -O3 -march=native) and called inside the jitted step.
+//
+// Why not XLA: at 64 sequences of ~370 tokens XLA:CPU runs the batched tiny products
+// (3 query rows x 64 dims against 16-32 tokens per sequence and head) at ~25 GFLOP/s; a
+// loop that keeps one sequence's queries and accumulators in registers while it streams
+// that sequence's blocks does the same work several times faster.
+//
+// Layout (as runtime/attention.py): q [S, H, G, D] already scaled by 1/sqrt(D); caches
+// [NB, BS, H, D] float32; kv_lens [S] (0 = no query: output zeros); block_tables [S, MB]
+// (absolute block rows, the layer's base included). Output [S, H, G, D], normalized.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxGroup = 16;  // query heads per KV head
+constexpr int kMaxBlock = 64;  // tokens per cache block
+
+// exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e) with a degree-6
+// polynomial on the fraction; vectorizes (no libm call), relative error ~2e-7.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(fi) << 23;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* lens;
+  const int32_t* tables;
+  const int32_t* shared_blocks;  // [MB] the prefix blocks every member holds
+  const int32_t* suffix_start;   // [S] = shared_len for members, 0 for the others
+  int64_t shared_len;            // tokens (whole blocks); 0 = no cascade
+  float* out;
+  float* state;                  // [S, H, G, 2 + D]: m, l, acc of the cascade, per query row
+  int64_t S, H, G, BS, MB;
+};
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// sc[t][r] = sum_i qT[i][r] * k_t[i] for the BS tokens of one block: 8 tokens at a time so 8
+// independent FMA chains hide the FMA latency; the key element is broadcast from memory.
+template <int D>
+inline void block_scores(const float (*qT)[16], const float* kb, int64_t tok, int64_t BS, float (*sc)[16]) {
+  for (int64_t t0 = 0; t0 < BS; t0 += 8) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    for (int i = 0; i < D; ++i) {
+      const __m512 qv = _mm512_load_ps(qT[i]);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kb[(t0 + j) * tok + i]), acc[j]);
+    }
+    for (int j = 0; j < 8; ++j) _mm512_store_ps(sc[t0 + j], acc[j]);
+  }
+}
+
+// A[r] = A[r] * alpha[r] + sum_t p[t][r] * v_t, two rows at a time (2 x D/16 FMA chains).
+template <int D>
+inline void block_values(float (*A)[D], int64_t nrows, const float* alpha, const float (*sc)[16], const float* vb,
+                         int64_t tok, int64_t BS) {
+  constexpr int C = D / 16;
+  for (int64_t r = 0; r < nrows; r += 2) {
+    const int64_t r1 = std::min<int64_t>(r + 1, nrows - 1);
+    __m512 a0[C], a1[C];
+    const __m512 al0 = _mm512_set1_ps(alpha[r]), al1 = _mm512_set1_ps(alpha[r1]);
+    for (int c = 0; c < C; ++c) {
+      a0[c] = _mm512_mul_ps(_mm512_loadu_ps(A[r] + 16 * c), al0);
+      a1[c] = _mm512_mul_ps(_mm512_loadu_ps(A[r1] + 16 * c), al1);
+    }
+    for (int64_t t = 0; t < BS; ++t) {
+      const float* vt = vb + t * tok;
+      const __m512 w0 = _mm512_set1_ps(sc[t][r]), w1 = _mm512_set1_ps(sc[t][r1]);
+      for (int c = 0; c < C; ++c) {
+        const __m512 v = _mm512_loadu_ps(vt + 16 * c);
+        a0[c] = _mm512_fmadd_ps(w0, v, a0[c]);
+        a1[c] = _mm512_fmadd_ps(w1, v, a1[c]);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      _mm512_storeu_ps(A[r1] + 16 * c, a1[c]);  // r1 first: when r1 == r, a0 (the real row) wins
+      _mm512_storeu_ps(A[r] + 16 * c, a0[c]);
+    }
+  }
+}
+#else
+template <int D>
+inline void block_scores(const float (*qT)[16], const float* kb, int64_t tok, int64_t BS, float (*sc)[16]) {
+  for (int64_t t = 0; t < BS; ++t) {
+    const float* kt = kb + t * tok;
+    float acc[16] = {0};
+    for (int i = 0; i < D; ++i)
+      for (int r = 0; r < 16; ++r) acc[r] += qT[i][r] * kt[i];
+    for (int r = 0; r < 16; ++r) sc[t][r] = acc[r];
+  }
+}
+
+template <int D>
+inline void block_values(float (*A)[D], int64_t nrows, const float* alpha, const float (*sc)[16], const float* vb,
+                         int64_t tok, int64_t BS) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    for (int i = 0; i < D; ++i) A[r][i] *= alpha[r];
+    for (int64_t t = 0; t < BS; ++t)
+      for (int i = 0; i < D; ++i) A[r][i] += sc[t][r] * vb[t * tok + i];
+  }
+}
+#endif
+
+// Phase 1 (cascade): one KV head, 16 query rows (member sequence, group) at a time against
+// the shared prefix. Each K/V block is read once for 16 rows instead of once per sequence,
+// and the products run across rows: 16 rows' scores for a token are one vector FMA chain
+// with the key's elements broadcast (no horizontal sums).
+template <int D>
+void shared_rows(const Problem& p, int64_t h, const int64_t* rows, int64_t nrows) {
+  const int64_t H = p.H, G = p.G, BS = p.BS;
+  const int64_t tok = H * D, block = BS * H * D;
+  alignas(64) float qT[D][16];
+  for (int i = 0; i < D; ++i)
+    for (int r = 0; r < 16; ++r) {
+      const int64_t row = rows[std::min<int64_t>(r, nrows - 1)];  // row = s * G + g
+      qT[i][r] = p.q[((row / G) * H + h) * G * D + (row % G) * D + i];
+    }
+  alignas(64) float m[16], l[16], A[16][D];
+  for (int r = 0; r < 16; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+    for (int i = 0; i < D; ++i) A[r][i] = 0.0f;
+  }
+  const int64_t nblocks = p.shared_len / BS;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const float* kb = p.k + static_cast<int64_t>(p.shared_blocks[b]) * block + h * D;
+    const float* vb = p.v + static_cast<int64_t>(p.shared_blocks[b]) * block + h * D;
+    alignas(64) float sc[kMaxBlock][16];
+    block_scores<D>(qT, kb, tok, BS, sc);
+    alignas(64) float mx[16], alpha[16];
+    for (int r = 0; r < 16; ++r) mx[r] = m[r];
+    for (int64_t t = 0; t < BS; ++t)
+#pragma omp simd
+      for (int r = 0; r < 16; ++r) mx[r] = std::max(mx[r], sc[t][r]);
+#pragma omp simd
+    for (int r = 0; r < 16; ++r) {
+      alpha[r] = m[r] == -INFINITY ? 0.0f : fast_exp(m[r] - mx[r]);
+      l[r] *= alpha[r];
+      m[r] = mx[r];
+    }
+    for (int64_t t = 0; t < BS; ++t)
+#pragma omp simd
+      for (int r = 0; r < 16; ++r) {
+        sc[t][r] = fast_exp(sc[t][r] - mx[r]);
+        l[r] += sc[t][r];
+      }
+    block_values<D>(A, nrows, alpha, sc, vb, tok, BS);
+  }
+  for (int r = 0; r < nrows; ++r) {
+    const int64_t row = rows[r];
+    float* st = p.state + (((row / G) * H + h) * G + row % G) * (2 + D);
+    st[0] = m[r];
+    st[1] = l[r];
+    for (int i = 0; i < D; ++i) st[2 + i] = A[r][i];
+  }
+}
+
+template <int D>
+void one_sequence(const Problem& p, int64_t s) {
+  const int64_t H = p.H, G = p.G, BS = p.BS;
+  float* out = p.out + s * H * G * D;
+  const int32_t len = p.lens[s];
+  if (len <= 0) {
+    std::fill(out, out + H * G * D, 0.0f);
+    return;
+  }
+  const int32_t* table = p.tables + s * p.MB;
+  const int64_t tok = H * D;        // floats from one token to the next inside a block
+  const int64_t block = BS * H * D;  // floats per block
+  const int64_t nblocks = (len + BS - 1) / BS;
+  const int64_t first = p.suffix_start[s] / BS;  // blocks the cascade already covered
+  alignas(64) float acc[kMaxGroup][D];
+  alignas(64) float sc[kMaxGroup][kMaxBlock];
+  float m[kMaxGroup], l[kMaxGroup];
+  for (int64_t h = 0; h < H; ++h) {
+    const float* q = p.q + (s * H + h) * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      if (first > 0) {
+        const float* st = p.state + ((s * H + h) * G + g) * (2 + D);
+        m[g] = st[0];
+        l[g] = st[1];
+        for (int i = 0; i < D; ++i) acc[g][i] = st[2 + i];
+      } else {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int i = 0; i < D; ++i) acc[g][i] = 0.0f;
+      }
+    }
+    for (int64_t b = first; b < nblocks; ++b) {
+      const int64_t n = std::min<int64_t>(BS, len - b * BS);
+      const float* kb = p.k + static_cast<int64_t>(table[b]) * block + h * D;
+      const float* vb = p.v + static_cast<int64_t>(table[b]) * block + h * D;
+      for (int64_t t = 0; t < n; ++t) {  // scores: each K row read once for the whole group
+        const float* kt = kb + t * tok;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = q + g * D;
+          float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+          for (int i = 0; i < D; ++i) d += qg[i] * kt[i];
+          sc[g][t] = d;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {  // online softmax over this block
+        float mx = m[g];
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[g][t]);
+        const float alpha = m[g] == -INFINITY ? 0.0f : fast_exp(m[g] - mx);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+          const float e = fast_exp(sc[g][t] - mx);
+          sc[g][t] = e;
+          sum += e;
+        }
+        l[g] = l[g] * alpha + sum;
+        m[g] = mx;
+        if (alpha != 1.0f) {
+#pragma omp simd
+          for (int i = 0; i < D; ++i) acc[g][i] *= alpha;
+        }
+      }
+      for (int64_t t = 0; t < n; ++t) {  // values: each V row read once for the whole group
+        const float* vt = vb + t * tok;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = sc[g][t];
+#pragma omp simd
+          for (int i = 0; i < D; ++i) acc[g][i] += w * vt[i];
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = 1.0f / std::max(l[g], 1e-30f);
+      float* o = out + (h * G + g) * D;
+#pragma omp simd
+      for (int i = 0; i < D; ++i) o[i] = acc[g][i] * inv;
+    }
+  }
+}
+
+// Work items are handed out one at a time from a shared counter: the calling thread works
+// too, and a pool task that starts late finds nothing left. The counters live on the heap
+// so such a task never touches a finished call's stack.
+struct Phase {
+  std::function<void(int64_t)> item;
+  int64_t count = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void drain(Phase& ph) {
+  for (int64_t i; (i = ph.next.fetch_add(1)) < ph.count;) {
+    ph.item(i);
+    ph.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+void run_parallel(ffi::ThreadPool& pool, int64_t threads, int64_t count, std::function<void(int64_t)> item) {
+  auto ph = std::make_shared<Phase>();
+  ph->item = std::move(item);
+  ph->count = count;
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(threads, 1), count) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([ph] { drain(*ph); });
+  drain(*ph);
+  while (ph->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+}
+
+template <int D>
+void run(ffi::ThreadPool& pool, int64_t threads, const Problem& p) {
+  if (p.shared_len > 0) {  // phase 1: the cascade over the shared prefix, 16 member rows per item
+    std::vector<int64_t> rows;
+    for (int64_t s = 0; s < p.S; ++s)
+      if (p.suffix_start[s] > 0 && p.lens[s] > 0)
+        for (int64_t g = 0; g < p.G; ++g) rows.push_back(s * p.G + g);
+    const int64_t chunks = (static_cast<int64_t>(rows.size()) + 15) / 16;
+    run_parallel(pool, threads, chunks * p.H, [&](int64_t i) {
+      const int64_t h = i / chunks, c = i % chunks;
+      shared_rows<D>(p, h, rows.data() + c * 16, std::min<int64_t>(16, rows.size() - c * 16));
+    });
+  }
+  run_parallel(pool, threads, p.S, [&](int64_t s) { one_sequence<D>(p, s); });  // phase 2: own blocks
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> shared_blocks,
+                           ffi::Buffer<ffi::S32> shared_len, ffi::Buffer<ffi::S32> suffix_start,
+                           ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  const auto td = block_tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("decode attention: q [S,H,G,D], caches [NB,BS,H,D], tables [S,MB]");
+  }
+  const int64_t S = qd[0], H = qd[1], G = qd[2], D = qd[3];
+  if (kd[2] != H || kd[3] != D || td[0] != S || G > kMaxGroup || kd[1] > kMaxBlock ||
+      suffix_start.element_count() != static_cast<size_t>(S) ||
+      shared_blocks.element_count() < static_cast<size_t>(td[1])) {
+    return ffi::Error::InvalidArgument("decode attention: shapes disagree or exceed the kernel's limits");
+  }
+  std::vector<float> state(static_cast<size_t>(S * H * G * (2 + D)));
+  const Problem p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), kv_lens.typed_data(),
+                  block_tables.typed_data(), shared_blocks.typed_data(), suffix_start.typed_data(),
+                  shared_len.typed_data()[0], out->typed_data(), state.data(), S, H, G, kd[1], td[1]};
+  switch (D) {
+    case 16: run<16>(pool, num_threads, p); break;
+    case 32: run<32>(pool, num_threads, p); break;
+    case 64: run<64>(pool, num_threads, p); break;
+    case 128: run<128>(pool, num_threads, p); break;
+    default: return ffi::Error::InvalidArgument("decode attention: head_dim must be 16, 32, 64 or 128");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads"));

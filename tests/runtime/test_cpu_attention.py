@@ -1,0 +1,93 @@
+"""The C++ decode-attention kernel (runtime/cpu_attention.cc): built and registered on this
+machine, equal to the float64 oracle and to the XLA path, and chosen by default for float32
+caches (never for quantized ones)."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from runtime import cpu_attention
+from runtime.attention import QuantizedPages, xla_ragged_paged_attention
+from tests.attention_oracle import oracle, random_batch
+
+
+def test_kernel_builds_where_a_compiler_exists():
+    if shutil.which("g++") or shutil.which("c++"):
+        assert cpu_attention.available(), "g++ is here but the kernel did not build: see the log warning"
+    else:
+        assert not cpu_attention.available()
+
+
+needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler: XLA path only")
+
+
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 16), (4, 4, 32), (16, 2, 128)])
+def test_decode_kernel_matches_oracle(hq, hkv, d):
+    rng = np.random.default_rng(hq * 100 + d)
+    # decodes of many lengths (partial blocks, one token, a long one), a prefill chunk whose
+    # last token goes through the kernel, and padding sequences
+    batch = random_batch(rng, [1, 1, 1, 7, 1], [1, 16, 37, 60, 250], hq=hq, hkv=hkv, d=d, pad_seqs=2,
+                         pad_tokens=3, num_blocks=48)
+    want = oracle(*batch, sm_scale=0.3)
+    for kernel in (True, False):
+        got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, batch), sm_scale=0.3, decode_kernel=kernel))
+        np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+        assert not got[sum([1, 1, 1, 7, 1]):].any(), "padding rows must be zero"
+
+
+@needs_kernel
+def test_kernel_is_the_default_for_float32_caches_only():
+    rng = np.random.default_rng(1)
+    q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, [1, 1], [20, 33], hq=6, hkv=2)
+    args = (jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), *map(jnp.asarray, (kvl, tables, qsl, ns)))
+    text = jax.jit(lambda *a: xla_ragged_paged_attention(*a, sm_scale=0.25)).lower(*args).as_text()
+    assert cpu_attention.TARGET in text
+    pages = QuantizedPages(jnp.zeros(kc.shape, jnp.int8), jnp.ones(kc.shape[:-1], jnp.float32))
+    qargs = (args[0], pages, pages, *args[3:])
+    qtext = jax.jit(lambda *a: xla_ragged_paged_attention(*a, sm_scale=0.25)).lower(*qargs).as_text()
+    assert cpu_attention.TARGET not in qtext
+
+
+@needs_kernel
+def test_kernel_inside_the_engine_gives_the_xla_tokens(tiny_ckpt, monkeypatch):
+    from runtime.sampling import SamplingParams
+    from tests.engine_util import make_engine
+
+    prompts = [list(range(3, 60)), [5, 6, 7], list(range(100, 140))]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    eng = make_engine(tiny_ckpt)
+    assert eng.runner.decode_kernel
+    with_kernel = [r.output_ids for r in eng.generate(prompts, sp)]
+    monkeypatch.setenv("PAGEDJAX_CPU_KERNELS", "0")  # as on a machine without a compiler
+    plain = make_engine(tiny_ckpt)
+    assert not plain.runner.decode_kernel
+    assert [r.output_ids for r in plain.generate(prompts, sp)] == with_kernel
+    assert not make_engine(tiny_ckpt, kv_dtype="int8").runner.decode_kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize("members", [3, 20])
+def test_decode_kernel_cascade_matches_oracle(members):
+    """Members of a shared prefix (more than one 16-row chunk of them at 20 x 3 groups), a
+    member prefilling a chunk, a non-member, padding: the kernel's cascade equals the oracle."""
+    from runtime.batch import choose_shared_prefix
+
+    rng = np.random.default_rng(members)
+    q_lens = [1] * members + [6, 1]
+    kv_lens = [int(x) for x in rng.integers(50, 90, size=members)] + [70, 40]
+    q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, q_lens, kv_lens, hq=9, hkv=3, d=64, pad_seqs=1, mb=6,
+                                                   num_blocks=160)
+    for i in range(1, members + 1):
+        tables[i, :3] = tables[0, :3]  # sequences 0..members share three leading blocks
+    nblocks = np.array([(k + 15) // 16 for k in kv_lens] + [0])
+    shared = choose_shared_prefix(tables, nblocks, kvl, len(q_lens), 16)
+    assert int(shared.length[0]) == 48 and int((shared.suffix_start > 0).sum()) == members + 1
+    want = oracle(q, kc, vc, kvl, tables, qsl, ns, 0.125)
+    got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, (q, kc, vc, kvl, tables, qsl, ns)), sm_scale=0.125,
+                                                shared=jax.tree_util.tree_map(jnp.asarray, shared),
+                                                decode_kernel=True))
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
