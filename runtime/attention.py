@@ -6,10 +6,14 @@ so each part gives XLA large, regular products and touches only the KV blocks in
 * path A -- the LAST query token of every sequence (all of a decode step) attends to its
   whole context; batched over sequences, looping over KV chunks of `kv_chunk_blocks`
   blocks with an online softmax. The loop's trip count is the batch's longest context,
-  so no static max-context dimension is compiled in.
+  so no static max-context dimension is compiled in. On CPU with a float32 cache this
+  path is the C++ kernel of runtime/cpu_attention.cc (its own cascade, ~2x faster).
 * path B -- the remaining tokens of prefill chunks, in query tiles of `q_tile` rows that
   never straddle two sequences; a dynamic loop over tiles (zero iterations in a pure
   decode step), each over its own causal KV range.
+
+A quantized cache (QuantizedPages: int8 / fp8 values and one float32 scale per token and
+KV head) is read through the same loops: indexing it dequantizes just the gathered chunk.
 """
 
 from __future__ import annotations

@@ -283,7 +283,7 @@ struct Phase {
 void drain(Phase& ph) {
   for (int64_t i; (i = ph.next.fetch_add(1)) < ph.count;) {
     ph.item(i);
-    ph.done.fetch_add(1, std::memory_order_release);
+    if (ph.done.fetch_add(1, std::memory_order_release) + 1 == ph.count) ph.done.notify_all();
   }
 }
 
@@ -294,7 +294,9 @@ void run_parallel(ffi::ThreadPool& pool, int64_t threads, int64_t count, std::fu
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(threads, 1), count) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([ph] { drain(*ph); });
   drain(*ph);
-  while (ph->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+  // Sleep (futex), not spin, until the last item is done: on a 2-core machine a spinning
+  // caller takes the core the host thread needs to plan the next step.
+  for (int64_t d; (d = ph->done.load(std::memory_order_acquire)) < count;) ph->done.wait(d);
 }
 
 template <int D>

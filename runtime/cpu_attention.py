@@ -27,7 +27,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "pagedjax_decode_attention"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

