@@ -177,6 +177,7 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
                                   "detokenize_ms": detok_ms, "sse_encode_ms": sse_ms}})
     engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
     return {"model": cfg.name, "dtype": str(runner.params["embed"].dtype), "quantization": method,
+            "lm_head_int8": "head" in runner.params, "decode_kernel": bool(getattr(runner, "decode_kernel", False)),
             "kv_cache_dtype": runner.cache_cfg.kv_dtype, "iters": iters,
             "read_bandwidth_gb_s": bw / 1e9, "rows": rows_out}
 

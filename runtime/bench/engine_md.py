@@ -32,10 +32,13 @@ def _breakdown_section(bd_all: dict[str, Any]) -> list[str]:
     bd = bd_all["breakdown"]
     quant = bd.get("quantization", "none")
     what = bd["dtype"] + (f", {quant} weights" if quant != "none" else "") + (
+        ", int8 LM head" if bd.get("lm_head_int8") else "") + (
+        ", decode attention in the C++ kernel" if bd.get("decode_kernel") else "") + (
         f", {bd['kv_cache_dtype']} KV" if bd.get("kv_cache_dtype") not in (None, "float32") else "")
     product = {"none": "XLA dot", "w8a8": "int8 x int8 -> int32 dot (activations quantized per row)",
                "w8a16": "dequantized int8 weights x float dot"}.get(quant, "XLA dot")
-    L = [f"`pagedjax bench offline --part breakdown,overlap{' --quantization ' + quant if quant != 'none' else ''}`: "
+    flags = (f" --quantization {quant}" if quant != "none" else "") + (" --quantize-lm-head" if bd.get("lm_head_int8") else "")
+    L = [f"`pagedjax bench offline --part breakdown,overlap{flags}`: "
          f"one jitted decode step of {bd['model']} ({what}) where every sequence shares a "
          f"{bd['rows'][0]['shared_len']}-token system prompt and has "
          f"{bd['rows'][0]['context_len'] - bd['rows'][0]['shared_len']} tokens of its own; median of {bd['iters']}. "
