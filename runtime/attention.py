@@ -7,7 +7,8 @@ so each part gives XLA large, regular products and touches only the KV blocks in
   whole context; batched over sequences, looping over KV chunks of `kv_chunk_blocks`
   blocks with an online softmax. The loop's trip count is the batch's longest context,
   so no static max-context dimension is compiled in. On CPU with a float32 cache this
-  path is the C++ kernel of runtime/cpu_attention.cc (its own cascade, ~2x faster).
+  path is the C++ kernel of runtime/cpu_attention.cc (its own cascade, ~2x faster); so it
+  is for an int8 cache (dequantized block by block inside the kernel).
 * path B -- the remaining tokens of prefill chunks, in query tiles of `q_tile` rows that
   never straddle two sequences; a dynamic loop over tiles (zero iterations in a pure
   decode step), each over its own causal KV range.
@@ -265,6 +266,12 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
     return out[:T]
 
 
+def _kernel_reads(cache: Any) -> bool:
+    from runtime import cpu_attention
+
+    return cpu_attention.supports(cache)
+
+
 def _kernel_ok(available_only: bool = False) -> bool:
     from runtime import cpu_attention
 
@@ -285,7 +292,7 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     of their tables; the last-token path then reads them once for all (cascade attention).
     Chunk sizes (in blocks; None = the tuned defaults at the top of this file) for the per-sequence
     decode loop, the shared-prefix loop and the prefill tiles. `decode_kernel` (None = when it is
-    available and the cache is float32) runs path A as the C++ kernel of runtime/cpu_attention."""
+    available and the cache is float32 or int8) runs path A as the C++ kernel of runtime/cpu_attention."""
     T, Hq, D = q.shape
     S, mb = block_tables.shape
     hkv = k_cache.shape[2]
@@ -310,7 +317,7 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     shared_p = None if shared is None else SharedPrefix(padded(shared.blocks), shared.length, shared.suffix_start,
                                                         padded(shared.suffix_tables))
     if decode_kernel is None:
-        decode_kernel = not isinstance(k_cache, QuantizedPages) and k_cache.dtype == jnp.float32 and _kernel_ok()
+        decode_kernel = _kernel_ok() and _kernel_reads(k_cache)
     elif decode_kernel and not _kernel_ok(available_only=True):  # also registers it in this process
         raise ValueError("decode_kernel: the C++ CPU kernel is not available here (see the log)")
     if decode_kernel:  # the C++ kernel: its own cascade over the shared blocks, then each sequence's

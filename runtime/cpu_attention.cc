@@ -8,7 +8,7 @@
 // that sequence's blocks does the same work several times faster.
 //
 // Layout (as runtime/attention.py): q [S, H, G, D] already scaled by 1/sqrt(D); caches
-// [NB, BS, H, D] float32; kv_lens [S] (0 = no query: output zeros); block_tables [S, MB]
+// [NB, BS, H, D] float32, or int8 with float32 scales [NB, BS, H] (PagedjaxDecodeAttentionInt8); kv_lens [S] (0 = no query: output zeros); block_tables [S, MB]
 // (absolute block rows, the layer's base included). Output [S, H, G, D], normalized.
 
 #include <algorithm>
@@ -54,8 +54,12 @@ inline float fast_exp(float x) {
 
 struct Problem {
   const float* q;
-  const float* k;
+  const float* k;   // float caches, or nullptr when the cache is int8:
   const float* v;
+  const int8_t* k8;  // int8 values [NB, BS, H, D] and
+  const int8_t* v8;
+  const float* ks;   // their float32 scales [NB, BS, H]
+  const float* vs;
   const int32_t* lens;
   const int32_t* tables;
   const int32_t* shared_blocks;  // [MB] the prefix blocks every member holds
@@ -135,6 +139,34 @@ inline void block_values(float (*A)[D], int64_t nrows, const float* alpha, const
 }
 #endif
 
+// The K and V rows of one block and head as float rows `stride` apart: the cache itself for
+// a float cache; for int8, dequantized once into `kf`/`vf` (shared by every row that reads
+// the block next).
+template <int D>
+inline int64_t block_rows(const Problem& p, int64_t blk, int64_t h, float* kf, float* vf, const float** kb,
+                          const float** vb) {
+  const int64_t H = p.H, BS = p.BS;
+  if (p.k8 == nullptr) {
+    *kb = p.k + (blk * BS * H + h) * D;
+    *vb = p.v + (blk * BS * H + h) * D;
+    return H * D;
+  }
+  for (int64_t t = 0; t < BS; ++t) {
+    const int64_t slot = (blk * BS + t) * H + h;
+    const float sk = p.ks[slot], sv = p.vs[slot];
+    const int8_t* k = p.k8 + slot * D;
+    const int8_t* v = p.v8 + slot * D;
+#pragma omp simd
+    for (int i = 0; i < D; ++i) {
+      kf[t * D + i] = static_cast<float>(k[i]) * sk;
+      vf[t * D + i] = static_cast<float>(v[i]) * sv;
+    }
+  }
+  *kb = kf;
+  *vb = vf;
+  return D;
+}
+
 // Phase 1 (cascade): one KV head, 16 query rows (member sequence, group) at a time against
 // the shared prefix. Each K/V block is read once for 16 rows instead of once per sequence,
 // and the products run across rows: 16 rows' scores for a token are one vector FMA chain
@@ -142,7 +174,7 @@ inline void block_values(float (*A)[D], int64_t nrows, const float* alpha, const
 template <int D>
 void shared_rows(const Problem& p, int64_t h, const int64_t* rows, int64_t nrows) {
   const int64_t H = p.H, G = p.G, BS = p.BS;
-  const int64_t tok = H * D, block = BS * H * D;
+  alignas(64) float kf[kMaxBlock * D], vf[kMaxBlock * D];  // int8 caches: this block, dequantized
   alignas(64) float qT[D][16];
   for (int i = 0; i < D; ++i)
     for (int r = 0; r < 16; ++r) {
@@ -157,10 +189,10 @@ void shared_rows(const Problem& p, int64_t h, const int64_t* rows, int64_t nrows
   }
   const int64_t nblocks = p.shared_len / BS;
   for (int64_t b = 0; b < nblocks; ++b) {
-    const float* kb = p.k + static_cast<int64_t>(p.shared_blocks[b]) * block + h * D;
-    const float* vb = p.v + static_cast<int64_t>(p.shared_blocks[b]) * block + h * D;
+    const float *kb, *vb;
+    const int64_t ts = block_rows<D>(p, p.shared_blocks[b], h, kf, vf, &kb, &vb);
     alignas(64) float sc[kMaxBlock][16];
-    block_scores<D>(qT, kb, tok, BS, sc);
+    block_scores<D>(qT, kb, ts, BS, sc);
     alignas(64) float mx[16], alpha[16];
     for (int r = 0; r < 16; ++r) mx[r] = m[r];
     for (int64_t t = 0; t < BS; ++t)
@@ -178,7 +210,7 @@ void shared_rows(const Problem& p, int64_t h, const int64_t* rows, int64_t nrows
         sc[t][r] = fast_exp(sc[t][r] - mx[r]);
         l[r] += sc[t][r];
       }
-    block_values<D>(A, nrows, alpha, sc, vb, tok, BS);
+    block_values<D>(A, nrows, alpha, sc, vb, ts, BS);
   }
   for (int r = 0; r < nrows; ++r) {
     const int64_t row = rows[r];
@@ -199,8 +231,7 @@ void one_sequence(const Problem& p, int64_t s) {
     return;
   }
   const int32_t* table = p.tables + s * p.MB;
-  const int64_t tok = H * D;        // floats from one token to the next inside a block
-  const int64_t block = BS * H * D;  // floats per block
+  alignas(64) float kf[kMaxBlock * D], vf[kMaxBlock * D];  // int8 caches: this block, dequantized
   const int64_t nblocks = (len + BS - 1) / BS;
   const int64_t first = p.suffix_start[s] / BS;  // blocks the cascade already covered
   alignas(64) float acc[kMaxGroup][D];
@@ -222,10 +253,10 @@ void one_sequence(const Problem& p, int64_t s) {
     }
     for (int64_t b = first; b < nblocks; ++b) {
       const int64_t n = std::min<int64_t>(BS, len - b * BS);
-      const float* kb = p.k + static_cast<int64_t>(table[b]) * block + h * D;
-      const float* vb = p.v + static_cast<int64_t>(table[b]) * block + h * D;
+      const float *kb, *vb;
+      const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
       for (int64_t t = 0; t < n; ++t) {  // scores: each K row read once for the whole group
-        const float* kt = kb + t * tok;
+        const float* kt = kb + t * ts;
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = q + g * D;
           float d = 0.0f;
@@ -253,7 +284,7 @@ void one_sequence(const Problem& p, int64_t s) {
         }
       }
       for (int64_t t = 0; t < n; ++t) {  // values: each V row read once for the whole group
-        const float* vt = vb + t * tok;
+        const float* vt = vb + t * ts;
         for (int64_t g = 0; g < G; ++g) {
           const float w = sc[g][t];
 #pragma omp simd
@@ -315,27 +346,26 @@ void run(ffi::ThreadPool& pool, int64_t threads, const Problem& p) {
   run_parallel(pool, threads, p.S, [&](int64_t s) { one_sequence<D>(p, s); });  // phase 2: own blocks
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> kv_lens,
-                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> shared_blocks,
-                           ffi::Buffer<ffi::S32> shared_len, ffi::Buffer<ffi::S32> suffix_start,
-                           ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
+ffi::Error Decode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<const int64_t> kd, const float* k,
+                  const float* v, const int8_t* k8, const int8_t* v8, const float* ks, const float* vs,
+                  ffi::Buffer<ffi::S32>& kv_lens, ffi::Buffer<ffi::S32>& block_tables,
+                  ffi::Buffer<ffi::S32>& shared_blocks, ffi::Buffer<ffi::S32>& shared_len,
+                  ffi::Buffer<ffi::S32>& suffix_start, ffi::Result<ffi::Buffer<ffi::F32>>& out, int64_t num_threads) {
   const auto qd = q.dimensions();
-  const auto kd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("decode attention: q [S,H,G,D], caches [NB,BS,H,D], tables [S,MB]");
   }
   const int64_t S = qd[0], H = qd[1], G = qd[2], D = qd[3];
-  if (kd[2] != H || kd[3] != D || td[0] != S || G > kMaxGroup || kd[1] > kMaxBlock ||
+  if (kd[2] != H || kd[3] != D || td[0] != S || G > kMaxGroup || kd[1] > kMaxBlock || kd[1] % 8 != 0 ||
       suffix_start.element_count() != static_cast<size_t>(S) ||
       shared_blocks.element_count() < static_cast<size_t>(td[1])) {
     return ffi::Error::InvalidArgument("decode attention: shapes disagree or exceed the kernel's limits");
   }
   std::vector<float> state(static_cast<size_t>(S * H * G * (2 + D)));
-  const Problem p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), kv_lens.typed_data(),
-                  block_tables.typed_data(), shared_blocks.typed_data(), suffix_start.typed_data(),
-                  shared_len.typed_data()[0], out->typed_data(), state.data(), S, H, G, kd[1], td[1]};
+  const Problem p{q.typed_data(), k, v, k8, v8, ks, vs, kv_lens.typed_data(), block_tables.typed_data(),
+                  shared_blocks.typed_data(), suffix_start.typed_data(), shared_len.typed_data()[0],
+                  out->typed_data(), state.data(), S, H, G, kd[1], td[1]};
   switch (D) {
     case 16: run<16>(pool, num_threads, p); break;
     case 32: run<32>(pool, num_threads, p); break;
@@ -346,12 +376,52 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   return ffi::Error::Success();
 }
 
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> shared_blocks,
+                           ffi::Buffer<ffi::S32> shared_len, ffi::Buffer<ffi::S32> suffix_start,
+                           ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
+  return Decode(pool, q, k_cache.dimensions(), k_cache.typed_data(), v_cache.typed_data(), nullptr, nullptr,
+                nullptr, nullptr, kv_lens, block_tables, shared_blocks, shared_len, suffix_start, out, num_threads);
+}
+
+// The same over an int8 cache (runtime.attention.QuantizedPages): values and per-slot scales.
+ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k_cache,
+                               ffi::Buffer<ffi::S8> v_cache, ffi::Buffer<ffi::F32> k_scale,
+                               ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> kv_lens,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> shared_blocks,
+                               ffi::Buffer<ffi::S32> shared_len, ffi::Buffer<ffi::S32> suffix_start,
+                               ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
+  if (k_scale.element_count() * k_cache.dimensions()[3] != k_cache.element_count()) {
+    return ffi::Error::InvalidArgument("decode attention: int8 scales must be [NB, BS, H]");
+  }
+  return Decode(pool, q, k_cache.dimensions(), nullptr, nullptr, k_cache.typed_data(), v_cache.typed_data(),
+                k_scale.typed_data(), v_scale.typed_data(), kv_lens, block_tables, shared_blocks, shared_len,
+                suffix_start, out, num_threads);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecodeAttentionInt8, DecodeAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -5,7 +5,7 @@ Built on first use with the system C++ compiler against jaxlib's FFI headers, ca
 registered once per process. Where it cannot be built (no compiler, another platform) or
 PAGEDJAX_CPU_KERNELS=0, `enabled()` is False and attention stays on the XLA path: same
 numbers, slower. runtime/attention.py uses it for the last query token of every sequence
-(all of a decode step) when the cache is float32.
+(all of a decode step) when the cache is float32 or int8.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "pagedjax_decode_attention"
+TARGET_INT8 = "pagedjax_decode_attention_int8"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -70,6 +71,8 @@ def available() -> bool:
             try:
                 lib = ctypes.cdll.LoadLibrary(str(_build()))
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedjaxDecodeAttention), platform="cpu")
+                jax.ffi.register_ffi_target(TARGET_INT8, jax.ffi.pycapsule(lib.PagedjaxDecodeAttentionInt8),
+                                            platform="cpu")
                 ok = True
             except Exception as exc:  # noqa: BLE001 -- any build/load failure means: use XLA
                 log.warning("CPU attention kernel unavailable (%s); decode attention runs as plain XLA",
@@ -89,9 +92,19 @@ def num_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
-def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
+def supports(cache: object) -> bool:
+    """Caches the kernel reads: float32 arrays and int8 QuantizedPages."""
+    from runtime.attention import QuantizedPages
+
+    if isinstance(cache, QuantizedPages):
+        return cache.values.dtype == jnp.int8
+    return getattr(cache, "dtype", None) == jnp.float32
+
+
+def decode_attention(q: jax.Array, k_cache: object, v_cache: object, kv_lens: jax.Array,
                      block_tables: jax.Array, shared: "SharedPrefix | None" = None) -> jax.Array:
-    """q [S, Hkv, G, D] (scaled) against caches [NB, BS, Hkv, D] through block_tables [S, MB]
+    """q [S, Hkv, G, D] (scaled) against caches [NB, BS, Hkv, D] (float32, or int8
+    QuantizedPages: dequantized block by block inside the kernel) through block_tables [S, MB]
     up to kv_lens [S] -> normalized [S, Hkv, G, D] float32 (zeros where kv_lens is 0). With
     `shared` (runtime.attention.SharedPrefix, tables padded alike), the members' common
     leading blocks are read once for all of them (cascade) before each sequence's own."""
@@ -100,7 +113,14 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_le
         blocks, length, start = jnp.zeros((mb,), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((S,), jnp.int32)
     else:
         blocks, length, start = shared.blocks, shared.length, shared.suffix_start
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    from runtime.attention import QuantizedPages
+
     i32 = lambda a: a.astype(jnp.int32)
-    return call(q.astype(jnp.float32), k_cache, v_cache, i32(kv_lens), i32(block_tables), i32(blocks),
-                i32(length.reshape(1)), i32(start), num_threads=np.int64(num_threads()))
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    tail = (i32(kv_lens), i32(block_tables), i32(blocks), i32(length.reshape(1)), i32(start))
+    if isinstance(k_cache, QuantizedPages):
+        call = jax.ffi.ffi_call(TARGET_INT8, out, vmap_method="sequential")
+        return call(q.astype(jnp.float32), k_cache.values, v_cache.values, k_cache.scales, v_cache.scales, *tail,
+                    num_threads=np.int64(num_threads()))
+    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
+    return call(q.astype(jnp.float32), k_cache, v_cache, *tail, num_threads=np.int64(num_threads()))

@@ -208,12 +208,12 @@ class ModelRunner:
         self.scratch_row = rows - 1
         self.attention_backend = resolve_attention_backend(attention_backend, cache.kv_dtype)
         attention = select_attention(self.attention_backend)
-        # The C++ decode kernel serves the XLA path's last-token rows for a float32 cache.
+        # The C++ decode kernel serves the XLA path's last-token rows for a float32 or int8 cache.
         self.decode_kernel = False
         if attention is xla_ragged_paged_attention:
             from runtime import cpu_attention
 
-            self.decode_kernel = cache.kv_dtype == "float32" and cpu_attention.enabled()
+            self.decode_kernel = cache.kv_dtype in ("float32", "int8") and cpu_attention.enabled()
             attention = partial(attention, decode_kernel=self.decode_kernel)
         fn = partial(_step, cfg, attention, cache.num_blocks)
         fn.__name__ = STEP_FN_NAME  # type: ignore[attr-defined]

@@ -40,16 +40,18 @@ def test_decode_kernel_matches_oracle(hq, hkv, d):
 
 
 @needs_kernel
-def test_kernel_is_the_default_for_float32_caches_only():
+def test_kernel_is_the_default_for_float32_and_int8_caches_only():
     rng = np.random.default_rng(1)
     q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, [1, 1], [20, 33], hq=6, hkv=2)
     args = (jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), *map(jnp.asarray, (kvl, tables, qsl, ns)))
     text = jax.jit(lambda *a: xla_ragged_paged_attention(*a, sm_scale=0.25)).lower(*args).as_text()
     assert cpu_attention.TARGET in text
-    pages = QuantizedPages(jnp.zeros(kc.shape, jnp.int8), jnp.ones(kc.shape[:-1], jnp.float32))
-    qargs = (args[0], pages, pages, *args[3:])
-    qtext = jax.jit(lambda *a: xla_ragged_paged_attention(*a, sm_scale=0.25)).lower(*qargs).as_text()
-    assert cpu_attention.TARGET not in qtext
+    lower = lambda pages: jax.jit(lambda *a: xla_ragged_paged_attention(*a, sm_scale=0.25)).lower(
+        args[0], pages, pages, *args[3:]).as_text()
+    i8 = lower(QuantizedPages(jnp.zeros(kc.shape, jnp.int8), jnp.ones(kc.shape[:-1], jnp.float32)))
+    assert cpu_attention.TARGET_INT8 in i8
+    f8 = lower(QuantizedPages(jnp.zeros(kc.shape, jnp.float8_e4m3fn), jnp.ones(kc.shape[:-1], jnp.float32)))
+    assert cpu_attention.TARGET not in f8 and cpu_attention.TARGET_INT8 not in f8  # fp8: the XLA loops
 
 
 @needs_kernel
@@ -66,7 +68,9 @@ def test_kernel_inside_the_engine_gives_the_xla_tokens(tiny_ckpt, monkeypatch):
     plain = make_engine(tiny_ckpt)
     assert not plain.runner.decode_kernel
     assert [r.output_ids for r in plain.generate(prompts, sp)] == with_kernel
-    assert not make_engine(tiny_ckpt, kv_dtype="int8").runner.decode_kernel
+    monkeypatch.setenv("PAGEDJAX_CPU_KERNELS", "1")
+    assert make_engine(tiny_ckpt, kv_dtype="int8").runner.decode_kernel
+    assert not make_engine(tiny_ckpt, kv_dtype="fp8_e4m3").runner.decode_kernel
 
 
 @needs_kernel
@@ -91,3 +95,32 @@ def test_decode_kernel_cascade_matches_oracle(members):
                                                 shared=jax.tree_util.tree_map(jnp.asarray, shared),
                                                 decode_kernel=True))
     np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+
+
+@needs_kernel
+def test_decode_kernel_over_an_int8_cache_equals_attention_over_its_values():
+    """int8 pages (with a cascade): the kernel dequantizes block by block exactly as the XLA
+    loops do, so both equal the oracle over the dequantized cache."""
+    from runtime.attention import quantize_rows
+    from runtime.batch import choose_shared_prefix
+
+    rng = np.random.default_rng(8)
+    q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, [1] * 6 + [5], [70, 52, 33, 61, 49, 80, 40], hq=9, hkv=3,
+                                                   d=64, pad_seqs=1, mb=6, num_blocks=80)
+    for i in range(1, 5):
+        tables[i, :2] = tables[0, :2]
+    shared = choose_shared_prefix(tables, np.array([5, 4, 3, 4, 4, 5, 3, 0]), kvl, 7, 16)
+    assert int(shared.length[0]) == 32
+
+    def pages(c):
+        v, s = quantize_rows(jnp.asarray(c), jnp.int8)
+        return QuantizedPages(v, s), np.asarray(v.astype(jnp.float32) * s[..., None])
+
+    (kp, kvals), (vp, vvals) = pages(kc), pages(vc)
+    want = oracle(q, kvals, vvals, kvl, tables, qsl, ns, 0.125)
+    sh = jax.tree_util.tree_map(jnp.asarray, shared)
+    rest = tuple(map(jnp.asarray, (kvl, tables, qsl, ns)))
+    for kernel in (True, False):
+        got = np.asarray(xla_ragged_paged_attention(jnp.asarray(q), kp, vp, *rest, sm_scale=0.125, shared=sh,
+                                                    decode_kernel=kernel))
+        np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
