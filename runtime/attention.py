@@ -266,18 +266,6 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
     return out[:T]
 
 
-def _kernel_reads(cache: Any) -> bool:
-    from runtime import cpu_attention
-
-    return cpu_attention.supports(cache)
-
-
-def _kernel_ok(available_only: bool = False) -> bool:
-    from runtime import cpu_attention
-
-    return cpu_attention.available() if available_only else cpu_attention.enabled()
-
-
 @partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "shared_chunk_blocks", "prefill_chunk_blocks",
                                    "q_tile", "decode_kernel"))
 def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
@@ -316,14 +304,14 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     a_lens = jnp.where(has_query, kv_lens, 0)
     shared_p = None if shared is None else SharedPrefix(padded(shared.blocks), shared.length, shared.suffix_start,
                                                         padded(shared.suffix_tables))
+    from runtime import cpu_attention
+
     if decode_kernel is None:
-        decode_kernel = _kernel_ok() and _kernel_reads(k_cache)
-    elif decode_kernel and not _kernel_ok(available_only=True):  # also registers it in this process
+        decode_kernel = cpu_attention.enabled() and cpu_attention.supports(k_cache)
+    elif decode_kernel and not cpu_attention.available():  # also registers it in this process
         raise ValueError("decode_kernel: the C++ CPU kernel is not available here (see the log)")
     if decode_kernel:  # the C++ kernel: its own cascade over the shared blocks, then each sequence's
-        from runtime.cpu_attention import decode_attention
-
-        out_last = decode_attention(qg, k_cache, v_cache, a_lens, block_tables, shared_p).reshape(S, Hq, D)
+        out_last = cpu_attention.decode_attention(qg, k_cache, v_cache, a_lens, block_tables, shared_p).reshape(S, Hq, D)
     elif shared is None:
         partials = _last_token_attention(qg, k_cache, v_cache, a_lens, block_tables, jnp.zeros_like(a_lens), cb,
                                          _online_init(S, hkv, Hq // hkv, D))

@@ -28,7 +28,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                    help="auto: as the checkpoint stores it (float, or what `convert --quantize` wrote). "
                         "w8a8: int8 weights (per-channel scales) and per-token int8 activations in every "
                         "decoder projection, SmoothQuant-calibrated; the LM head and embeddings stay float. "
-                        "w8a16: int8 weights only, for bandwidth-bound GPU decode (slower on CPU). "
+                        "w8a16: int8 weights only, for bandwidth-bound GPU decode (on CPU slower than w8a8 from 2 rows). "
                         "Accuracy: `pagedjax bench accuracy`")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="with w8a8: an int8 LM head as well (64-row decode step ~10%% faster on CPU; perplexity "

@@ -12,8 +12,8 @@ the checkpoint tree keep their shape:
   w8a8   {"q": int8 [..., in, out], "s": float32 [..., out] (, "in": float32 [..., in])}
   w8a16  {"w8": int8 [..., in, out], "s": float32 [..., out]}: weight-only, dequantized in
          the graph and multiplied in the compute dtype (halves the weight bytes a
-         bandwidth-bound GPU decode reads; on XLA:CPU it is slower than float32, measured
-         in BENCHMARKS.md).
+         bandwidth-bound GPU decode reads; on a 2-core EPYC 1.47x float32 at batch 1 and
+         1.08x at 64, but slower than w8a8 from 2 rows on).
 `linear(x, w)` is the one matmul of the decoder: float weights take the plain product.
 """
 
@@ -101,9 +101,7 @@ def quantize_params(params: dict[str, Any], method: str, act_absmax: dict[str, n
     in_scale: dict[str, np.ndarray] = {}
     if act_absmax is not None:
         def smooth(x_max: np.ndarray, ws: list[str]) -> np.ndarray:  # [L, in]
-            w_max = np.max([np.abs(lay[w]).max(axis=-1) for w in ws], axis=0)
-            sc = np.maximum(x_max, 1e-5) ** SMOOTH_ALPHA / np.maximum(w_max, 1e-5) ** (1 - SMOOTH_ALPHA)
-            sc = np.clip(sc, 1e-2, 1e2).astype(np.float32)
+            sc = smoothing_scale(x_max, np.max([np.abs(lay[w]).max(axis=-1) for w in ws], axis=0))
             for w in ws:
                 lay[w] = lay[w] * sc[..., :, None]
             return sc
@@ -124,21 +122,21 @@ def quantize_params(params: dict[str, Any], method: str, act_absmax: dict[str, n
     return out
 
 
+def smoothing_scale(x_max: np.ndarray, w_max: np.ndarray) -> np.ndarray:
+    """SmoothQuant's per-input-channel s = max|x|^a / max|W|^(1-a), clipped to [1e-2, 1e2]."""
+    sc = np.maximum(x_max, 1e-5) ** SMOOTH_ALPHA / np.maximum(w_max, 1e-5) ** (1 - SMOOTH_ALPHA)
+    return np.clip(sc, 1e-2, 1e2).astype(np.float32)
+
+
 # Measured (SmolLM2, 4,095 tokens of the seed chapters): w8a8 perplexity +1.55% with the float
 # head, +1.87% with this one, for a 64-row decode step 10% faster (172 -> 154 ms, 2-core EPYC);
-# on a 224-token narrative +2.77% -> +3.64%. Smoothing strengths 0.3-0.85 were no better.
-# Hence opt-in: --quantize-lm-head.
-HEAD_ALPHA = 0.5
-
-
-def quantize_head(params: dict[str, Any], x_max: np.ndarray, alpha: float | None = None) -> dict[str, np.ndarray]:
+# on a 224-token narrative +2.77% -> +3.64%. Smoothing strengths 0.3-0.85 were no better than
+# the layers' 0.5. Hence opt-in: --quantize-lm-head.
+def quantize_head(params: dict[str, Any], x_max: np.ndarray) -> dict[str, np.ndarray]:
     """An int8 copy of the LM head [d, V] (per vocabulary column), smoothed like wo: the
     float head (the tied embedding) stays for the embedding gather and 1-row steps."""
     w = np.asarray(params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T, np.float32)
-    w_max = np.abs(w).max(axis=-1)
-    a = HEAD_ALPHA if alpha is None else alpha
-    sc = np.clip(np.maximum(x_max, 1e-5) ** a / np.maximum(w_max, 1e-5) ** (1 - a),
-                 1e-2, 1e2).astype(np.float32)
+    sc = smoothing_scale(x_max, np.abs(w).max(axis=-1))
     q = quantize_weight(w * sc[:, None])
     return {"q": np.ascontiguousarray(q["q"]), "s": q["s"], "in": (1.0 / sc).astype(np.float32)}
 

@@ -96,11 +96,11 @@ def stored_weight_bytes(path: Path) -> int:
     shapes = quantized_shapes(param_shapes(load_config(path)), meta["quantization"], meta["lm_head_int8"])
     total = 0
 
-    def walk(tree: dict, key: str = "") -> None:
+    def walk(tree: dict) -> None:
         nonlocal total
         for k, v in tree.items():
             if isinstance(v, dict):
-                walk(v, k)
+                walk(v)
             else:
                 size = int(np.prod(v))
                 total += size * (1 if k in ("q", "w8") else 4 if k in ("s", "in") else DTYPE_BYTES[meta["dtype"]])
