@@ -22,10 +22,13 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using pagedjax::run_parallel;
 
 constexpr int kMaxGroup = 16;  // query heads per KV head
 constexpr int kMaxBlock = 64;  // tokens per cache block
@@ -299,35 +302,6 @@ void one_sequence(const Problem& p, int64_t s) {
       for (int i = 0; i < D; ++i) o[i] = acc[g][i] * inv;
     }
   }
-}
-
-// Work items are handed out one at a time from a shared counter: the calling thread works
-// too, and a pool task that starts late finds nothing left. The counters live on the heap
-// so such a task never touches a finished call's stack.
-struct Phase {
-  std::function<void(int64_t)> item;
-  int64_t count = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void drain(Phase& ph) {
-  for (int64_t i; (i = ph.next.fetch_add(1)) < ph.count;) {
-    ph.item(i);
-    if (ph.done.fetch_add(1, std::memory_order_release) + 1 == ph.count) ph.done.notify_all();
-  }
-}
-
-void run_parallel(ffi::ThreadPool& pool, int64_t threads, int64_t count, std::function<void(int64_t)> item) {
-  auto ph = std::make_shared<Phase>();
-  ph->item = std::move(item);
-  ph->count = count;
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(threads, 1), count) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([ph] { drain(*ph); });
-  drain(*ph);
-  // Sleep (futex), not spin, until the last item is done: on a 2-core machine a spinning
-  // caller takes the core the host thread needs to plan the next step.
-  for (int64_t d; (d = ph->done.load(std::memory_order_acquire)) < count;) ph->done.wait(d);
 }
 
 template <int D>

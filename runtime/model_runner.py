@@ -194,7 +194,12 @@ class ModelRunner:
         if jax.default_backend() == "cpu":
             tune_cpu_allocator()
         self.quantization = quantization
+        # w8a8 on a CPU with AVX512-VNNI: the C++ int8 kernel, weights packed for it once here.
+        from runtime import cpu_matmul
 
+        self.matmul_kernel = quantization == "w8a8" and cpu_matmul.vectorized()
+        if self.matmul_kernel:
+            params = cpu_matmul.pack_params(params)
         self.params = cast_params(params, dtype)
         self.max_blocks_per_seq = -(-sched.max_model_len // cache.block_size)
         if cache.kv_dtype not in KV_DTYPES:

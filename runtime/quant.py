@@ -30,21 +30,22 @@ LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def is_quantized(w: Any) -> bool:
-    return isinstance(w, dict) and ("q" in w or "w8" in w)
+    return isinstance(w, dict) and ("q" in w or "w8" in w or "p" in w)
 
 
 def quantization_of(params: dict[str, Any]) -> str:
     """Which method a parameter tree was quantized with ("none" for float weights)."""
-    w = params["layers"]["wq"]
+    w = params["layers"].get("wq", params["layers"].get("qkv"))
     if not is_quantized(w):
         return "none"
-    return "w8a8" if "q" in w else "w8a16"
+    return "w8a16" if "w8" in w else "w8a8"
 
 
 def cast_params(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
-    """Device arrays in the compute dtype, except int8 weights and their float32 scales."""
+    """Device arrays in the compute dtype, except integer weights (int8 values, int32 kernel
+    compensations) and float32 scales."""
     def place(path, a):
-        keep = np.asarray(a).dtype == np.int8 or jax.tree_util.keystr(path).endswith("['s']")
+        keep = np.issubdtype(np.asarray(a).dtype, np.integer) or jax.tree_util.keystr(path).endswith("['s']")
         return jnp.asarray(a) if keep else jnp.asarray(a, dtype)
     return jax.tree_util.tree_map_with_path(place, params)
 
@@ -226,6 +227,10 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
     so one outlier token never costs the others their precision."""
     if not is_quantized(w):
         return x @ w
+    if "p" in w:  # packed for the C++ kernel (runtime/cpu_matmul.py)
+        from runtime import cpu_matmul
+
+        return cpu_matmul.linear(x, w).astype(x.dtype)
     if "w8" in w:  # weight-only: dequantize, multiply in the compute dtype
         return x @ (w["w8"].astype(x.dtype) * w["s"].astype(x.dtype)[..., None, :])
     x32 = x.astype(jnp.float32)

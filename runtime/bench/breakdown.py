@@ -39,18 +39,19 @@ def _median_ms(fn, iters: int, warmup: int = 1) -> float:
     return float(np.median(ts) * 1e3)
 
 
-def _layer_matmuls(params: Any, x: Any) -> Any:
+def _layer_matmuls(cfg: Any, params: Any, x: Any) -> Any:
     """The decoder's projections and MLP alone (what XLA must do at best for these rows),
-    through the same `linear` as the model (int8 weights take the quantized product)."""
+    through the same functions as the model (int8 weights take the quantized product, packed
+    ones the C++ kernel)."""
     import jax
 
+    from runtime.models.llama import mlp, qkv_linear
     from runtime.quant import linear
 
     def body(h, lp):
-        q, k, v = linear(h, lp["wq"]), linear(h, lp["wk"]), linear(h, lp["wv"])
+        q, k, v = qkv_linear(cfg, lp, h)
         h = h + linear(q, lp["wo"]) + 0 * (k.sum() + v.sum())
-        h = h + linear(jax.nn.silu(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
-        return h, None
+        return h + mlp(lp, h), None
 
     return jax.lax.scan(body, x, params["layers"])[0]
 
@@ -74,12 +75,14 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
     dev = measure_cpu(size_mb=bandwidth_mb)
     bw = dev.bandwidth_bytes_per_s
     kv_tok = cfg.kv_bytes_per_token(runner.cache_cfg.kv_dtype)
+    from runtime import cpu_matmul
     from runtime.quant import LINEAR_WEIGHTS, quantization_of
 
     method = quantization_of(runner.params)
-    layer_w = [runner.params["layers"][k] for k in LINEAR_WEIGHTS]
-    layer_flops_per_row = 2 * sum(int(np.prod(jax.tree.leaves(a)[0].shape if isinstance(a, dict) else a.shape))
-                                  for a in layer_w)  # all L layers (the int8 values lead each quantized dict)
+    packed = bool(getattr(runner, "matmul_kernel", False))
+    layer_w = [w for k, w in runner.params["layers"].items() if k in (*LINEAR_WEIGHTS, *cpu_matmul.FUSED)]
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    layer_flops_per_row = 2 * L * (d * qkv + cfg.num_heads * cfg.head_dim * d + 3 * d * cfg.intermediate_size)
     layer_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(layer_w))
     head_bytes = int(runner.params["embed"].size) * runner.params["embed"].dtype.itemsize
     noop = jax.jit(partial(_step, cfg, _noop_attention, runner.cache_cfg.num_blocks), donate_argnums=(1, 2))
@@ -105,7 +108,7 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
         finally:
             runner.kv, runner.penalty = state["kv"], state["rows"]
         x = jnp.ones((S, d), runner.params["embed"].dtype)
-        mm = jax.jit(_layer_matmuls)
+        mm = jax.jit(partial(_layer_matmuls, cfg))
         matmuls = _median_ms(lambda: mm(runner.params, x), iters)
         lm = jax.jit(partial(lm_head, cfg))
         head = _median_ms(lambda: lm(runner.params, x), iters)
@@ -123,10 +126,11 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
         kv_write = _median_ms(lambda: kv_writes(kc), iters)
         # dot rate of XLA for this row count: the issue's own yardstick (S x d by d x 4d), in
         # the product the layers use (w8a8: int8 x int8 -> int32 with the per-row activation
-        # quantization, w8a16: dequantize + float; both the new matmul floor)
+        # quantization, w8a16: dequantize + float; both the new matmul floor; packed: the kernel)
+        ones8, ones_s = np.ones((d, 4 * d), np.int8), np.ones((4 * d,), np.float32)
         w = jnp.ones((d, 4 * d), x.dtype) if method == "none" else jax.tree.map(
-            jnp.asarray, {("q" if method == "w8a8" else "w8"): np.ones((d, 4 * d), np.int8),
-                          "s": np.ones((4 * d,), np.float32)})
+            jnp.asarray, cpu_matmul.pack_weight(ones8, ones_s) if packed
+            else {("q" if method == "w8a8" else "w8"): ones8, "s": ones_s})
         dot = jax.jit(lambda a: linear(a, w))
         dot_ms = _median_ms(lambda: dot(x), max(iters, 10))
         gflops = 2 * S * d * 4 * d / (dot_ms / 1e3) / 1e9
@@ -177,7 +181,8 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
                                   "detokenize_ms": detok_ms, "sse_encode_ms": sse_ms}})
     engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
     return {"model": cfg.name, "dtype": str(runner.params["embed"].dtype), "quantization": method,
-            "lm_head_int8": "head" in runner.params, "decode_kernel": bool(getattr(runner, "decode_kernel", False)),
+            "lm_head_int8": "head" in runner.params, "matmul_kernel": packed,
+            "decode_kernel": bool(getattr(runner, "decode_kernel", False)),
             "kv_cache_dtype": runner.cache_cfg.kv_dtype, "iters": iters,
             "read_bandwidth_gb_s": bw / 1e9, "rows": rows_out}
 

@@ -95,7 +95,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 def qkv_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array,
                    inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     T = x.shape[0]
-    q, k, v = linear(x, lp["wq"]), linear(x, lp["wk"]), linear(x, lp["wv"])
+    q, k, v = qkv_linear(cfg, lp, x)
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -104,8 +104,21 @@ def qkv_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Ar
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
+def qkv_linear(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The three projections of x; one product when they are packed as one ("qkv", the C++
+    int8 kernel's layout: runtime/cpu_matmul.py)."""
+    if "qkv" in lp:
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return tuple(jnp.split(linear(x, lp["qkv"]), [nq, nq + nkv], axis=-1))
+    return linear(x, lp["wq"]), linear(x, lp["wk"]), linear(x, lp["wv"])
+
+
 def mlp(lp: Params, x: jax.Array) -> jax.Array:
-    return linear(jax.nn.silu(linear(x, lp["w_gate"])) * linear(x, lp["w_up"]), lp["w_down"])
+    if "gate_up" in lp:  # gate and up packed as one product (as "qkv")
+        gate, up = jnp.split(linear(x, lp["gate_up"]), 2, axis=-1)
+    else:
+        gate, up = linear(x, lp["w_gate"]), linear(x, lp["w_up"])
+    return linear(jax.nn.silu(gate) * up, lp["w_down"])
 
 
 def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, positions: jax.Array,
@@ -136,7 +149,7 @@ def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     ("head"): it serves every step of 2+ rows (64 rows: 14 ms against 23 ms float32 on a
     2-core EPYC); XLA's int8 dot is slow for one row (40 ms against 4 ms), which keeps the
     float head."""
-    if "head" in params and hidden.shape[0] > 1:
+    if "head" in params and (hidden.shape[0] > 1 or "p" in params["head"]):  # (the C++ kernel: any rows)
         return linear(hidden.astype(jnp.float32), params["head"])
     # A tied head contracts the embedding's model axis in place (no transposed copy).
     w, axis = (params["embed"], 1) if cfg.tie_word_embeddings else (params["lm_head"], 0)

@@ -53,7 +53,11 @@ def test_quantize_params_keeps_head_and_norms_float(tiny_ckpt):
 
 def test_engine_serves_w8a8(tiny_ckpt):
     eng = make_engine(tiny_ckpt, quantization="w8a8")
-    assert eng.runner.params["layers"]["wq"]["q"].dtype == jnp.int8
+    layers = eng.runner.params["layers"]
+    if eng.runner.matmul_kernel:  # packed for the C++ kernel, q|k|v as one product
+        assert "wq" not in layers and layers["qkv"]["p"].dtype == jnp.int8
+    else:
+        assert layers["wq"]["q"].dtype == jnp.int8
     ref = make_engine(tiny_ckpt)
     rng = np.random.default_rng(2)
     prompts = [list(rng.integers(3, 260, size=n)) for n in (5, 40, 90)]
@@ -195,7 +199,8 @@ def test_checkpoint_with_int8_lm_head(tiny_ckpt, tmp_path):
     prompts = [list(range(3, 30)), [9, 8, 7, 6]]
     eng = make_engine(out)
     assert eng.config.quantization == "w8a8" and eng.config.quantize_lm_head
-    assert eng.runner.params["head"]["q"].dtype == jnp.int8
+    head = eng.runner.params["head"]
+    assert head["p" if eng.runner.matmul_kernel else "q"].dtype == jnp.int8
     want = make_engine(tiny_ckpt, quantization="w8a8", quantize_lm_head=True).generate(prompts, sp)
     assert [r.output_ids for r in eng.generate(prompts, sp)] == [r.output_ids for r in want]
     plain = tmp_path / "q"

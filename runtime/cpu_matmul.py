@@ -1,0 +1,88 @@
+"""The CPU W8A8 linear kernel (runtime/cpu_matmul.cc): packing and the call.
+
+`pack_params` turns a w8a8 tree ({"q": int8 [..., in, out], "s", "in"?}) into the kernel's
+layout once, when the engine starts: {"p": int8 [..., strips, in/4, 256], "s": [..., out],
+"c": int32 [..., out] (128 * column sums, see the .cc), "in"?}. Projections that read the
+same input are packed as one: wq|wk|wv -> "qkv", w_gate|w_up -> "gate_up" (one activation
+quantization and one call instead of three or two). runtime.quant.linear runs a packed
+weight through `linear` below; the model splits the fused outputs.
+
+Used for w8a8 on the CPU backend when the library was built with AVX512-VNNI
+(`vectorized()`); elsewhere XLA's int8 dot stays (same numbers up to float rounding).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from runtime import cpu_kernels
+
+TARGET = "pagedjax_int8_linear"
+STRIP = 64     # output columns per packed strip
+FUSED = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
+
+
+def vectorized() -> bool:
+    """The kernels are enabled and the int8 one was compiled with AVX512-VNNI."""
+    lib = cpu_kernels.library() if cpu_kernels.enabled() else None
+    return bool(lib is not None and lib.PagedjaxInt8LinearVectorized())
+
+
+def is_packed(w: Any) -> bool:
+    return isinstance(w, dict) and "p" in w
+
+
+def pack_weight(q: np.ndarray, s: np.ndarray, in_scale: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """int8 [..., K, N] + scales [..., N] -> the kernel's tree (see the module docstring)."""
+    q = np.asarray(q, np.int8)
+    *lead, K, N = q.shape
+    kp, np_ = -(-K // 4) * 4, -(-N // STRIP) * STRIP
+    pad = np.zeros((*lead, kp, np_), np.int8)
+    pad[..., :K, :N] = q
+    # [.., K/4, 4, S, 4, 16] (kq, t, strip, panel, lane) -> [.., S, K/4, panel, lane, t]
+    g = pad.reshape(*lead, kp // 4, 4, np_ // STRIP, 4, 16)
+    nd = len(lead)
+    packed = g.transpose(*range(nd), nd + 2, nd, nd + 3, nd + 4, nd + 1).reshape(*lead, np_ // STRIP, kp // 4, 256)
+    out = {"p": np.ascontiguousarray(packed), "s": np.asarray(s, np.float32),
+           "c": (128 * q.astype(np.int32).sum(axis=-2)).astype(np.int32)}
+    if in_scale is not None:
+        out["in"] = np.asarray(in_scale, np.float32)
+    return out
+
+
+def _pack(ws: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """Several w8a8 weights reading one input, packed side by side (outputs concatenated)."""
+    ins = [w.get("in") for w in ws]
+    if any(i is not None for i in ins) and not all(i is not None and np.array_equal(i, ins[0]) for i in ins):
+        raise ValueError("fused projections must share their input scale")
+    q = np.concatenate([np.asarray(w["q"]) for w in ws], axis=-1)
+    s = np.concatenate([np.asarray(w["s"]) for w in ws], axis=-1)
+    return pack_weight(q, s, None if ins[0] is None else np.asarray(ins[0]))
+
+
+def pack_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A w8a8 tree -> the same model with packed (and fused) projections and int8 head."""
+    layers = dict(params["layers"])
+    for fused, names in FUSED.items():
+        layers[fused] = _pack([layers.pop(n) for n in names])
+    for name in ("wo", "w_down"):
+        layers[name] = _pack([layers[name]])
+    out = {**params, "layers": layers}
+    if "head" in params:
+        out["head"] = _pack([params["head"]])
+    return out
+
+
+def linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """x [T, K] @ a packed w8a8 weight -> [T, N] float32."""
+    if cpu_kernels.library() is None:  # (also registers the target in this process)
+        raise ValueError("a packed int8 weight needs the C++ CPU kernels, which are not available here")
+    n = w["s"].shape[-1]
+    empty = jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
+    return call(x.astype(jnp.float32), w["in"].astype(jnp.float32) if "in" in w else empty, w["p"],
+                w["s"].astype(jnp.float32), w["c"], num_threads=np.int64(cpu_kernels.num_threads()))

@@ -1,0 +1,109 @@
+"""The C++ W8A8 linear kernel (runtime/cpu_matmul.cc): the packed layout, the numbers against
+XLA's int8 path and a numpy reference, and an engine serving w8a8 through it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from runtime import cpu_matmul
+from runtime.quant import is_quantized, linear, quantization_of, quantize_params, quantize_weight
+from runtime.sampling import SamplingParams
+from tests.engine_util import make_engine
+
+needs_vnni = pytest.mark.skipif(not cpu_matmul.vectorized(), reason="no AVX512-VNNI here: XLA's int8 dot serves w8a8")
+
+
+def reference(x: np.ndarray, q: np.ndarray, s: np.ndarray, in_scale: np.ndarray | None) -> np.ndarray:
+    """Per-row absmax int8 activations (half to even), exact integer products, two scales."""
+    y = x * in_scale if in_scale is not None else x
+    sx = np.abs(y).max(-1, keepdims=True) / np.float32(127)
+    sx = np.where(sx > 0, sx, np.float32(1)).astype(np.float32)
+    xq = np.clip(np.rint(y / sx), -127, 127).astype(np.int64)
+    return ((xq @ q.astype(np.int64)).astype(np.float32) * sx) * s
+
+
+def test_pack_layout_matches_the_kernel_contract():
+    """Strip s, group kq, panel j, lane l, byte t holds W[4kq + t, 64s + 16j + l]; K pads to 4
+    and N to 64 with zeros; the compensation is 128 * column sums over the real rows."""
+    rng = np.random.default_rng(0)
+    q = rng.integers(-127, 128, size=(2, 10, 70), dtype=np.int8)  # stacked layers, K=10, N=70
+    p = cpu_matmul.pack_weight(q, np.ones((2, 70), np.float32))
+    assert p["p"].shape == (2, 2, 3, 256) and p["p"].dtype == np.int8
+    for L, k, n in ((0, 0, 0), (1, 9, 69), (0, 5, 17), (1, 3, 64)):
+        s, c = divmod(n, 64)
+        j, lane = divmod(c, 16)
+        kq, t = divmod(k, 4)
+        assert p["p"][L, s, kq, j * 64 + lane * 4 + t] == q[L, k, n]
+    assert p["p"][0, 1, :, :].reshape(3, 4, 16, 4)[:, :, 6:, :].max() == 0  # columns 70.. of strip 1
+    assert p["p"][0, :, 2, :].reshape(-1, 4, 16, 4)[..., 2:].max() == 0    # k = 10, 11
+    np.testing.assert_array_equal(p["c"], 128 * q.astype(np.int32).sum(1))
+
+
+@needs_vnni
+@pytest.mark.parametrize("M,K,N,smooth", [(1, 64, 48, False), (2, 70, 100, True), (7, 128, 130, False),
+                                          (65, 96, 64, True), (130, 64, 200, False)])
+def test_kernel_matches_the_reference(M, K, N, smooth):
+    rng = np.random.default_rng(M * 1000 + N)
+    x = rng.standard_normal((M, K)).astype(np.float32) * 3
+    x[0, 0] = 40.0  # an outlier channel in one row only: the other rows keep their precision
+    w = quantize_weight(rng.standard_normal((K, N)).astype(np.float32))
+    ins = (rng.random(K) + 0.5).astype(np.float32) if smooth else None
+    packed = jax.tree.map(jnp.asarray, cpu_matmul.pack_weight(w["q"], w["s"], ins))
+    got = np.asarray(jax.jit(cpu_matmul.linear)(jnp.asarray(x), packed))
+    want = reference(x, w["q"], w["s"], ins)
+    assert got.shape == (M, N)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    if M > 1:  # XLA's int8 path computes the same int8 rows and integer products
+        tree = jax.tree.map(jnp.asarray, {**w, **({"in": ins} if smooth else {})})
+        np.testing.assert_allclose(got, np.asarray(jax.jit(linear)(jnp.asarray(x), tree)), rtol=1e-6,
+                                   atol=1e-6 * np.abs(want).max())
+
+
+@needs_vnni
+def test_kernel_rejects_shapes_that_disagree():
+    w = quantize_weight(np.ones((64, 64), np.float32))
+    packed = jax.tree.map(jnp.asarray, cpu_matmul.pack_weight(w["q"], w["s"]))
+    with pytest.raises(Exception, match="int8 linear"):
+        jax.jit(cpu_matmul.linear)(jnp.ones((4, 60), jnp.float32), packed).block_until_ready()
+
+
+def test_pack_params_fuses_projections_that_share_an_input(tiny_ckpt):
+    from runtime.checkpoint.store import load_checkpoint
+
+    cfg, params, _ = load_checkpoint(tiny_ckpt)
+    qp = quantize_params(params, "w8a8")
+    packed = cpu_matmul.pack_params(qp)
+    layers = packed["layers"]
+    assert set(layers) >= {"qkv", "gate_up", "wo", "w_down"} and not {"wq", "wk", "wv", "w_gate", "w_up"} & set(layers)
+    d, hd = cfg.hidden_size, cfg.head_dim
+    assert layers["qkv"]["s"].shape == (cfg.num_layers, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd)
+    assert layers["gate_up"]["s"].shape == (cfg.num_layers, 2 * cfg.intermediate_size)
+    assert layers["qkv"]["p"].shape[-2:] == (d // 4, 256)
+    assert is_quantized(layers["qkv"]) and quantization_of(packed) == "w8a8"
+    with pytest.raises(ValueError, match="share their input scale"):
+        cpu_matmul._pack([{**qp["layers"]["wq"], "in": np.ones(d, np.float32)}, qp["layers"]["wk"]])
+
+
+@needs_vnni
+def test_engine_serves_w8a8_through_the_kernel(tiny_ckpt, monkeypatch):
+    """Packed (and fused) weights give the same greedy tokens as XLA's int8 path, and the
+    compiled step calls the kernel."""
+    prompts = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(50, 140))]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    eng = make_engine(tiny_ckpt, quantization="w8a8")
+    assert eng.runner.matmul_kernel
+    got = [r.output_ids for r in eng.generate(prompts, sp)]
+    monkeypatch.setattr(cpu_matmul, "vectorized", lambda: False)
+    ref = make_engine(tiny_ckpt, quantization="w8a8")
+    assert not ref.runner.matmul_kernel and "wq" in ref.runner.params["layers"]
+    assert got == [r.output_ids for r in ref.generate(prompts, sp)]
+    from runtime.batch import build_step_input
+    from runtime.bench.offline import decode_rows
+
+    r = eng.runner
+    inp = build_step_input(decode_rows(r, 2, 20), 2, 2, r.max_blocks_per_seq, r.cache_cfg.block_size, r.scratch_row)
+    hlo = r._step.lower(r.params, r.kv, r.penalty, inp).as_text()
+    assert cpu_matmul.TARGET in hlo
