@@ -1,15 +1,23 @@
-// Decode attention on CPU as an XLA FFI custom call: every sequence's last query token
-// against its whole paged context, GQA groups sharing each K/V read. Built on first use by
-// runtime/cpu_attention.py (g++ -O3 -march=native) and called inside the jitted step.
+// Paged attention on CPU as an XLA FFI custom call, in two modes:
+//   decode   every sequence's last query token against its whole paged context, GQA groups
+//            sharing each K/V read;
+//   prefill  (seq_of/pos given) the other tokens of prefill chunks, in tiles of consecutive
+//            tokens of one sequence, each row causal up to its own position.
+// Both read a prefix that many sequences share (a system prompt) once for all of them first
+// (cascade). Built by runtime/cpu_kernels.py (g++ -O3 -march=native) and called inside the
+// jitted step (runtime/attention.py).
 //
 // Why not XLA: at 64 sequences of ~370 tokens XLA:CPU runs the batched tiny products
 // (3 query rows x 64 dims against 16-32 tokens per sequence and head) at ~25 GFLOP/s; a
-// loop that keeps one sequence's queries and accumulators in registers while it streams
-// that sequence's blocks does the same work several times faster.
+// loop that keeps 16 query rows and their accumulators in registers while it streams the
+// blocks they read does the same work several times faster.
 //
-// Layout (as runtime/attention.py): q [S, H, G, D] already scaled by 1/sqrt(D); caches
-// [NB, BS, H, D] float32, or int8 with float32 scales [NB, BS, H] (PagedjaxDecodeAttentionInt8); kv_lens [S] (0 = no query: output zeros); block_tables [S, MB]
-// (absolute block rows, the layer's base included). Output [S, H, G, D], normalized.
+// Layout (as runtime/attention.py): q [S, H, G, D] already scaled by 1/sqrt(D) (S = sequences
+// in decode, tokens in prefill); caches [NB, BS, H, D] float32, or int8 with float32 scales
+// [NB, BS, H] (the *Int8 targets); kv_lens [S] (decode; 0 = no query: output zeros);
+// block_tables [rows, MB] (absolute block rows, the layer's base included); seq_of, pos [S]
+// (prefill: the token's table row and position, pos -1 = not this kernel's: output zeros;
+// empty in decode). Output [S, H, G, D], normalized.
 
 #include <algorithm>
 #include <atomic>
@@ -71,6 +79,10 @@ struct Problem {
   float* out;
   float* state;                  // [S, H, G, 2 + D]: m, l, acc of the cascade, per query row
   int64_t S, H, G, BS, MB;
+  // Prefill (PagedjaxPrefillAttention): S counts query tokens, not sequences; token t belongs to
+  // table row seq_of[t] and sits at position pos[t] (-1: not this kernel's token, output 0).
+  const int32_t* seq_of = nullptr;
+  const int32_t* pos = nullptr;
 };
 
 #if defined(__AVX512F__)
@@ -170,6 +182,28 @@ inline int64_t block_rows(const Problem& p, int64_t blk, int64_t h, float* kf, f
   return D;
 }
 
+// One block's online-softmax update for 16 rows: scores sc[t][r] (-inf = masked) become
+// weights; m, l rescale by alpha (returned per row for the accumulators).
+inline void block_softmax(float (*sc)[16], int64_t BS, float* m, float* l, float* alpha) {
+  alignas(64) float mx[16];
+  for (int r = 0; r < 16; ++r) mx[r] = m[r];
+  for (int64_t t = 0; t < BS; ++t)
+#pragma omp simd
+    for (int r = 0; r < 16; ++r) mx[r] = std::max(mx[r], sc[t][r]);
+#pragma omp simd
+  for (int r = 0; r < 16; ++r) {
+    alpha[r] = m[r] == -INFINITY ? 0.0f : fast_exp(m[r] - mx[r]);
+    l[r] *= alpha[r];
+    m[r] = mx[r];
+  }
+  for (int64_t t = 0; t < BS; ++t)
+#pragma omp simd
+    for (int r = 0; r < 16; ++r) {
+      sc[t][r] = sc[t][r] == -INFINITY ? 0.0f : fast_exp(sc[t][r] - mx[r]);
+      l[r] += sc[t][r];
+    }
+}
+
 // Phase 1 (cascade): one KV head, 16 query rows (member sequence, group) at a time against
 // the shared prefix. Each K/V block is read once for 16 rows instead of once per sequence,
 // and the products run across rows: 16 rows' scores for a token are one vector FMA chain
@@ -196,23 +230,8 @@ void shared_rows(const Problem& p, int64_t h, const int64_t* rows, int64_t nrows
     const int64_t ts = block_rows<D>(p, p.shared_blocks[b], h, kf, vf, &kb, &vb);
     alignas(64) float sc[kMaxBlock][16];
     block_scores<D>(qT, kb, ts, BS, sc);
-    alignas(64) float mx[16], alpha[16];
-    for (int r = 0; r < 16; ++r) mx[r] = m[r];
-    for (int64_t t = 0; t < BS; ++t)
-#pragma omp simd
-      for (int r = 0; r < 16; ++r) mx[r] = std::max(mx[r], sc[t][r]);
-#pragma omp simd
-    for (int r = 0; r < 16; ++r) {
-      alpha[r] = m[r] == -INFINITY ? 0.0f : fast_exp(m[r] - mx[r]);
-      l[r] *= alpha[r];
-      m[r] = mx[r];
-    }
-    for (int64_t t = 0; t < BS; ++t)
-#pragma omp simd
-      for (int r = 0; r < 16; ++r) {
-        sc[t][r] = fast_exp(sc[t][r] - mx[r]);
-        l[r] += sc[t][r];
-      }
+    alignas(64) float alpha[16];
+    block_softmax(sc, BS, m, l, alpha);
     block_values<D>(A, nrows, alpha, sc, vb, ts, BS);
   }
   for (int r = 0; r < nrows; ++r) {
@@ -221,6 +240,47 @@ void shared_rows(const Problem& p, int64_t h, const int64_t* rows, int64_t nrows
     st[0] = m[r];
     st[1] = l[r];
     for (int i = 0; i < D; ++i) st[2 + i] = A[r][i];
+  }
+}
+
+// Prefill phase 2: up to 16 rows = `nt` consecutive tokens (all groups) of one sequence and one
+// KV head, against that sequence's own blocks after the cascade's, each row causal up to its
+// token's position. The shared-prefix partials (phase 1) seed member rows.
+template <int D>
+void token_tile(const Problem& p, int64_t t0, int64_t nt, int64_t h) {
+  const int64_t H = p.H, G = p.G, BS = p.BS, nrows = nt * G;
+  const int64_t s = p.seq_of[t0];
+  alignas(64) float kf[kMaxBlock * D], vf[kMaxBlock * D];
+  alignas(64) float qT[D][16], m[16], l[16], A[16][D], alpha[16];
+  int32_t lim[16];
+  const bool member = p.suffix_start[s] > 0;
+  for (int r = 0; r < 16; ++r) {
+    const int64_t rr = std::min<int64_t>(r, nrows - 1), t = t0 + rr / G, g = rr % G;
+    lim[r] = p.pos[t];
+    for (int i = 0; i < D; ++i) qT[i][r] = p.q[(t * H + h) * G * D + g * D + i];
+    const float* st = p.state + ((t * H + h) * G + g) * (2 + D);
+    m[r] = member ? st[0] : -INFINITY;
+    l[r] = member ? st[1] : 0.0f;
+    for (int i = 0; i < D; ++i) A[r][i] = member ? st[2 + i] : 0.0f;
+  }
+  const int32_t* table = p.tables + s * p.MB;
+  const int64_t last = p.pos[t0 + nt - 1] / BS;  // tokens ascend: the tile's last sees the most
+  for (int64_t b = p.suffix_start[s] / BS; b <= last; ++b) {
+    const float *kb, *vb;
+    const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
+    alignas(64) float sc[kMaxBlock][16];
+    block_scores<D>(qT, kb, ts, BS, sc);
+    for (int64_t t = 0; t < BS; ++t)
+      for (int r = 0; r < 16; ++r)
+        if (b * BS + t > lim[r]) sc[t][r] = -INFINITY;
+    block_softmax(sc, BS, m, l, alpha);
+    block_values<D>(A, nrows, alpha, sc, vb, ts, BS);
+  }
+  for (int64_t r = 0; r < nrows; ++r) {
+    const float inv = 1.0f / std::max(l[r], 1e-30f);
+    float* o = p.out + ((t0 + r / G) * H + h) * G * D + (r % G) * D;
+#pragma omp simd
+    for (int i = 0; i < D; ++i) o[i] = A[r][i] * inv;
   }
 }
 
@@ -304,48 +364,93 @@ void one_sequence(const Problem& p, int64_t s) {
   }
 }
 
+// Phase 1 (both modes): member rows against the shared prefix, 16 rows and one head per item.
+template <int D>
+void cascade(ffi::ThreadPool& pool, int64_t threads, const Problem& p, const std::vector<int64_t>& rows) {
+  const int64_t chunks = (static_cast<int64_t>(rows.size()) + 15) / 16;
+  run_parallel(pool, threads, chunks * p.H, [&](int64_t i) {
+    const int64_t h = i / chunks, c = i % chunks;
+    shared_rows<D>(p, h, rows.data() + c * 16, std::min<int64_t>(16, rows.size() - c * 16));
+  });
+}
+
 template <int D>
 void run(ffi::ThreadPool& pool, int64_t threads, const Problem& p) {
-  if (p.shared_len > 0) {  // phase 1: the cascade over the shared prefix, 16 member rows per item
-    std::vector<int64_t> rows;
-    for (int64_t s = 0; s < p.S; ++s)
-      if (p.suffix_start[s] > 0 && p.lens[s] > 0)
-        for (int64_t g = 0; g < p.G; ++g) rows.push_back(s * p.G + g);
-    const int64_t chunks = (static_cast<int64_t>(rows.size()) + 15) / 16;
-    run_parallel(pool, threads, chunks * p.H, [&](int64_t i) {
-      const int64_t h = i / chunks, c = i % chunks;
-      shared_rows<D>(p, h, rows.data() + c * 16, std::min<int64_t>(16, rows.size() - c * 16));
-    });
+  std::vector<int64_t> rows;
+  if (p.pos == nullptr) {  // decode: one query token per sequence
+    if (p.shared_len > 0)
+      for (int64_t s = 0; s < p.S; ++s)
+        if (p.suffix_start[s] > 0 && p.lens[s] > 0)
+          for (int64_t g = 0; g < p.G; ++g) rows.push_back(s * p.G + g);
+    if (!rows.empty()) cascade<D>(pool, threads, p, rows);
+    run_parallel(pool, threads, p.S, [&](int64_t s) { one_sequence<D>(p, s); });  // phase 2: own blocks
+    return;
   }
-  run_parallel(pool, threads, p.S, [&](int64_t s) { one_sequence<D>(p, s); });  // phase 2: own blocks
+  // prefill: tiles of consecutive tokens of one sequence (16 / G tokens: all 16 lanes busy)
+  const int64_t per = std::max<int64_t>(1, 16 / p.G);
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t t = 0; t < p.S;) {
+    if (p.pos[t] < 0) {
+      std::fill(p.out + t * p.H * p.G * D, p.out + (t + 1) * p.H * p.G * D, 0.0f);
+      ++t;
+      continue;
+    }
+    const int64_t t0 = t;
+    while (t < p.S && t - t0 < per && p.pos[t] >= 0 && p.seq_of[t] == p.seq_of[t0]) ++t;
+    tiles.emplace_back(t0, t - t0);
+    if (p.shared_len > 0 && p.suffix_start[p.seq_of[t0]] > 0)
+      for (int64_t u = t0; u < t; ++u)
+        for (int64_t g = 0; g < p.G; ++g) rows.push_back(u * p.G + g);
+  }
+  if (!rows.empty()) cascade<D>(pool, threads, p, rows);
+  const int64_t n = static_cast<int64_t>(tiles.size());
+  run_parallel(pool, threads, n * p.H, [&](int64_t i) {
+    token_tile<D>(p, tiles[i % n].first, tiles[i % n].second, i / n);
+  });
 }
 
 ffi::Error Decode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<const int64_t> kd, const float* k,
                   const float* v, const int8_t* k8, const int8_t* v8, const float* ks, const float* vs,
                   ffi::Buffer<ffi::S32>& kv_lens, ffi::Buffer<ffi::S32>& block_tables,
                   ffi::Buffer<ffi::S32>& shared_blocks, ffi::Buffer<ffi::S32>& shared_len,
-                  ffi::Buffer<ffi::S32>& suffix_start, ffi::Result<ffi::Buffer<ffi::F32>>& out, int64_t num_threads) {
+                  ffi::Buffer<ffi::S32>& suffix_start, ffi::Buffer<ffi::S32>& seq_of, ffi::Buffer<ffi::S32>& pos,
+                  ffi::Result<ffi::Buffer<ffi::F32>>& out, int64_t num_threads) {
   const auto qd = q.dimensions();
   const auto td = block_tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2) {
-    return ffi::Error::InvalidArgument("decode attention: q [S,H,G,D], caches [NB,BS,H,D], tables [S,MB]");
+    return ffi::Error::InvalidArgument("paged attention: q [S,H,G,D], caches [NB,BS,H,D], tables [S,MB]");
   }
   const int64_t S = qd[0], H = qd[1], G = qd[2], D = qd[3];
-  if (kd[2] != H || kd[3] != D || td[0] != S || G > kMaxGroup || kd[1] > kMaxBlock || kd[1] % 8 != 0 ||
-      suffix_start.element_count() != static_cast<size_t>(S) ||
-      shared_blocks.element_count() < static_cast<size_t>(td[1])) {
-    return ffi::Error::InvalidArgument("decode attention: shapes disagree or exceed the kernel's limits");
+  const bool prefill = pos.element_count() > 0;
+  if (kd[2] != H || kd[3] != D || G > kMaxGroup || kd[1] > kMaxBlock || kd[1] % 8 != 0 ||
+      suffix_start.element_count() != static_cast<size_t>(td[0]) ||
+      shared_blocks.element_count() < static_cast<size_t>(td[1]) ||
+      (prefill ? (pos.element_count() != static_cast<size_t>(S) || seq_of.element_count() != static_cast<size_t>(S))
+               : td[0] != S)) {
+    return ffi::Error::InvalidArgument("paged attention: shapes disagree or exceed the kernel's limits");
+  }
+  if (prefill) {  // a token must name a table row and fit its table (the kernel reads through it)
+    for (int64_t t = 0; t < S; ++t) {
+      const int32_t so = seq_of.typed_data()[t], ps = pos.typed_data()[t];
+      if (ps >= 0 && (so < 0 || so >= td[0] || ps >= td[1] * kd[1])) {
+        return ffi::Error::InvalidArgument("paged attention: a prefill token's sequence or position is out of range");
+      }
+    }
   }
   std::vector<float> state(static_cast<size_t>(S * H * G * (2 + D)));
-  const Problem p{q.typed_data(), k, v, k8, v8, ks, vs, kv_lens.typed_data(), block_tables.typed_data(),
-                  shared_blocks.typed_data(), suffix_start.typed_data(), shared_len.typed_data()[0],
-                  out->typed_data(), state.data(), S, H, G, kd[1], td[1]};
+  Problem p{q.typed_data(), k, v, k8, v8, ks, vs, kv_lens.typed_data(), block_tables.typed_data(),
+            shared_blocks.typed_data(), suffix_start.typed_data(), shared_len.typed_data()[0],
+            out->typed_data(), state.data(), S, H, G, kd[1], td[1]};
+  if (prefill) {
+    p.seq_of = seq_of.typed_data();
+    p.pos = pos.typed_data();
+  }
   switch (D) {
     case 16: run<16>(pool, num_threads, p); break;
     case 32: run<32>(pool, num_threads, p); break;
     case 64: run<64>(pool, num_threads, p); break;
     case 128: run<128>(pool, num_threads, p); break;
-    default: return ffi::Error::InvalidArgument("decode attention: head_dim must be 16, 32, 64 or 128");
+    default: return ffi::Error::InvalidArgument("paged attention: head_dim must be 16, 32, 64 or 128");
   }
   return ffi::Error::Success();
 }
@@ -354,9 +459,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> kv_lens,
                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> shared_blocks,
                            ffi::Buffer<ffi::S32> shared_len, ffi::Buffer<ffi::S32> suffix_start,
-                           ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
+                           ffi::Buffer<ffi::S32> seq_of, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
+                           int64_t num_threads) {
   return Decode(pool, q, k_cache.dimensions(), k_cache.typed_data(), v_cache.typed_data(), nullptr, nullptr,
-                nullptr, nullptr, kv_lens, block_tables, shared_blocks, shared_len, suffix_start, out, num_threads);
+                nullptr, nullptr, kv_lens, block_tables, shared_blocks, shared_len, suffix_start, seq_of, pos, out,
+                num_threads);
 }
 
 // The same over an int8 cache (runtime.attention.QuantizedPages): values and per-slot scales.
@@ -365,13 +472,14 @@ ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> kv_lens,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> shared_blocks,
                                ffi::Buffer<ffi::S32> shared_len, ffi::Buffer<ffi::S32> suffix_start,
+                               ffi::Buffer<ffi::S32> seq_of, ffi::Buffer<ffi::S32> pos,
                                ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
   if (k_scale.element_count() * k_cache.dimensions()[3] != k_cache.element_count()) {
-    return ffi::Error::InvalidArgument("decode attention: int8 scales must be [NB, BS, H]");
+    return ffi::Error::InvalidArgument("paged attention: int8 scales must be [NB, BS, H]");
   }
   return Decode(pool, q, k_cache.dimensions(), nullptr, nullptr, k_cache.typed_data(), v_cache.typed_data(),
                 k_scale.typed_data(), v_scale.typed_data(), kv_lens, block_tables, shared_blocks, shared_len,
-                suffix_start, out, num_threads);
+                suffix_start, seq_of, pos, out, num_threads);
 }
 
 }  // namespace
@@ -387,6 +495,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_of (prefill; empty for decode)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads"));
 
@@ -403,5 +513,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecodeAttentionInt8, DecodeAttentionInt8,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_of (prefill; empty for decode)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads"));

@@ -2,8 +2,9 @@
 
 Built and registered by runtime/cpu_kernels.py. Where it cannot be built (no compiler,
 another platform) or PAGEDJAX_CPU_KERNELS=0, `enabled()` is False and attention stays on the
-XLA path: same numbers, slower. runtime/attention.py uses it for the last query token of every sequence
-(all of a decode step) when the cache is float32 or int8.
+XLA path: same numbers, slower. runtime/attention.py uses it for every query token of a step
+(the last token of each sequence in decode mode, the others of prefill chunks in prefill
+mode) when the cache is float32 or int8.
 """
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ def decode_attention(q: jax.Array, k_cache: object, v_cache: object, kv_lens: ja
     up to kv_lens [S] -> normalized [S, Hkv, G, D] float32 (zeros where kv_lens is 0). With
     `shared` (runtime.attention.SharedPrefix, tables padded alike), the members' common
     leading blocks are read once for all of them (cascade) before each sequence's own."""
+    none = jnp.zeros((0,), jnp.int32)
+    return _call(q, k_cache, v_cache, kv_lens, block_tables, shared, none, none)
+
+
+def prefill_attention(q: jax.Array, k_cache: object, v_cache: object, seq_of: jax.Array, pos: jax.Array,
+                      block_tables: jax.Array, shared: "SharedPrefix | None" = None) -> jax.Array:
+    """Prefill tokens q [T, Hkv, G, D] (scaled): token t of table row seq_of[t] at position
+    pos[t] attends causally to positions <= pos[t] of its sequence (pos -1: output zeros);
+    `shared` members' tokens meet the shared prefix once for all (they sit after it) ->
+    normalized [T, Hkv, G, D] float32."""
+    S = block_tables.shape[0]
+    return _call(q, k_cache, v_cache, jnp.zeros((S,), jnp.int32), block_tables, shared, seq_of, pos)
+
+
+def _call(q, k_cache, v_cache, kv_lens, block_tables, shared, seq_of, pos) -> jax.Array:
     S, mb = block_tables.shape
     if shared is None:
         blocks, length, start = jnp.zeros((mb,), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((S,), jnp.int32)
@@ -43,7 +59,7 @@ def decode_attention(q: jax.Array, k_cache: object, v_cache: object, kv_lens: ja
 
     i32 = lambda a: a.astype(jnp.int32)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    tail = (i32(kv_lens), i32(block_tables), i32(blocks), i32(length.reshape(1)), i32(start))
+    tail = (i32(kv_lens), i32(block_tables), i32(blocks), i32(length.reshape(1)), i32(start), i32(seq_of), i32(pos))
     if isinstance(k_cache, QuantizedPages):
         call = jax.ffi.ffi_call(TARGET_INT8, out, vmap_method="sequential")
         return call(q.astype(jnp.float32), k_cache.values, v_cache.values, k_cache.scales, v_cache.scales, *tail,

@@ -214,12 +214,12 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(attention_backend, cache.kv_dtype)
         attention = select_attention(self.attention_backend)
         # The C++ decode kernel serves the XLA path's last-token rows for a float32 or int8 cache.
-        self.decode_kernel = False
+        self.attention_kernel = False
         if attention is xla_ragged_paged_attention:
             from runtime import cpu_attention
 
-            self.decode_kernel = cache.kv_dtype in ("float32", "int8") and cpu_attention.enabled()
-            attention = partial(attention, decode_kernel=self.decode_kernel)
+            self.attention_kernel = cache.kv_dtype in ("float32", "int8") and cpu_attention.enabled()
+            attention = partial(attention, cpu_kernel=self.attention_kernel)
         fn = partial(_step, cfg, attention, cache.num_blocks)
         fn.__name__ = STEP_FN_NAME  # type: ignore[attr-defined]
         self._step = jax.jit(fn, donate_argnums=(1, 2))

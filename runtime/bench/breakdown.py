@@ -182,7 +182,7 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
     engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
     return {"model": cfg.name, "dtype": str(runner.params["embed"].dtype), "quantization": method,
             "lm_head_int8": "head" in runner.params, "matmul_kernel": packed,
-            "decode_kernel": bool(getattr(runner, "decode_kernel", False)),
+            "attention_kernel": bool(getattr(runner, "attention_kernel", False)),
             "kv_cache_dtype": runner.cache_cfg.kv_dtype, "iters": iters,
             "read_bandwidth_gb_s": bw / 1e9, "rows": rows_out}
 

@@ -26,7 +26,7 @@ needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ 
 
 @needs_kernel
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 16), (4, 4, 32), (16, 2, 128)])
-def test_decode_kernel_matches_oracle(hq, hkv, d):
+def test_cpu_kernel_matches_oracle(hq, hkv, d):
     rng = np.random.default_rng(hq * 100 + d)
     # decodes of many lengths (partial blocks, one token, a long one), a prefill chunk whose
     # last token goes through the kernel, and padding sequences
@@ -34,7 +34,7 @@ def test_decode_kernel_matches_oracle(hq, hkv, d):
                          pad_tokens=3, num_blocks=48)
     want = oracle(*batch, sm_scale=0.3)
     for kernel in (True, False):
-        got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, batch), sm_scale=0.3, decode_kernel=kernel))
+        got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, batch), sm_scale=0.3, cpu_kernel=kernel))
         np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
         assert not got[sum([1, 1, 1, 7, 1]):].any(), "padding rows must be zero"
 
@@ -62,20 +62,20 @@ def test_kernel_inside_the_engine_gives_the_xla_tokens(tiny_ckpt, monkeypatch):
     prompts = [list(range(3, 60)), [5, 6, 7], list(range(100, 140))]
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     eng = make_engine(tiny_ckpt)
-    assert eng.runner.decode_kernel
+    assert eng.runner.attention_kernel
     with_kernel = [r.output_ids for r in eng.generate(prompts, sp)]
     monkeypatch.setenv("PAGEDJAX_CPU_KERNELS", "0")  # as on a machine without a compiler
     plain = make_engine(tiny_ckpt)
-    assert not plain.runner.decode_kernel
+    assert not plain.runner.attention_kernel
     assert [r.output_ids for r in plain.generate(prompts, sp)] == with_kernel
     monkeypatch.setenv("PAGEDJAX_CPU_KERNELS", "1")
-    assert make_engine(tiny_ckpt, kv_dtype="int8").runner.decode_kernel
-    assert not make_engine(tiny_ckpt, kv_dtype="fp8_e4m3").runner.decode_kernel
+    assert make_engine(tiny_ckpt, kv_dtype="int8").runner.attention_kernel
+    assert not make_engine(tiny_ckpt, kv_dtype="fp8_e4m3").runner.attention_kernel
 
 
 @needs_kernel
 @pytest.mark.parametrize("members", [3, 20])
-def test_decode_kernel_cascade_matches_oracle(members):
+def test_cpu_kernel_cascade_matches_oracle(members):
     """Members of a shared prefix (more than one 16-row chunk of them at 20 x 3 groups), a
     member prefilling a chunk, a non-member, padding: the kernel's cascade equals the oracle."""
     from runtime.batch import choose_shared_prefix
@@ -93,12 +93,12 @@ def test_decode_kernel_cascade_matches_oracle(members):
     want = oracle(q, kc, vc, kvl, tables, qsl, ns, 0.125)
     got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, (q, kc, vc, kvl, tables, qsl, ns)), sm_scale=0.125,
                                                 shared=jax.tree_util.tree_map(jnp.asarray, shared),
-                                                decode_kernel=True))
+                                                cpu_kernel=True))
     np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
 
 
 @needs_kernel
-def test_decode_kernel_over_an_int8_cache_equals_attention_over_its_values():
+def test_cpu_kernel_over_an_int8_cache_equals_attention_over_its_values():
     """int8 pages (with a cascade): the kernel dequantizes block by block exactly as the XLA
     loops do, so both equal the oracle over the dequantized cache."""
     from runtime.attention import quantize_rows
@@ -122,5 +122,30 @@ def test_decode_kernel_over_an_int8_cache_equals_attention_over_its_values():
     rest = tuple(map(jnp.asarray, (kvl, tables, qsl, ns)))
     for kernel in (True, False):
         got = np.asarray(xla_ragged_paged_attention(jnp.asarray(q), kp, vp, *rest, sm_scale=0.125, shared=sh,
-                                                    decode_kernel=kernel))
+                                                    cpu_kernel=kernel))
         np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 16), (4, 4, 32)])
+def test_prefill_tokens_in_the_kernel_match_oracle(hq, hkv, d):
+    """Prefill chunks of every shape (a whole long prompt, chunks continuing a context, a
+    two-token chunk, members of a shared prefix prefilling their own tokens) beside decodes:
+    the kernel's prefill mode (tiles of 16 / G tokens, causal per row) equals the oracle."""
+    from runtime.batch import choose_shared_prefix
+
+    rng = np.random.default_rng(hq + hkv + d)
+    q_lens = [100, 1, 37, 2, 20, 19, 1]
+    kv_lens = [100, 45, 90, 50, 68, 83, 60]
+    q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, q_lens, kv_lens, hq=hq, hkv=hkv, d=d, pad_seqs=1,
+                                                   pad_tokens=5, mb=8, num_blocks=96)
+    for i in (5, 6):
+        tables[i, :3] = tables[4, :3]  # 4, 5, 6 share three blocks; 4 and 5 prefill after them
+    shared = choose_shared_prefix(tables, np.array([(k + 15) // 16 for k in kv_lens] + [0]), kvl, 7, 16)
+    assert int(shared.length[0]) == 48
+    want = oracle(q, kc, vc, kvl, tables, qsl, ns, 0.2)
+    args = tuple(map(jnp.asarray, (q, kc, vc, kvl, tables, qsl, ns)))
+    for sh in (None, jax.tree_util.tree_map(jnp.asarray, shared)):
+        got = np.asarray(xla_ragged_paged_attention(*args, sm_scale=0.2, shared=sh, cpu_kernel=True))
+        np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+        assert not got[sum(q_lens):].any(), "padding rows must be zero"
