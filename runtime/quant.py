@@ -14,6 +14,8 @@ the checkpoint tree keep their shape:
          the graph and multiplied in the compute dtype (halves the weight bytes a
          bandwidth-bound GPU decode reads; on a 2-core EPYC 1.47x float32 at batch 1 and
          1.08x at 64, but slower than w8a8 from 2 rows on).
+  packed {"p", "s", "c" (, "in")}: w8a8 repacked at start for the C++ kernel on CPUs with
+         AVX512-VNNI (runtime/cpu_matmul.py), q|k|v and gate|up fused.
 `linear(x, w)` is the one matmul of the decoder: float weights take the plain product.
 """
 
