@@ -184,25 +184,63 @@ inline int64_t block_rows(const Problem& p, int64_t blk, int64_t h, float* kf, f
 
 // One block's online-softmax update for 16 rows: scores sc[t][r] (-inf = masked) become
 // weights; m, l rescale by alpha (returned per row for the accumulators).
+#if defined(__AVX512F__)
+// exp(x) for 16 lanes, x <= 0 or -inf (-> 0): fast_exp's polynomial on whole vectors (GCC
+// does not vectorize the scalar loops over the [t][16] tiles: scalar exps were ~half the
+// cascade's time).
+inline __m512 exp16(__m512 x) {
+  const __mmask16 masked = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(fi), 23));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~masked), _mm512_castsi512_ps(bits));
+}
+
 inline void block_softmax(float (*sc)[16], int64_t BS, float* m, float* l, float* alpha) {
-  alignas(64) float mx[16];
+  const __m512 m0 = _mm512_loadu_ps(m);
+  __m512 mx = m0;
+  for (int64_t t = 0; t < BS; ++t) mx = _mm512_max_ps(mx, _mm512_load_ps(sc[t]));
+  // alpha = exp(m - mx), 0 where m is still -inf (nothing seen yet; avoids -inf - -inf)
+  const __mmask16 seen = _mm512_cmp_ps_mask(m0, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+  const __m512 al = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(m0, mx)));
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l), al);
+  const __mmask16 any = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+  for (int64_t t = 0; t < BS; ++t) {  // rows that saw nothing yet keep weight 0 (no -inf - -inf)
+    const __m512 e = _mm512_maskz_mov_ps(any, exp16(_mm512_sub_ps(_mm512_load_ps(sc[t]), mx)));
+    _mm512_store_ps(sc[t], e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  _mm512_storeu_ps(alpha, al);
+  _mm512_storeu_ps(l, sum);
+  _mm512_storeu_ps(m, mx);
+}
+#else
+inline void block_softmax(float (*sc)[16], int64_t BS, float* m, float* l, float* alpha) {
+  float mx[16];
   for (int r = 0; r < 16; ++r) mx[r] = m[r];
   for (int64_t t = 0; t < BS; ++t)
-#pragma omp simd
     for (int r = 0; r < 16; ++r) mx[r] = std::max(mx[r], sc[t][r]);
-#pragma omp simd
   for (int r = 0; r < 16; ++r) {
     alpha[r] = m[r] == -INFINITY ? 0.0f : fast_exp(m[r] - mx[r]);
     l[r] *= alpha[r];
     m[r] = mx[r];
   }
   for (int64_t t = 0; t < BS; ++t)
-#pragma omp simd
     for (int r = 0; r < 16; ++r) {
       sc[t][r] = sc[t][r] == -INFINITY ? 0.0f : fast_exp(sc[t][r] - mx[r]);
       l[r] += sc[t][r];
     }
 }
+#endif
 
 // Phase 1 (cascade): one KV head, 16 query rows (member sequence, group) at a time against
 // the shared prefix. Each K/V block is read once for 16 rows instead of once per sequence,
