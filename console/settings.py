@@ -25,7 +25,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None              # protects /v1/* (Authorization: Bearer KEY)
-    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    admin_token: str = field(default_factory=lambda: new_token())
     model_name: str = "pagedjax"            # the served model id (/v1/models, `model` field)
     checkpoint: Path = Path(".")
     shutdown_grace_s: float = 30.0          # SIGTERM: in-flight requests get this long to finish
@@ -46,6 +46,12 @@ class ServerSettings:
             raise ValueError(f"port: must be between 0 and 65535, got {self.port}")
 
 
+def new_token() -> str:
+    """A random URL-safe token that never begins with "-": operators paste it after a flag
+    (`--admin-token X`), where argparse would take "-X..." for an option."""
+    return "t" + secrets.token_urlsafe(24)
+
+
 def resolve_admin_token(given: str | None, out: TextIO = sys.stderr) -> tuple[str, bool]:
     """--admin-token, else $PAGEDJAX_ADMIN_TOKEN, else a fresh one printed once to `out`.
 
@@ -54,6 +60,6 @@ def resolve_admin_token(given: str | None, out: TextIO = sys.stderr) -> tuple[st
     token = given or os.environ.get(ADMIN_TOKEN_ENV)
     if token:
         return token, False
-    token = secrets.token_urlsafe(24)
+    token = new_token()
     print(f"admin token: {token}", file=out, flush=True)
     return token, True

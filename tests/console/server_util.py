@@ -148,8 +148,8 @@ def start_server(checkpoint: Path | None, *extra_args: str, env: dict[str, str] 
     random key), a key, or None (no key). admin_token: the same, except None lets the server
     generate one (read back from its "admin token: ..." line). wait_ready=False returns as soon as the socket
     answers (/health may still be 503)."""
-    key = secrets.token_urlsafe(12) if api_key == "auto" else api_key
-    admin = secrets.token_urlsafe(12) if admin_token == "auto" else admin_token
+    key = "k" + secrets.token_urlsafe(12) if api_key == "auto" else api_key  # (never a leading "-")
+    admin = "t" + secrets.token_urlsafe(12) if admin_token == "auto" else admin_token
     for attempt in range(3):  # the free port can be taken between probe and bind
         port = free_port()
         full_env = {k: v for k, v in os.environ.items() if k not in ("PAGEDJAX_API_KEY", "PAGEDJAX_ADMIN_TOKEN")}

@@ -213,7 +213,7 @@ def test_bench_serve_against_pagedjax_serve(tiny_ckpt, tmp_path):
                 "--concurrency", "4", "--max-tokens", "8", "--prefix-words", "40", "--timeout", "120",
                 "--max-duration", "300", "--out", str(out), "--no-progress"]
         if srv.api_key:
-            argv += ["--api-key", srv.api_key]
+            argv += [f"--api-key={srv.api_key}"]  # "=": a random key may begin with "-"
         if report.have_matplotlib():
             argv += ["--plot", str(png)]
         assert main(argv) == 0
