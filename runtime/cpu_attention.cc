@@ -296,10 +296,16 @@ void token_tile(const Problem& p, int64_t t0, int64_t nt, int64_t h) {
     const int64_t rr = std::min<int64_t>(r, nrows - 1), t = t0 + rr / G, g = rr % G;
     lim[r] = p.pos[t];
     for (int i = 0; i < D; ++i) qT[i][r] = p.q[(t * H + h) * G * D + g * D + i];
-    const float* st = p.state + ((t * H + h) * G + g) * (2 + D);
-    m[r] = member ? st[0] : -INFINITY;
-    l[r] = member ? st[1] : 0.0f;
-    for (int i = 0; i < D; ++i) A[r][i] = member ? st[2 + i] : 0.0f;
+    if (member) {  // (state exists only when there is a shared prefix)
+      const float* st = p.state + ((t * H + h) * G + g) * (2 + D);
+      m[r] = st[0];
+      l[r] = st[1];
+      for (int i = 0; i < D; ++i) A[r][i] = st[2 + i];
+    } else {
+      m[r] = -INFINITY;
+      l[r] = 0.0f;
+      for (int i = 0; i < D; ++i) A[r][i] = 0.0f;
+    }
   }
   const int32_t* table = p.tables + s * p.MB;
   const int64_t last = p.pos[t0 + nt - 1] / BS;  // tokens ascend: the tile's last sees the most
@@ -475,10 +481,13 @@ ffi::Error Decode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<con
       }
     }
   }
-  std::vector<float> state(static_cast<size_t>(S * H * G * (2 + D)));
+  // Cascade partials, read only for member rows: none to allocate (and zero) without a shared
+  // prefix (a fresh prefill step would otherwise clear ~1 MB per layer for nothing).
+  const int64_t shared = shared_len.typed_data()[0];
+  std::vector<float> state(shared > 0 ? static_cast<size_t>(S * H * G * (2 + D)) : 0);
   Problem p{q.typed_data(), k, v, k8, v8, ks, vs, kv_lens.typed_data(), block_tables.typed_data(),
-            shared_blocks.typed_data(), suffix_start.typed_data(), shared_len.typed_data()[0],
-            out->typed_data(), state.data(), S, H, G, kd[1], td[1]};
+            shared_blocks.typed_data(), suffix_start.typed_data(), shared, out->typed_data(), state.data(), S, H,
+            G, kd[1], td[1]};
   if (prefill) {
     p.seq_of = seq_of.typed_data();
     p.pos = pos.typed_data();
