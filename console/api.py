@@ -205,8 +205,7 @@ def _chat_prompt(messages: list[S.ChatMessage], tok: Any) -> list[int]:
 def _max_tokens(request: Request, prompt_len: int, asked: int | None, default: int | None,
                 prompt_param: str, param: str = "max_tokens") -> int:
     """An explicit max_tokens must fit the context; a default is clamped to what fits."""
-    llm = request.app.state.engine.engine
-    limit = min(llm.envelope.max_model_len, llm.config.cache.num_tokens)
+    limit = request.app.state.engine.context_limit
     if prompt_len >= limit:
         raise APIError(400, f"{prompt_param}: the prompt is {prompt_len} tokens; this model's maximum context "
                             f"length is {limit} tokens, including at least one generated token",
@@ -234,7 +233,7 @@ def _sampling(body: S.CompletionRequest | S.ChatCompletionRequest, max_tokens: i
         raise APIError.from_value_error(exc) from None
 
 
-def _submit(request: Request, prompts: list[list[int]], params: list[SamplingParams], n: int,
+async def _submit(request: Request, prompts: list[list[int]], params: list[SamplingParams], n: int,
             priority: str) -> Generation:
     st = request.app.state
     rec = record_of(request)
@@ -248,7 +247,7 @@ def _submit(request: Request, prompts: list[list[int]], params: list[SamplingPar
                 if n > 1 and sp.seed is not None:  # distinct but repeatable choices
                     sp = dataclasses.replace(sp, seed=(sp.seed + j) % 2**32)
                 rid = f"{rec.request_id}-{len(gen.jobs)}"  # the console shows these; X-Request-Id-N
-                _, queue = st.engine.submit(ids, sp, request_id=rid, priority=priority)
+                _, queue = await st.engine.asubmit(ids, sp, request_id=rid, priority=priority)
                 gen.jobs.append(Job(len(gen.jobs), p_idx, rid, queue, ids))
     except Overloaded as exc:
         gen.abort_unfinished()
@@ -270,6 +269,9 @@ def _failure(job: Job) -> APIError:
     if job.finish_reason == "abort":
         return APIError(503, "the request was aborted (by an operator, or the server is shutting down)",
                         code="aborted")
+    if (job.error or "").startswith("replica_failed"):  # a fleet replica died under this request
+        return APIError(503, "the replica serving this request failed; retry the request", code="replica_failed",
+                        headers={"Retry-After": "1"})
     # The engine's own message (job.error) is for the server log, not for clients.
     return APIError(500, f"generation failed in the engine; the server log has the details "
                          f"(request {job.request_id})", code="engine_error")
@@ -317,12 +319,12 @@ async def _respond(request: Request, gen: Generation, stream: bool, include_usag
 async def completions(request: Request) -> Response:
     body = S.decode_body(await request.body(), S.CompletionRequest)
     _check_model(request, body.model)
-    tok = request.app.state.engine.engine.tokenizer
+    tok = request.app.state.engine.tokenizer
     prompts = _completion_prompts(body.prompt, tok)
-    vocab = request.app.state.engine.engine.config.model.vocab_size
+    vocab = request.app.state.engine.vocab_size
     params = [_sampling(body, _max_tokens(request, len(p), body.max_tokens, 16, "prompt"), body.logprobs, vocab)
               for p in prompts]
-    gen = _submit(request, prompts, params, body.n, body.priority)
+    gen = await _submit(request, prompts, params, body.n, body.priority)
     rid, created, model = f"cmpl-{gen.record.request_id}", int(time.time()), body.model
     fmt = gen.formatter(tok, body.logprobs is not None, echo=body.echo)
 
@@ -345,14 +347,14 @@ async def chat_completions(request: Request) -> Response:
     _check_model(request, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    tok = request.app.state.engine.engine.tokenizer
+    tok = request.app.state.engine.tokenizer
     ids = _chat_prompt(body.messages, tok)
     lp = (body.top_logprobs or 0) if body.logprobs else None
     by_new_name = body.max_completion_tokens is not None
     mt = _max_tokens(request, len(ids), body.max_completion_tokens if by_new_name else body.max_tokens, None,
                      "messages", "max_completion_tokens" if by_new_name else "max_tokens")
-    vocab = request.app.state.engine.engine.config.model.vocab_size
-    gen = _submit(request, [ids], [_sampling(body, mt, lp, vocab)], body.n, body.priority)
+    vocab = request.app.state.engine.vocab_size
+    gen = await _submit(request, [ids], [_sampling(body, mt, lp, vocab)], body.n, body.priority)
     rid, created, model = f"chatcmpl-{gen.record.request_id}", int(time.time()), body.model
     fmt = gen.formatter(tok, lp is not None)
 
@@ -377,7 +379,7 @@ def _include_usage(body: S.CompletionRequest | S.ChatCompletionRequest) -> bool:
 async def list_models(request: Request) -> Response:
     st = request.app.state
     card = S.ModelCard(st.settings.model_name, int(st.started_at), "pagedjax",
-                       st.engine.engine.envelope.max_model_len, str(st.settings.checkpoint))
+                       st.engine.max_model_len, str(st.settings.checkpoint))
     return Response(S.encode(S.ModelList([card])), media_type="application/json")
 
 

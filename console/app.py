@@ -158,7 +158,7 @@ def health(request: Request) -> Response:
 def metrics(request: Request) -> Response:
     st = request.app.state
     engine = st.get("engine")
-    text = (engine.engine.metrics.render() if engine is not None else b"") + generate_latest(st.http_metrics.registry)
+    text = (engine.render_metrics() if engine is not None else b"") + generate_latest(st.http_metrics.registry)
     return Response(text, media_type=CONTENT_TYPE_LATEST, headers={"Cache-Control": "no-store"})
 
 
@@ -191,7 +191,7 @@ def drain(app: Litestar, grace_s: float) -> None:
     engine = st.get("engine")
     if engine is not None:
         engine.accepting = False
-        if engine.engine.has_unfinished():
+        if engine.has_unfinished():
             log.info("draining: in-flight requests get up to %.0f s to finish", grace_s)
         engine.stop(grace_s)
     st.drained = True
@@ -222,16 +222,22 @@ def _lifespan(factory: Callable[[], LLMEngine] | None):
 
 
 def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
-               engine_factory: Callable[[], LLMEngine] | None = None) -> Litestar:
+               engine_factory: Callable[[], LLMEngine] | None = None, fleet: bool = False) -> Litestar:
     """`engine`: already built (tests; ready at once). `engine_factory`: built and warmed
-    up in the background by the lifespan. Neither: the API answers 503 (console-only tests)."""
+    up in the background by the lifespan. Neither: the API answers 503 (console-only tests).
+    `fleet`: `engine` is a FleetClient (runtime/fleet/gateway.py): the console is the fleet page."""
     http_metrics = HttpMetrics()
     handlers: list = [v1_router(with_security=settings.api_key is not None), health, metrics,
                       create_static_files_router(path="/static", directories=[Path(console.__file__).parent / "static"],
                                                  include_in_schema=False)]
-    from console.admin import admin_router
+    if fleet:
+        from console.fleet_admin import fleet_admin_router
 
-    handlers.append(admin_router())
+        handlers.append(fleet_admin_router())
+    else:
+        from console.admin import admin_router
+
+        handlers.append(admin_router())
     security = {"bearer": SecurityScheme(type="http", scheme="bearer")} if settings.api_key else None
     openapi = OpenAPIConfig(title="pagedjax", version="0.1.0", path="/schema",
                             description="OpenAI-compatible API of the pagedjax serving runtime",

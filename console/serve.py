@@ -29,6 +29,13 @@ def add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API and the operator console",
                        description="Serve the OpenAI-compatible REST API (/v1), /health, /metrics and the "
                                    "operator console (/admin).")
+    add_server_arguments(s)
+    add_engine_arguments(s, serving=True)
+    s.set_defaults(func=cmd_serve)
+
+
+def add_server_arguments(s: argparse.ArgumentParser) -> None:
+    """The HTTP side's flags (shared with `pagedjax fleet serve`)."""
     s.add_argument("--checkpoint", help="checkpoint directory (default: the default model, pulled if missing)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
@@ -40,8 +47,19 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 30)")
     s.add_argument("--no-access-log", action="store_true", help="no JSON access line per request")
-    add_engine_arguments(s, serving=True)
-    s.set_defaults(func=cmd_serve)
+
+
+def server_settings(args: argparse.Namespace, path: Any) -> Any:
+    from console.settings import API_KEY_ENV, ServerSettings, resolve_admin_token
+
+    token, generated = resolve_admin_token(args.admin_token)
+    settings = ServerSettings(
+        host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        admin_token=token, model_name=args.served_model_name or path.resolve().name, checkpoint=path,
+        shutdown_grace_s=args.shutdown_grace, admin_token_generated=generated, access_log=not args.no_access_log)
+    if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without --api-key: anyone who can reach it can use /v1", settings.host)
+    return settings
 
 
 def _configure_access_log() -> None:
@@ -56,7 +74,6 @@ def _configure_access_log() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from console.app import create_app
-    from console.settings import API_KEY_ENV, ServerSettings, resolve_admin_token
     from runtime.cli import resolve_checkpoint
     from runtime.engine import LLMEngine
     from runtime.engine_args import engine_config_from_args
@@ -64,13 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.checkpoint)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a pagedjax checkpoint (no config.json); see `pagedjax pull`")
-    token, generated = resolve_admin_token(args.admin_token)
-    settings = ServerSettings(
-        host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        admin_token=token, model_name=args.served_model_name or path.resolve().name, checkpoint=path,
-        shutdown_grace_s=args.shutdown_grace, admin_token_generated=generated, access_log=not args.no_access_log)
-    if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("serving on %s without --api-key: anyone who can reach it can use /v1", settings.host)
+    settings = server_settings(args, path)
     _configure_access_log()
     llm = LLMEngine.from_checkpoint(path, engine_config_from_args(args), warmup=False, progress=sys.stderr.isatty())
     app = create_app(settings, engine_factory=lambda: llm)

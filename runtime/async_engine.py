@@ -70,7 +70,36 @@ class AsyncEngine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    # --- what the web layer needs to know (runtime/fleet/gateway.py answers the same) ---------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.model.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.envelope.max_model_len
+
+    @property
+    def context_limit(self) -> int:
+        """Longest prompt + output one request may have: the context, or the whole cache."""
+        return min(self.engine.envelope.max_model_len, self.engine.config.cache.num_tokens)
+
+    def render_metrics(self) -> bytes:
+        return self.engine.metrics.render()
+
     # --- requests -----------------------------------------------------------------------
+    async def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any
+                      ) -> tuple[str, asyncio.Queue]:
+        """`submit` for callers that may also be given a fleet (whose admission awaits)."""
+        return self.submit(prompt_ids, params, **kw)
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any) -> tuple[str, asyncio.Queue]:
         """Add a request from the event loop; returns (request id, queue of RequestOutput).
         Raises ValueError / Overloaded synchronously."""

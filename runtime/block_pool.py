@@ -10,6 +10,11 @@ Block states (derived, never stored):
   free   -- ref_count == 0 and no hash
 Cached and free blocks share one free queue in LRU order: allocation takes the head,
 freeing appends to the tail, so the block untouched for longest is evicted first.
+
+Residency events: with `record_events()` the pool logs every change to what its prefix
+cache can serve (a block stored under a hash, a hash evicted or flushed) so a fleet
+router can keep an exact view of which prefixes live on which replica
+(runtime/kv_events.py turns them into vLLM's KV-event format).
 """
 
 from __future__ import annotations
@@ -111,6 +116,17 @@ class BlockPool:
         self.num_evictions = 0
         self.evicted_ages: deque[float] = deque(maxlen=EVICTED_AGES_MAXLEN)
         self.evicted_age_total = 0.0
+        # Residency events (None = not recorded): ("stored", hash, parent, tokens) | ("removed", hash).
+        self.events: list[tuple] | None = None
+
+    def record_events(self) -> None:
+        """Start logging residency events into `self.events` (drain with `take_events`)."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[tuple]:
+        events, self.events = self.events or [], ([] if self.events is not None else None)
+        return events
 
     # ---- counts -------------------------------------------------------------
 
@@ -160,6 +176,8 @@ class BlockPool:
                 self.evicted_ages.append(age)
                 self.evicted_age_total += age
                 del self._index[info.block_hash]
+                if self.events is not None:
+                    self.events.append(("removed", info.block_hash))
                 info.block_hash = None
                 info.token_ids = None
                 self._num_cached -= 1
@@ -234,8 +252,10 @@ class BlockPool:
             info.hits += 1
             info.last_used = now
 
-    def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Register a newly full used block under its hash (first holder wins)."""
+    def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int],
+                    parent: BlockHash | None = None) -> None:
+        """Register a newly full used block under its hash (first holder wins). `parent` is
+        the previous block's hash (only reported in residency events)."""
         if not self.enable_prefix_cache:
             return
         info = self._blocks[block_id]
@@ -254,6 +274,8 @@ class BlockPool:
         info.block_hash = block_hash
         info.token_ids = tuple(token_ids)
         self._index[block_hash] = block_id
+        if self.events is not None:
+            self.events.append(("stored", block_hash, parent, info.token_ids))
 
     def reset_prefix_cache(self) -> int:
         """Operator flush: forget every cached (ref 0) block. Used blocks keep their hashes."""
@@ -263,6 +285,8 @@ class BlockPool:
             info.block_hash = None
             info.token_ids = None
         self._num_cached -= len(dropped)
+        if self.events is not None:
+            self.events.extend(("removed", h) for h in dropped)
         return len(dropped)
 
     # ---- introspection ------------------------------------------------------

@@ -214,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # the web layer is optional for the engine-only install
         pass
     try:
+        from runtime.fleet.serve import add_fleet_parser
+        add_fleet_parser(sub)
+    except ImportError:
+        pass
+    try:
         from runtime.bench.cli import add_bench_parser
         add_bench_parser(sub)
     except ImportError:

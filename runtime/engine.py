@@ -104,6 +104,7 @@ class LLMEngine:
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
                                   config.attention_backend, dtype, config.quantization)
         self.metrics = EngineMetrics()
+        self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
         self.lock = threading.RLock()
         self._tracked: dict[str, _Tracked] = {}
         self._aborts: list[str] = []
@@ -380,6 +381,9 @@ class LLMEngine:
         m.num_requests_waiting.set(s.num_waiting)
         m.num_requests_preempted.set(len(s.resumed))
         m.kv_cache_usage_perc.set(pool.usage())
+        m.vllm_running.set(len(s.running))
+        m.vllm_waiting.set(s.num_waiting)
+        m.vllm_kv_usage.set(pool.usage())
         m.kv_blocks.labels("used").set(pool.num_used_blocks)
         m.kv_blocks.labels("cached").set(pool.num_cached_blocks)
         m.kv_blocks.labels("free").set(pool.num_free_blocks - pool.num_cached_blocks)

@@ -64,6 +64,13 @@ def _default_kv_memory(model: ModelConfig) -> int:
     return CPU_DEFAULT_KV_MEMORY
 
 
+def engine_arg_names() -> list[str]:
+    """The argparse destinations add_engine_arguments defines (a fleet ships them to replicas)."""
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    return [a.dest for a in p._actions if a.dest != "help"]
+
+
 def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig], EngineConfig]:
     """Returns a builder: the model's config is known only once the checkpoint is read."""
 

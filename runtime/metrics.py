@@ -58,6 +58,15 @@ class EngineMetrics:
                                    registry=r)
         self.step_tokens = Histogram(P + "step_tokens", "Tokens per step",
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), registry=r)
+        # The model-server protocol series llm-d's endpoint picker scrapes (vLLM's names),
+        # beside our own; LLMEngine keeps them equal to the pagedjax: gauges.
+        V = "vllm:"
+        self.vllm_waiting = Gauge(V + "num_requests_waiting", "Requests waiting (model-server protocol)", registry=r)
+        self.vllm_running = Gauge(V + "num_requests_running", "Requests running (model-server protocol)", registry=r)
+        self.vllm_kv_usage = Gauge(V + "kv_cache_usage_perc", "KV cache usage 0-1 (model-server protocol)",
+                                   registry=r)
+        self.vllm_cache_config = Gauge(V + "cache_config_info", "KV cache configuration (model-server protocol)",
+                                       ["block_size", "num_gpu_blocks"], registry=r)
         self.window = RecentWindow()
 
     def render(self) -> bytes:

@@ -306,5 +306,6 @@ class Scheduler:
             req.extend_block_hashes(self.bs)
             toks = req.token_ids
             for b in range(req.num_registered_blocks, full):
-                self.pool.cache_block(req.block_ids[b], req.block_hashes[b], toks[b * self.bs:(b + 1) * self.bs])
+                self.pool.cache_block(req.block_ids[b], req.block_hashes[b], toks[b * self.bs:(b + 1) * self.bs],
+                                      req.block_hashes[b - 1] if b else None)
             req.num_registered_blocks = full

@@ -1,0 +1,122 @@
+"""The operator console of `pagedjax fleet serve`: one fleet page under /admin.
+
+Reads come from `FleetClient.snapshot()` (runtime/fleet/gateway.py); writes go only
+through `FleetClient.apply_policy` (admission policy, fleet-wide or one replica) and
+`FleetClient.update_autoscale` (the autoscaler's knobs), both audit-logged. Same login,
+session and CSRF rules as the single-engine console (console/auth.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+from litestar import Request, Router, get, post
+from litestar.response import Redirect, Template
+
+from console.admin import NO_STORE, POLICY_FIELDS, parse_policy_form
+from console.auth import AdminAuth, is_htmx, login, login_form, logout
+
+AUTOSCALE_FIELDS: list[tuple[str, str, type, str]] = [
+    ("min_replicas", "Min replicas", int, "Never scale in below this."),
+    ("max_replicas", "Max replicas", int, "Never scale out above this."),
+    ("target_utilization", "Target utilization", float,
+     "Fraction of each replica's max running sequences the fleet plans to fill; more demand scales out."),
+    ("horizon_s", "Horizon (s)", float,
+     "A new replica's start-up time: scale out when the queue would not clear within it."),
+    ("scale_in_delay_s", "Scale-in delay (s)", float, "Demand must stay low this long before one replica stops."),
+]
+
+
+def _client(request: Request) -> Any:
+    return request.app.state.get("engine")
+
+
+def _render(request: Request, ctx: dict[str, Any], status: int = 200) -> Template:
+    s = request.state.admin_session
+    name = "admin/_fleet_fragment.html" if is_htmx(request) else "admin/fleet.html"
+    ctx = {**ctx, "csrf": s.csrf, "who": s.who, "page": "fleet", "fleet": True, "clock": time.strftime("%H:%M:%S")}
+    return Template(name, context=ctx, status_code=status, headers=NO_STORE)
+
+
+def fleet_ctx(client: Any, **extra: Any) -> dict[str, Any]:
+    snap = client.snapshot()
+    rows = []
+    for st in snap.replicas:
+        used = st.num_blocks - st.free_blocks
+        rows.append({"s": st, "used": used, "cached": st.cached_blocks,
+                     "used_pct": used / st.num_blocks if st.num_blocks else 0.0,
+                     "cached_pct": st.cached_blocks / st.num_blocks if st.num_blocks else 0.0,
+                     "resident": snap.resident_blocks.get(st.replica, 0)})
+    when = lambda t: time.strftime("%H:%M:%S", time.localtime(t))  # noqa: E731
+    return {"snap": snap, "rows": rows, "when": when, "policy_fields": POLICY_FIELDS,
+            "autoscale_fields": AUTOSCALE_FIELDS, "errors": {}, "values": {}, "saved": None, **extra}
+
+
+@get("/", name="fleet_dashboard", sync_to_thread=True)
+def fleet_page(request: Request, saved: str | None = None) -> Template:
+    return _render(request, fleet_ctx(_client(request), saved=saved))
+
+
+def _apply(request: Request, client: Any, form: dict[str, Any]) -> Any:
+    changes, errors, raw = parse_policy_form(form, client)
+    replica = (form.get("replica") or "").strip() or None
+    if replica is not None and replica not in {s.replica for s in client.view.live()}:
+        errors["replica"] = f"unknown replica {replica!r}"
+    if not errors and changes:
+        try:
+            client.apply_policy(request.state.admin_session.who, changes, replica)
+        except ValueError as exc:
+            errors["policy"] = str(exc)
+    if errors:
+        return _render(request, fleet_ctx(client, errors=errors, values=raw), 422)
+    saved = f"policy applied to {replica or 'all replicas'}" if changes else "no change"
+    if not is_htmx(request):
+        return Redirect(f"/admin?saved={saved.replace(' ', '+')}", status_code=303)
+    return _render(request, fleet_ctx(client, saved=saved))
+
+
+@post("/fleet/policy", name="fleet_policy", status_code=200)
+async def fleet_policy(request: Request) -> Any:
+    form = dict(await request.form())
+    return await asyncio.to_thread(_apply, request, _client(request), form)
+
+
+@post("/fleet/autoscale", name="fleet_autoscale", status_code=200)
+async def fleet_autoscale(request: Request) -> Any:
+    client = _client(request)
+    form = dict(await request.form())
+    knobs: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for name, _, typ, _ in AUTOSCALE_FIELDS:
+        text = str(form.get(name, "")).strip()
+        if not text:
+            continue
+        try:
+            value = typ(text)
+        except ValueError:
+            errors[name] = "must be a number" if typ is float else "must be a whole number"
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            errors[name] = "must be a finite number"
+            continue
+        knobs[name] = value
+    if not errors:
+        try:
+            await asyncio.to_thread(client.update_autoscale, request.state.admin_session.who, knobs)
+        except ValueError as exc:
+            errors["autoscale"] = str(exc)
+    if errors:
+        return _render(request, fleet_ctx(client, errors=errors, values={k: str(form.get(k, "")) for k in form}), 422)
+    if not is_htmx(request):
+        return Redirect("/admin?saved=autoscaler+updated", status_code=303)
+    return _render(request, fleet_ctx(client, saved="autoscaler updated"))
+
+
+def fleet_admin_router() -> Router:
+    auth = AdminAuth()
+    return Router(path="/admin", route_handlers=[login_form, login, logout, fleet_page, fleet_policy,
+                                                 fleet_autoscale],
+                  before_request=auth.before_request, opt={"admin_auth": auth}, include_in_schema=False)

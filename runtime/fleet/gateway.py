@@ -1,0 +1,317 @@
+"""The fleet's gateway side: the same interface the web layer uses for one engine
+(`asubmit`, `abort`, model facts, metrics), backed by N Ray Serve replicas.
+
+A request is tokenized once (by the web layer) and hashed here with the engine's own
+chained block hash; the fleet admission check asks `VIEW.decide` whether any replica
+can hold it. If none can, it waits in the fleet queue (bounded: 429 with Retry-After
+beyond `queue_cap`, or after `queue_timeout_s`). Then the DeploymentHandle sends it,
+and Ray Serve asks our router (runtime/fleet/router.py) which replica takes it. The
+first item of the stream says accepted or rejected, so 400/429 are real HTTP statuses.
+A replica dying mid-stream ends its streams with an error output; a request it had
+not accepted yet is sent again (Ray routes around the dead replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from runtime.block_pool import hash_prompt_blocks
+from runtime.engine import RequestOutput
+from runtime.fleet.policy import ReplicaStats, RouteRequest
+from runtime.fleet.router import VIEW, FleetView, RoutingRecord
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Overloaded
+
+log = logging.getLogger("pagedjax.fleet")
+
+REPLICA_FAILED = "replica_failed"
+
+
+def _is_replica_death(exc: BaseException) -> bool:
+    import ray.exceptions as rex
+
+    return isinstance(exc, (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError))
+
+
+def relabel_metrics(texts: dict[str, bytes]) -> bytes:
+    """Merge replicas' Prometheus texts into one exposition, every sample labelled
+    replica="<id>" (families merged, so each family appears once)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    for replica, text in sorted(texts.items()):
+        for fam in text_string_to_metric_families(text.decode()):
+            # The text format names a counter's family after its `_total` sample; the
+            # optional `_created` timestamps are left out.
+            name = fam.name + "_total" if fam.type == "counter" else fam.name
+            doc, typ, lines = families.setdefault(name, (fam.documentation, fam.type, []))
+            for s in fam.samples:
+                if s.name.endswith("_created"):
+                    continue
+                labels = {"replica": replica, **s.labels}
+                body = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+                lines.append(f"{s.name}{{{body}}} {_num(s.value)}")
+    out = []
+    for name, (doc, typ, lines) in families.items():
+        out += [f"# HELP {name} {doc}", f"# TYPE {name} {typ}", *lines]
+    return ("\n".join(out) + "\n").encode() if out else b""
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(v: float) -> str:
+    return repr(float(v)) if v == v and v not in (float("inf"), float("-inf")) else (
+        "NaN" if v != v else ("+Inf" if v > 0 else "-Inf"))
+
+
+@dataclass(frozen=True)
+class FleetAudit:
+    time: float
+    who: str
+    scope: str                      # "all replicas", a replica id, or "autoscaler"
+    changes: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """What the fleet console reads (one model, no Ray objects)."""
+
+    time: float
+    replicas: list[ReplicaStats]
+    resident_blocks: dict[str, int]        # blocks the router believes each replica caches
+    decisions: list[RoutingRecord]         # newest first
+    reasons: dict[str, int]
+    scale_history: list[dict[str, Any]]    # newest first
+    queued: int
+    queue_cap: int
+    rejected: int
+    audit: list[FleetAudit]                # newest first
+    policy: dict[str, Any]
+    autoscale: dict[str, Any] | None       # knobs, or None when the replica count is fixed
+
+
+class FleetClient:
+    def __init__(self, handle: Any, hub: Any, tokenizer: Any, vocab_size: int, max_model_len: int,
+                 context_limit: int, block_size: int, *, queue_cap: int = 256, queue_timeout_s: float = 30.0,
+                 pull_s: float = 0.1, view: FleetView = VIEW, policy: Any = None, envelope: Any = None,
+                 autoscale: dict[str, Any] | None = None,
+                 rescale: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.handle, self.hub, self.view = handle, hub, view
+        self.policy, self.envelope = policy, envelope  # the fleet-wide admission policy (console form)
+        self.autoscale, self._rescale = autoscale, rescale
+        self.audit: list[FleetAudit] = []
+        self.lock = threading.RLock()
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.max_model_len, self.context_limit, self.block_size = max_model_len, context_limit, block_size
+        self.queue_cap, self.queue_timeout_s, self.pull_s = queue_cap, queue_timeout_s, pull_s
+        self.accepting = True
+        self.queued = 0                     # requests waiting in the fleet queue (no replica had room)
+        self.rejected = 0
+        self._streams: dict[str, tuple[Any, asyncio.Task]] = {}
+        self._metrics: dict[str, bytes] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.scale_history: list[dict[str, Any]] = []
+
+    # --- lifecycle (the app's lifespan calls these) ----------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._pump, name="pagedjax-fleet-pump", daemon=True)
+            self._thread.start()
+
+    def _pump(self) -> None:
+        """Pull the hub: KV events and stats every `pull_s`, metrics and the autoscaler's log
+        every second."""
+        import ray
+
+        last_slow = 0.0
+        while not self._stop.is_set():
+            try:
+                self.view.apply_pull(ray.get(self.hub.pull.remote(self.view.seq), timeout=10))
+                if time.monotonic() - last_slow > 1.0:
+                    last_slow = time.monotonic()
+                    self._metrics = ray.get(self.hub.replica_metrics.remote(), timeout=10)
+                    self.scale_history = ray.get(self.hub.scale_history.remote(), timeout=10)
+            except Exception as exc:  # noqa: BLE001 -- the hub restarting must not kill the gateway
+                log.warning("fleet hub pull failed: %s", exc)
+                self._stop.wait(1.0)
+            self._stop.wait(self.pull_s)
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        self.accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for rid in list(self._streams):
+            self.abort(rid)
+        self._stop.set()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._streams)
+
+    # --- requests ------------------------------------------------------------------------------
+    def route_request(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str | None) -> RouteRequest:
+        hashes = hash_prompt_blocks(prompt_ids, self.block_size, (cache_salt,) if cache_salt else ())
+        usable = (len(prompt_ids) - 1) // self.block_size  # the engine recomputes the last token
+        return RouteRequest(tuple(hashes[:usable]), len(prompt_ids), params.max_tokens)
+
+    async def _admit(self, req: RouteRequest) -> None:
+        """Wait in the fleet queue until some replica can hold the request."""
+        if not self.view.live():
+            return  # no stats yet: the replicas' own queues decide
+        d = self.view.decide(req)
+        if d.replica is not None:
+            return
+        if self.queued >= self.queue_cap:
+            self.rejected += 1
+            raise Overloaded("fleet_full", f"no replica can hold the request ({d.describe()}) and the fleet "
+                                           f"queue is full ({self.queued} waiting)")
+        self.queued += 1
+        try:
+            deadline = time.monotonic() + self.queue_timeout_s
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                if not self.accepting:
+                    raise Overloaded("draining", "the fleet is draining")
+                if self.view.decide(req).replica is not None:
+                    return
+            self.rejected += 1
+            raise Overloaded("fleet_full", f"no replica could hold the request within {self.queue_timeout_s:.0f} s")
+        finally:
+            self.queued -= 1
+
+    async def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str,
+                      priority: str = "interactive", cache_salt: str | None = None) -> tuple[str, asyncio.Queue]:
+        if not self.accepting:
+            raise Overloaded("draining", "the fleet is draining")
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("prompt: must contain at least one token")
+        req = self.route_request(prompt_ids, params, cache_salt)
+        await self._admit(req)
+        payload = {"prompt_ids": [int(t) for t in prompt_ids], "params": params, "request_id": request_id,
+                   "priority": priority, "cache_salt": cache_salt,
+                   "route": {"block_hashes": list(req.block_hashes), "prompt_tokens": req.prompt_tokens,
+                             "max_tokens": req.max_tokens}}
+        for attempt in range(3):
+            gen = self.handle.options(stream=True).generate.remote(payload)
+            try:
+                first = await gen.__anext__()
+                break
+            except StopAsyncIteration:
+                raise RuntimeError("the replica closed the stream before accepting") from None
+            except Exception as exc:  # noqa: BLE001
+                if attempt < 2 and _is_replica_death(exc):
+                    log.warning("request %s: replica died before accepting it; sending it again", request_id)
+                    continue
+                raise
+        if "rejected" in first:
+            if first["rejected"] == "overloaded":
+                raise Overloaded(first.get("reason", "overloaded"), first["message"])
+            raise ValueError(first["message"])
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        task = asyncio.ensure_future(self._forward(request_id, first["accepted"], gen, queue))
+        self._streams[request_id] = (gen, task)
+        return request_id, queue
+
+    async def _forward(self, rid: str, replica: str, gen: Any, queue: asyncio.Queue) -> None:
+        finished = False
+        try:
+            async for outs in gen:
+                for out in outs:
+                    queue.put_nowait(out)
+                    finished = finished or out.finished
+            if not finished:
+                raise RuntimeError("the stream ended without a finished output")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- becomes the stream's error event
+            if _is_replica_death(exc):
+                self.view.mark_dead(replica)
+            log.error("request %s: replica %s failed mid-stream: %s", rid, replica, type(exc).__name__)
+            queue.put_nowait(RequestOutput(rid, [], "", finished=True, finish_reason="error",
+                                           error=f"{REPLICA_FAILED}: replica {replica}: {type(exc).__name__}"))
+        finally:
+            self._streams.pop(rid, None)
+
+    def abort(self, request_id: str) -> None:
+        entry = self._streams.pop(request_id, None)
+        if entry is not None:
+            gen, task = entry
+            gen.cancel()   # cancels the replica's generator, which aborts the engine request
+            task.cancel()
+
+    # --- operator actions --------------------------------------------------------------------------
+    def apply_policy(self, who: str, changes: dict[str, Any], replica: str | None = None) -> None:
+        """Validate against the envelope, then queue the change for one replica or all (each
+        applies it at its next step boundary). Raises ValueError naming the field."""
+        import ray
+
+        new = self.policy.replace(self.envelope, **changes)
+        targets = [replica] if replica else [s.replica for s in self.view.live()]
+        if replica and replica not in targets:
+            raise ValueError(f"replica: unknown replica {replica!r}")
+        for r in targets:
+            ray.get(self.hub.command.remote(r, who, changes), timeout=10)
+        with self.lock:
+            if replica is None:
+                self.policy = new
+            self.audit.append(FleetAudit(time.time(), who, replica or "all replicas", dict(changes)))
+        log.info("policy change by %s for %s: %s", who, replica or "all replicas", changes)
+
+    def update_autoscale(self, who: str, knobs: dict[str, Any]) -> dict[str, Any]:
+        """Validate and apply new autoscaler knobs (Ray Serve updates the deployment in place)."""
+        from runtime.fleet.policy import ScaleKnobs
+
+        if self.autoscale is None or self._rescale is None:
+            raise ValueError("autoscale: this fleet runs a fixed replica count (start it with --max-replicas)")
+        merged = {**self.autoscale, **knobs}
+        ScaleKnobs(**merged).validate()
+        self._rescale(merged)
+        with self.lock:
+            old = self.autoscale
+            self.autoscale = merged
+            self.audit.append(FleetAudit(time.time(), who, "autoscaler",
+                                         {k: (old.get(k), v) for k, v in knobs.items() if old.get(k) != v}))
+        return merged
+
+    # --- views -----------------------------------------------------------------------------------
+    def snapshot(self) -> FleetSnapshot:
+        live = self.view.live()
+        with self.lock:
+            audit = list(reversed(self.audit))
+            policy = self.policy.to_json() if self.policy is not None else {}
+            auto = dict(self.autoscale) if self.autoscale else None
+        return FleetSnapshot(time.time(), live, {s.replica: self.view.residency.num_blocks(s.replica) for s in live},
+                             list(reversed(self.view.decisions)), dict(self.view.reasons),
+                             list(reversed(self.scale_history)), self.queued, self.queue_cap, self.rejected, audit,
+                             policy, auto)
+
+    def render_metrics(self) -> bytes:
+        """Every replica's series labelled by replica, then the gateway's own."""
+        live = self.view.live()
+        lines = [
+            "# HELP pagedjax:fleet_replicas Replicas reporting to the gateway",
+            "# TYPE pagedjax:fleet_replicas gauge", f"pagedjax:fleet_replicas {len(live)}",
+            "# HELP pagedjax:fleet_queue_len Requests waiting in the fleet queue (no replica had room)",
+            "# TYPE pagedjax:fleet_queue_len gauge", f"pagedjax:fleet_queue_len {self.queued}",
+            "# HELP pagedjax:fleet_rejections Requests refused with 429 by the fleet admission check",
+            "# TYPE pagedjax:fleet_rejections counter", f"pagedjax:fleet_rejections_total {self.rejected}",
+            "# HELP pagedjax:fleet_routing_decisions Routing decisions by reason",
+            "# TYPE pagedjax:fleet_routing_decisions counter",
+            *(f'pagedjax:fleet_routing_decisions_total{{reason="{r}"}} {n}'
+              for r, n in sorted(self.view.reasons.items())),
+        ]
+        return relabel_metrics(self._metrics) + ("\n".join(lines) + "\n").encode()

@@ -1,0 +1,199 @@
+"""One fleet replica: a Ray Serve deployment that owns one engine and its KV cache.
+
+The gateway calls `generate` through a DeploymentHandle (streaming); the prefix-aware
+router (runtime/fleet/router.py) picks the replica from what `record_routing_stats`
+reports and from the KV events this replica publishes. A background task pushes, every
+`report_s`, the pool's residency events (vLLM's KV-event format), its stats and its
+Prometheus text to the fleet hub (runtime/fleet/hub.py), so the gateway can label every
+series by replica and the console can show each one.
+
+Nothing here imports jax at module level: the replica pins its CPUs first (two replicas
+sharing a small machine each get their own cores), then builds the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import time
+from typing import Any, AsyncIterator
+
+from runtime.fleet.policy import ReplicaStats
+
+log = logging.getLogger("pagedjax.fleet.replica")
+
+HUB_NAME = "pagedjax-fleet-hub"
+NAMESPACE = "pagedjax"
+
+
+def pin_cpus(threads: int, rank: int) -> list[int] | None:
+    """Give replica `rank` its own `threads` cores (round-robin over the allowed ones) so
+    XLA's pool and the C++ kernels size themselves to them (both read the affinity)."""
+    if threads <= 0 or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    mine = [cpus[(rank * threads + i) % len(cpus)] for i in range(min(threads, len(cpus)))]
+    os.sched_setaffinity(0, set(mine))
+    return mine
+
+
+def replica_stats(engine: Any, name: str, draining: bool = False, window_s: float = 10.0) -> ReplicaStats:
+    """The routing view of one engine (caller need not hold the lock)."""
+    with engine.lock:
+        pool, sched, policy = engine.pool, engine.scheduler, engine.policy
+        waiting = sched.waiting_requests()
+        queued = sum(len(r.prompt_ids) + r.params.max_tokens for r in waiting)
+        steps = [s for s in engine.metrics.window.recent(engine.metrics.window.steps, window_s) if s.num_tokens]
+        c = sched.counters
+        return ReplicaStats(
+            replica=name, num_blocks=pool.num_blocks, block_size=pool.block_size,
+            free_blocks=pool.num_free_blocks, watermark_blocks=math.ceil(policy.watermark * pool.num_blocks),
+            running=len(sched.running), waiting=len(waiting), max_num_seqs=policy.max_num_seqs,
+            admission_mode=policy.admission_mode,
+            step_time_s=sum(s.step_time for s in steps) / len(steps) if steps else 0.0,
+            tokens_per_step=sum(s.num_tokens for s in steps) / len(steps) if steps else 0.0,
+            cached_blocks=pool.num_cached_blocks,
+            prefix_hit_rate=c.prefix_hits / c.prefix_queries if c.prefix_queries else 0.0,
+            queued_tokens=queued, time=time.time(), draining=draining)
+
+
+class EngineReplica:
+    """The deployment's class (wrapped with `serve.deployment` by runtime/fleet/serve.py)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        self.name = ctx.replica_id.unique_id
+        rank = getattr(getattr(ctx, "rank", None), "local_rank", 0) or 0
+        self.cpus = pin_cpus(int(spec.get("threads", 0)), rank)
+        from runtime.cli import quiet_libraries
+
+        quiet_libraries()  # also enables the persistent compilation cache
+        from pathlib import Path
+
+        from runtime.async_engine import AsyncEngine
+        from runtime.engine import LLMEngine
+        from runtime.engine_args import engine_config_from_args
+
+        args = argparse.Namespace(**spec["engine_args"])
+        t0 = time.monotonic()
+        llm = LLMEngine.from_checkpoint(Path(spec["checkpoint"]), engine_config_from_args(args), warmup=False,
+                                        progress=False)
+        llm.pool.record_events()
+        llm.pool.events.append(("cleared",))  # a fresh replica holds nothing: say so first
+        if spec.get("warmup", True):
+            llm.warmup(progress=False)
+        self.llm, self.engine = llm, AsyncEngine(llm)
+        self.engine.start()
+        self.draining = False
+        self.report_s = float(spec.get("report_s", 0.2))
+        self.metrics_every = max(1, int(1.0 / self.report_s))
+        self._hub = None
+        self._pump = asyncio.get_event_loop().create_task(self._report_loop())
+        log.info("replica %s ready on cpus %s in %.1f s", self.name, self.cpus, time.monotonic() - t0)
+
+    # --- requests ------------------------------------------------------------------------------
+    async def generate(self, req: dict[str, Any]) -> AsyncIterator[Any]:
+        """First item: {"accepted": replica} or {"rejected": kind, ...} (so the gateway can
+        answer 429/400 before its first byte); then lists of RequestOutput."""
+        from runtime.scheduler import Overloaded
+
+        if self.draining:
+            yield {"rejected": "overloaded", "reason": "draining", "message": "replica is draining"}
+            return
+        try:
+            rid, queue = self.engine.submit(req["prompt_ids"], req["params"], request_id=req["request_id"],
+                                            priority=req.get("priority", "interactive"),
+                                            cache_salt=req.get("cache_salt"))
+        except Overloaded as exc:
+            yield {"rejected": "overloaded", "reason": exc.reason, "message": str(exc)}
+            return
+        except ValueError as exc:
+            yield {"rejected": "invalid", "message": str(exc)}
+            return
+        yield {"accepted": self.name}
+        finished = False
+        try:
+            while not finished:
+                outs = [await queue.get()]
+                while not queue.empty():
+                    outs.append(queue.get_nowait())
+                finished = outs[-1].finished
+                yield outs
+        finally:  # the gateway cancelled the stream (client gone) or the replica is stopping
+            if not finished:
+                self.engine.abort(rid)
+
+    # --- what the router, the autoscaler and the hub read -------------------------------------
+    def stats(self) -> ReplicaStats:
+        return replica_stats(self.llm, self.name, self.draining)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return self.stats().to_dict()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        s = self.stats()
+        return {"running": float(s.running), "waiting": float(s.waiting), "queued_tokens": float(s.queued_tokens),
+                "step_time_s": s.step_time_s, "max_num_seqs": float(s.max_num_seqs)}
+
+    def check_health(self) -> None:
+        if not self.engine.running:
+            raise RuntimeError("the engine thread stopped")
+
+    def update_policy(self, who: str, changes: dict[str, Any]) -> dict[str, Any]:
+        return self.llm.update_policy(who, **changes).to_json()
+
+    def _hub_handle(self) -> Any:
+        if self._hub is None:
+            import ray
+
+            try:
+                self._hub = ray.get_actor(HUB_NAME, namespace=NAMESPACE)
+            except ValueError:
+                return None
+        return self._hub
+
+    async def _report_loop(self) -> None:
+        from runtime.kv_events import encode_batch, to_vllm_events
+
+        n = 0
+        while True:
+            raw: list = []
+            try:
+                with self.llm.lock:
+                    raw = self.llm.pool.take_events()
+                hub = self._hub_handle()
+                if hub is None:
+                    raise LookupError("no fleet hub yet")
+                batch = encode_batch(to_vllm_events(raw, self.llm.pool.block_size)) if raw else None
+                metrics = self.llm.metrics.render() if n % self.metrics_every == 0 else None
+                commands = await hub.report.remote(self.name, self.stats().to_dict(), batch, metrics)
+                raw = []
+                for who, changes in commands or ():
+                    try:
+                        self.llm.update_policy(who, **changes)
+                    except ValueError as exc:
+                        log.warning("policy change from %s refused: %s", who, exc)
+                n += 1
+            except asyncio.CancelledError:
+                raise
+            except LookupError:
+                pass
+            except Exception:  # noqa: BLE001 -- the hub restarting must not stop serving
+                log.exception("report to the fleet hub failed")
+            finally:
+                if raw:  # not delivered: keep the events, in order, for the next report
+                    with self.llm.lock:
+                        self.llm.pool.events[:0] = raw
+            await asyncio.sleep(self.report_s)
+
+    async def __del__(self) -> None:
+        """Ray Serve calls this after the graceful-shutdown wait (no request left, or the
+        timeout): stop the engine, aborting what is left."""
+        self.draining = True
+        self._pump.cancel()
+        await asyncio.to_thread(self.engine.stop, 0.0)

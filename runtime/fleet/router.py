@@ -1,0 +1,164 @@
+"""The prefix-aware routing decision and the fleet view it reads.
+
+Ray Serve runs the request router (runtime/fleet/ray_router.py, which calls `choose`)
+inside the DeploymentHandle, i.e. in the gateway's process, so it shares `VIEW` (the fleet as the gateway sees it: replica stats, cache residency
+from KV events, what was routed since the last stats, the last decisions) with the
+gateway's admission check and console. The decision itself is `policy.route`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.fleet.policy import Decision, ReplicaStats, RouteRequest, route
+from runtime.kv_events import Residency, decode_batch
+
+DECISIONS_KEPT = 200
+
+
+@dataclass(frozen=True)
+class RoutingRecord:
+    time: float
+    request_id: str
+    replica: str | None
+    reason: str
+    matched_blocks: int
+    prompt_blocks: int
+    detail: str
+
+
+class FleetView:
+    """The gateway process's picture of the fleet. Thread-safe (router loop, event pump
+    and web handlers run on different threads)."""
+
+    def __init__(self, imbalance: int = 16, stale_s: float = 5.0) -> None:
+        self.residency = Residency()
+        self.imbalance = imbalance
+        self.stale_s = stale_s
+        self._stats: dict[str, ReplicaStats] = {}
+        self._seen: dict[str, float] = {}
+        self._routed: dict[str, deque[tuple[float, int]]] = {}
+        self._lock = threading.Lock()
+        self._turn = itertools.count()
+        self.decisions: deque[RoutingRecord] = deque(maxlen=DECISIONS_KEPT)
+        self.seq = 0
+        self.dead: set[str] = set()
+        self.reasons: Counter[str] = Counter()
+
+    # --- feeds -------------------------------------------------------------------------------
+    def update_stats(self, stats: ReplicaStats, seen: float | None = None) -> None:
+        with self._lock:
+            old = self._stats.get(stats.replica)
+            if old is None or stats.time >= old.time:
+                self._stats[stats.replica] = stats
+            self._seen[stats.replica] = seen or stats.time
+
+    def apply_pull(self, pulled: dict[str, Any]) -> None:
+        """One answer of FleetHub.pull: event batches in order, then the latest stats."""
+        if pulled.get("gap"):  # events were lost: start over from what comes next
+            for r in list(self._stats):
+                self.residency.forget(r)
+        for _, replica, data in pulled["batches"]:
+            if replica not in self.dead:
+                self.residency.apply(replica, decode_batch(data))
+        for replica, st in pulled["stats"].items():
+            if replica not in self.dead:
+                self.update_stats(ReplicaStats.from_dict(st), pulled["seen"].get(replica))
+        self.seq = pulled["seq"]
+
+    def mark_dead(self, replica: str) -> None:
+        with self._lock:
+            self.dead.add(replica)
+            self._stats.pop(replica, None)
+            self._routed.pop(replica, None)
+        self.residency.forget(replica)
+
+    # --- reads -------------------------------------------------------------------------------
+    def live(self, names: set[str] | None = None) -> list[ReplicaStats]:
+        now = time.time()
+        with self._lock:
+            return [s for r, s in sorted(self._stats.items())
+                    if (names is None or r in names) and now - self._seen.get(r, 0) < self.stale_s]
+
+    def stats(self, replica: str) -> ReplicaStats | None:
+        with self._lock:
+            return self._stats.get(replica)
+
+    def _pending(self, replica: str) -> tuple[int, int]:
+        """Blocks and requests routed to `replica` after its last stats were taken."""
+        st = self._stats.get(replica)
+        since = st.time if st else 0.0
+        q = self._routed.get(replica, ())
+        recent = [b for t, b in q if t > since]
+        return sum(recent), len(recent)
+
+    def decide(self, req: RouteRequest, names: set[str] | None = None) -> Decision:
+        replicas = self.live(names)
+        with self._lock:
+            pending = {s.replica: self._pending(s.replica) for s in replicas}
+        return route(req, replicas, lambda r: self.residency.matched(r, req.block_hashes),
+                     lambda r: pending[r][0], lambda r: pending[r][1], self.imbalance, next(self._turn))
+
+    def note_routed(self, request_id: str, req: RouteRequest, d: Decision) -> None:
+        now = time.time()
+        if d.replica is not None:
+            st = self.stats(d.replica)
+            blocks = 0 if st is None else max(0, -(-(req.prompt_tokens + (
+                req.max_tokens if st.admission_mode == "reserve" else 0)) // st.block_size) - d.matched_blocks)
+            with self._lock:
+                q = self._routed.setdefault(d.replica, deque(maxlen=4096))
+                q.append((now, blocks))
+            # Its blocks will be there within a step: the next request with this prefix
+            # follows instead of racing the events.
+            self.residency.expect(d.replica, req.block_hashes)
+        self.reasons[d.reason] += 1
+        self.decisions.append(RoutingRecord(now, request_id, d.replica, d.reason, d.matched_blocks,
+                                            len(req.block_hashes), d.describe()))
+
+
+VIEW = FleetView()
+
+
+def _route_request(pending_request: Any) -> tuple[str, RouteRequest] | None:
+    args = getattr(pending_request, "args", None) or ()
+    payload = args[0] if args and isinstance(args[0], dict) else None
+    if payload is None or "route" not in payload:
+        return None
+    r = payload["route"]
+    return payload.get("request_id", "?"), RouteRequest(tuple(r["block_hashes"]), r["prompt_tokens"],
+                                                        r["max_tokens"])
+
+
+def choose(candidate_replicas: list, pending_request: Any = None) -> list[list]:
+    """The body of PrefixAwareRouter.choose_replicas: ranks of Ray's RunningReplica."""
+    if not candidate_replicas:
+        return []
+    by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+    for r in candidate_replicas:  # Ray's own stats channel (record_routing_stats)
+        st = getattr(r, "routing_stats", None)
+        if st and "replica" in st:
+            VIEW.update_stats(ReplicaStats.from_dict(st))
+    parsed = _route_request(pending_request)
+    if parsed is None:  # not a generate call: any replica will do
+        return [candidate_replicas]
+    request_id, req = parsed
+    d = VIEW.decide(req, set(by_name))
+    if d.replica is None or d.replica not in by_name:
+        # No stats yet (a replica just started) or none has room: let the replicas' own
+        # queues take it, most headroom first; the gateway already applied the fleet cap.
+        def headroom(r: Any) -> int:
+            st = VIEW.stats(r.replica_id.unique_id)
+            return st.headroom_blocks if st else 0
+
+        ranked = sorted(candidate_replicas, key=lambda r: -headroom(r))
+        d = Decision(ranked[0].replica_id.unique_id, "tie", 0, d.skipped)
+        VIEW.note_routed(request_id, req, d)
+        return [ranked[:1], ranked[1:]] if len(ranked) > 1 else [ranked]
+    VIEW.note_routed(request_id, req, d)
+    rest = [r for n, r in by_name.items() if n != d.replica]
+    return [[by_name[d.replica]], rest] if rest else [[by_name[d.replica]]]

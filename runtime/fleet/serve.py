@@ -1,0 +1,264 @@
+"""`pagedjax fleet serve`: the OpenAI API, /health, /metrics and the console in front of
+N engine replicas on Ray Serve.
+
+The gateway (this process) runs the same Litestar app as `pagedjax serve`, with a
+FleetClient in place of the engine. `--replicas N` starts a local Ray instance;
+`--address` (or RAY_ADDRESS) joins an existing cluster. Each replica is one Ray Serve
+replica of the `engine` deployment, routed by PrefixAwareRouter, reporting to the
+FleetHub actor. With --max-replicas above --min-replicas the proactive autoscaler
+(runtime/fleet/autoscale.py) sizes the deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("pagedjax.fleet")
+
+APP_NAME = "pagedjax"
+DEPLOYMENT = "engine"
+
+
+def add_fleet_parser(sub: Any) -> None:
+    from console.serve import add_server_arguments
+    from runtime.engine_args import add_engine_arguments
+
+    f = sub.add_parser("fleet", help="serve across replicas on Ray Serve (prefix-aware router, autoscaler)")
+    fsub = f.add_subparsers(dest="fleet_command", required=True)
+    s = fsub.add_parser("serve", help="the OpenAI API and console in front of N engine replicas",
+                        description="Serve the OpenAI API, /health, /metrics and the console in front of N "
+                                    "replicas on Ray Serve, routed by longest cached prefix, then most free blocks.")
+    add_server_arguments(s)
+    g = s.add_argument_group("fleet")
+    g.add_argument("--replicas", type=int, default=2, help="replicas at start (default 2)")
+    g.add_argument("--address", default=None,
+                   help="join this Ray cluster (default: $RAY_ADDRESS, else start a local Ray instance)")
+    g.add_argument("--threads-per-replica", type=int, default=0,
+                   help="CPU cores each replica pins and sizes XLA to (default: cores / replicas on a local "
+                        "instance; 0 on a cluster = all the node gives it)")
+    g.add_argument("--router", choices=("prefix", "default"), default="prefix",
+                   help="prefix: the KV-aware router; default: Ray Serve's power-of-two-choices (for comparison)")
+    g.add_argument("--imbalance", type=int, default=16,
+                   help="skip a replica whose queue is this many requests longer than the least loaded one's")
+    g.add_argument("--fleet-queue-cap", type=int, default=256,
+                   help="requests that may wait at the gateway while no replica has room; beyond: 429")
+    g.add_argument("--fleet-queue-timeout", type=float, default=30.0)
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling floor (default: --replicas)")
+    g.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscaling ceiling; above --min-replicas turns the autoscaler on")
+    g.add_argument("--scale-horizon", type=float, default=60.0,
+                   help="seconds a new replica takes to start: the queue must clear within it")
+    g.add_argument("--scale-in-delay", type=float, default=60.0)
+    g.add_argument("--target-utilization", type=float, default=0.8)
+    g.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="seconds a replica being scaled in gets to finish its requests")
+    add_engine_arguments(s, serving=True)
+    s.set_defaults(func=cmd_fleet_serve)
+
+
+def _one_line(exc: BaseException) -> str:
+    """Ray wraps a replica's start-up failure in pages of traceback; keep its last error line."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    errs = [ln for ln in lines if ":" in ln and ln.split(":", 1)[0].replace(".", "").isidentifier()
+            and ln.split(":", 1)[0].split(".")[-1].endswith(("Error", "Exception"))]
+    return (errs[-1] if errs else (lines[-1] if lines else type(exc).__name__))[:400]
+
+
+def deployment_options(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    from ray.serve.config import RequestRouterConfig
+
+    opts: dict[str, Any] = {
+        "name": DEPLOYMENT,
+        "max_ongoing_requests": 100_000,    # the engine queues and admits; Ray must not hold requests back
+        "ray_actor_options": {"num_cpus": threads or 1},
+        "graceful_shutdown_timeout_s": args.drain_timeout,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 30.0,
+    }
+    if args.router == "prefix":
+        from runtime.fleet.ray_router import PrefixAwareRouter
+
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAwareRouter,
+            request_router_kwargs={"imbalance": args.imbalance},
+            request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5.0)
+    lo = args.min_replicas or args.replicas
+    hi = args.max_replicas or args.replicas
+    if hi > lo:
+        from runtime.fleet.autoscale import ProactivePolicy
+
+        opts["autoscaling_config"] = {
+            "min_replicas": lo, "max_replicas": hi, "initial_replicas": args.replicas,
+            "upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "look_back_period_s": 2.0,
+            "metrics_interval_s": 0.5,
+            "policy": {"policy_function": ProactivePolicy,
+                       "policy_kwargs": {"min_replicas": lo, "max_replicas": hi,
+                                         "horizon_s": args.scale_horizon, "scale_in_delay_s": args.scale_in_delay,
+                                         "target_utilization": args.target_utilization,
+                                         "scale_in_utilization": min(0.4, args.target_utilization / 2)}}}
+    else:
+        opts["num_replicas"] = args.replicas
+    return opts
+
+
+class Fleet:
+    """The running fleet as the gateway holds it: Ray, the hub, the deployment handle."""
+
+    def __init__(self, args: argparse.Namespace, checkpoint: Path) -> None:
+        self.args, self.checkpoint = args, checkpoint
+        self.hub: Any = None
+        self.handle: Any = None
+        self.spec: dict[str, Any] = {}
+        self.threads = 0
+
+    def start(self, progress: bool = True) -> None:
+        import ray
+        from ray import serve
+
+        from runtime.fleet.hub import FleetHub
+        from runtime.fleet.replica import HUB_NAME, NAMESPACE, EngineReplica
+
+        a = self.args
+        address = a.address or os.environ.get("RAY_ADDRESS") or None
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = a.threads_per_replica or (max(1, cores // max(1, a.max_replicas or a.replicas)) if not address
+                                            else 0)
+        env = {k: v for k, v in os.environ.items() if k.startswith(("PAGEDJAX_", "XLA_", "JAX_"))}
+        if address:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(cores, (a.max_replicas or a.replicas) * max(threads, 1)), namespace=NAMESPACE,
+                     include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env} if env else None)
+        self.hub = ray.remote(num_cpus=0)(FleetHub).options(name=HUB_NAME, namespace=NAMESPACE,
+                                                             get_if_exists=True).remote()
+        serve.start(proxy_location="Disabled")
+        self.spec = {"checkpoint": str(self.checkpoint.resolve()), "engine_args": _engine_args(a),
+                     "threads": threads, "warmup": True}
+        self.threads = threads
+        app = serve.deployment(EngineReplica, **deployment_options(a, threads)).bind(self.spec)
+        log.info("starting %d replica(s) of %s (%s cores each)%s", a.replicas, self.checkpoint.name,
+                 threads or "all", f" on {address}" if address else " on a local Ray instance")
+        serve._run(app, _blocking=False, name=APP_NAME, route_prefix=None)
+        self._wait_running(progress)
+        self.handle = serve.get_deployment_handle(DEPLOYMENT, app_name=APP_NAME)
+
+    def _wait_running(self, progress: bool, timeout_s: float = 1800.0) -> None:
+        from ray import serve
+
+        t0, last = time.monotonic(), None
+        while time.monotonic() - t0 < timeout_s:
+            app = serve.status().applications.get(APP_NAME)
+            if app is not None:
+                dep = app.deployments.get(DEPLOYMENT)
+                states = dict(dep.replica_states) if dep else {}
+                line = ", ".join(f"{n} {str(k).lower()}" for k, n in sorted(states.items(), key=str))
+                if line != last and line:
+                    log.info("replicas: %s (%.0f s)", line, time.monotonic() - t0)
+                    last = line
+                status = str(app.status)
+                if status.endswith("RUNNING"):
+                    return
+                if status.endswith("DEPLOY_FAILED") or (dep is not None and str(dep.status).endswith("UNHEALTHY")
+                                                        and "failed" in (dep.message or "").lower()):
+                    raise RuntimeError(f"a replica failed to start: {_one_line(RuntimeError(dep.message if dep else app.message))}")
+            time.sleep(0.5)
+        raise RuntimeError(f"replicas not running after {timeout_s:.0f} s")
+
+    def autoscale_knobs(self) -> dict[str, Any] | None:
+        opts = deployment_options(self.args, self.threads)
+        auto = opts.get("autoscaling_config")
+        return dict(auto["policy"]["policy_kwargs"]) if auto else None
+
+    def rescale(self, knobs: dict[str, Any]) -> None:
+        """New autoscaler knobs: redeploy with the same code and spec, so Ray Serve updates
+        the autoscaling config in place (no replica restarts)."""
+        from ray import serve
+
+        from runtime.fleet.replica import EngineReplica
+
+        a = self.args
+        a.min_replicas, a.max_replicas = knobs["min_replicas"], knobs["max_replicas"]
+        a.scale_horizon, a.scale_in_delay = knobs["horizon_s"], knobs["scale_in_delay_s"]
+        a.target_utilization = knobs["target_utilization"]
+        a.replicas = max(a.min_replicas, min(a.max_replicas, a.replicas))
+        opts = deployment_options(a, self.threads)
+        if "autoscaling_config" in opts:
+            opts["autoscaling_config"]["policy"]["policy_kwargs"].update(knobs)
+        serve._run(serve.deployment(EngineReplica, **opts).bind(self.spec), _blocking=False, name=APP_NAME,
+                   route_prefix=None)
+
+    def client(self, ecfg: Any, tokenizer: Any):
+        from runtime.fleet.gateway import FleetClient
+
+        a = self.args
+        sc = ecfg.scheduler
+        return FleetClient(self.handle, self.hub, tokenizer, ecfg.model.vocab_size, sc.max_model_len,
+                           min(sc.max_model_len, ecfg.cache.num_tokens), ecfg.cache.block_size,
+                           queue_cap=a.fleet_queue_cap, queue_timeout_s=a.fleet_queue_timeout, policy=ecfg.policy,
+                           envelope=sc, autoscale=self.autoscale_knobs(), rescale=self.rescale)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
+    from runtime.engine_args import engine_arg_names
+
+    return {k: getattr(a, k) for k in engine_arg_names() if hasattr(a, k)}
+
+
+def cmd_fleet_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from console.app import create_app
+    from console.serve import GracefulServer, _configure_access_log, server_settings
+    from runtime.checkpoint.store import load_config
+    from runtime.cli import resolve_checkpoint
+    from runtime.engine_args import engine_config_from_args
+    from runtime.tokenizer import TextTokenizer
+
+    path = resolve_checkpoint(args.checkpoint)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a pagedjax checkpoint (no config.json); see `pagedjax pull`")
+    if args.replicas < 1:
+        raise ValueError("--replicas: must be at least 1")
+    cfg = load_config(path)
+    ecfg = engine_config_from_args(args)(cfg)  # validates the engine flags here, not in every replica
+    tok = TextTokenizer.from_checkpoint(path, cfg.bos_token_id, cfg.eos_token_ids, cfg.add_bos_token)
+    settings = server_settings(args, path)
+    _configure_access_log()
+    fleet = Fleet(args, path)
+    try:
+        fleet.start(progress=sys.stderr.isatty())
+    except Exception as exc:  # noqa: BLE001 -- one line, not Ray's traceback wall
+        log.error("the fleet failed to start: %s", _one_line(exc), exc_info=args.verbose)
+        fleet.shutdown()
+        return 1
+    client = fleet.client(ecfg, tok)
+    app = create_app(settings, engine=client, fleet=True)
+    app.state.fleet = fleet
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = GracefulServer(config, app, settings.shutdown_grace_s)
+    log.info("fleet serving %r on http://%s:%d with %d replica(s)", settings.model_name, settings.host,
+             settings.port, args.replicas)
+    try:
+        server.run()
+    finally:
+        threading.Thread(target=fleet.shutdown, daemon=True).start()
+        time.sleep(0.5)
+    return server.exit_code
