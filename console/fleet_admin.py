@@ -9,11 +9,12 @@ session and CSRF rules as the single-engine console (console/auth.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from typing import Any
 
-from litestar import Request, Router, get, post
+from litestar import Request, Response, Router, get, post
 from litestar.response import Redirect, Template
 
 from console.admin import NO_STORE, POLICY_FIELDS, parse_policy_form
@@ -45,7 +46,7 @@ def fleet_ctx(client: Any, **extra: Any) -> dict[str, Any]:
     snap = client.snapshot()
     rows = []
     for st in snap.replicas:
-        used = st.num_blocks - st.free_blocks
+        used = st.used_blocks
         rows.append({"s": st, "used": used, "cached": st.cached_blocks,
                      "used_pct": used / st.num_blocks if st.num_blocks else 0.0,
                      "cached_pct": st.cached_blocks / st.num_blocks if st.num_blocks else 0.0,
@@ -115,8 +116,16 @@ async def fleet_autoscale(request: Request) -> Any:
     return _render(request, fleet_ctx(client, saved="autoscaler updated"))
 
 
+@get("/fleet.json", name="fleet_json", sync_to_thread=True)
+def fleet_json(request: Request) -> Response:
+    """The same snapshot as the page, for tools (replicas with pid and node, decisions,
+    autoscaler history, audit log)."""
+    snap = _client(request).snapshot()
+    return Response(dataclasses.asdict(snap), headers=NO_STORE)
+
+
 def fleet_admin_router() -> Router:
     auth = AdminAuth()
     return Router(path="/admin", route_handlers=[login_form, login, logout, fleet_page, fleet_policy,
-                                                 fleet_autoscale],
+                                                 fleet_autoscale, fleet_json],
                   before_request=auth.before_request, opt={"admin_auth": auth}, include_in_schema=False)

@@ -26,10 +26,15 @@ def inputs_from_metrics(metrics: dict[str, dict[Any, float]] | None, replicas: i
     def total(name: str) -> float:
         return float(sum(m.get(name, {}).values()))
 
+    def most(name: str) -> float:
+        return float(max(m.get(name, {}).values(), default=0.0))
+
     steps = [v for v in m.get("step_time_s", {}).values() if v > 0]
     seqs = [v for v in m.get("max_num_seqs", {}).values() if v > 0]
-    return ScaleInputs(replicas=replicas, running=round(total("running")), waiting=round(total("waiting")),
-                       queued_tokens=round(total("queued_tokens")),
+    # Replicas' queues plus the gateway's (which every replica relays, hence max not sum).
+    return ScaleInputs(replicas=replicas, running=round(total("running")),
+                       waiting=round(total("waiting") + most("fleet_queued")),
+                       queued_tokens=round(total("queued_tokens") + most("fleet_queued_tokens")),
                        step_time_s=sum(steps) / len(steps) if steps else 0.0,
                        max_num_seqs=round(max(seqs)) if seqs else 1)
 
@@ -46,18 +51,19 @@ class ProactivePolicy:
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         state = dict(ctx.policy_state or {})
         now = time.time()
-        x = inputs_from_metrics(ctx.aggregated_metrics, ctx.current_num_replicas)
+        # Decide relative to the target, not the running count: replicas still starting
+        # (the initial ones, or a scale-out in progress) are capacity on its way.
+        prev = getattr(ctx, "target_num_replicas", None) or ctx.current_num_replicas
+        x = inputs_from_metrics(ctx.aggregated_metrics, prev)
         k = self.knobs
         lo = max(k.min_replicas, getattr(ctx, "capacity_adjusted_min_replicas", k.min_replicas))
         hi = min(k.max_replicas, getattr(ctx, "capacity_adjusted_max_replicas", k.max_replicas))
         d = decide_scale(x, k, state, now)
         target = max(lo, min(hi, d.target))
-        # The controller calls this every ~0.1 s and the running count lags the target
-        # while a replica starts: log changes of the *target*, and holds now and then.
-        prev = getattr(ctx, "target_num_replicas", x.replicas)
+        # The controller calls this every ~0.1 s: log changes of the target, holds now and then.
         if target != prev or now - state.get("logged_at", 0.0) >= self.hold_log_s:
             state["logged_at"] = now
-            self._log({"time": now, "from": prev, "to": target, "running_replicas": x.replicas, "reason": d.reason,
+            self._log({"time": now, "from": prev, "to": target, "running_replicas": ctx.current_num_replicas, "reason": d.reason,
                        "needed_seqs": round(d.needed_seqs, 2), "capacity_seqs": round(d.capacity_seqs, 2),
                        "running": x.running, "waiting": x.waiting, "queued_tokens": x.queued_tokens,
                        "step_time_s": round(x.step_time_s, 4), "knobs": vars(k).copy()})

@@ -86,6 +86,7 @@ class FleetSnapshot:
     time: float
     replicas: list[ReplicaStats]
     resident_blocks: dict[str, int]        # blocks the router believes each replica caches
+    in_flight: dict[str, tuple[int, int]]  # (blocks, requests) routed that its stats do not show yet
     decisions: list[RoutingRecord]         # newest first
     reasons: dict[str, int]
     scale_history: list[dict[str, Any]]    # newest first
@@ -113,6 +114,7 @@ class FleetClient:
         self.queue_cap, self.queue_timeout_s, self.pull_s = queue_cap, queue_timeout_s, pull_s
         self.accepting = True
         self.queued = 0                     # requests waiting in the fleet queue (no replica had room)
+        self.queued_tokens = 0              # their prompt + max_tokens
         self.rejected = 0
         self._streams: dict[str, tuple[Any, asyncio.Task]] = {}
         self._metrics: dict[str, bytes] = {}
@@ -134,7 +136,8 @@ class FleetClient:
         last_slow = 0.0
         while not self._stop.is_set():
             try:
-                self.view.apply_pull(ray.get(self.hub.pull.remote(self.view.seq), timeout=10))
+                queue = {"queued": float(self.queued), "queued_tokens": float(self.queued_tokens)}
+                self.view.apply_pull(ray.get(self.hub.pull.remote(self.view.seq, queue), timeout=10))
                 if time.monotonic() - last_slow > 1.0:
                     last_slow = time.monotonic()
                     self._metrics = ray.get(self.hub.replica_metrics.remote(), timeout=10)
@@ -143,6 +146,15 @@ class FleetClient:
                 log.warning("fleet hub pull failed: %s", exc)
                 self._stop.wait(1.0)
             self._stop.wait(self.pull_s)
+
+    def wait_for_replicas(self, n: int, timeout_s: float) -> bool:
+        """Until n replicas have reported (routing needs their stats and residency)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if len(self.view.live()) >= n:
+                return True
+            time.sleep(0.1)
+        return False
 
     def stop(self, grace_s: float = 0.0) -> None:
         self.accepting = False
@@ -166,30 +178,42 @@ class FleetClient:
         usable = (len(prompt_ids) - 1) // self.block_size  # the engine recomputes the last token
         return RouteRequest(tuple(hashes[:usable]), len(prompt_ids), params.max_tokens)
 
-    async def _admit(self, req: RouteRequest) -> None:
-        """Wait in the fleet queue until some replica can hold the request."""
-        if not self.view.live():
-            return  # no stats yet: the replicas' own queues decide
+    def _try_route(self, request_id: str, req: RouteRequest) -> Any:
+        """Decide and reserve in one go (no await between): concurrent admissions each see
+        the blocks the previous ones took."""
         d = self.view.decide(req)
         if d.replica is not None:
-            return
+            self.view.note_routed(request_id, req, d)
+        return d
+
+    async def _admit(self, request_id: str, req: RouteRequest) -> str | None:
+        """The replica the request goes to, once some replica can hold it (the fleet queue);
+        None when no replica has reported yet (their own queues decide)."""
+        if not self.view.live():
+            return None
+        d = self._try_route(request_id, req)
+        if d.replica is not None:
+            return d.replica
         if self.queued >= self.queue_cap:
             self.rejected += 1
             raise Overloaded("fleet_full", f"no replica can hold the request ({d.describe()}) and the fleet "
                                            f"queue is full ({self.queued} waiting)")
         self.queued += 1
+        self.queued_tokens += req.prompt_tokens + req.max_tokens
         try:
             deadline = time.monotonic() + self.queue_timeout_s
             while time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
                 if not self.accepting:
                     raise Overloaded("draining", "the fleet is draining")
-                if self.view.decide(req).replica is not None:
-                    return
+                d = self._try_route(request_id, req)
+                if d.replica is not None:
+                    return d.replica
             self.rejected += 1
             raise Overloaded("fleet_full", f"no replica could hold the request within {self.queue_timeout_s:.0f} s")
         finally:
             self.queued -= 1
+            self.queued_tokens -= req.prompt_tokens + req.max_tokens
 
     async def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str,
                       priority: str = "interactive", cache_salt: str | None = None) -> tuple[str, asyncio.Queue]:
@@ -200,9 +224,9 @@ class FleetClient:
         if not prompt_ids:
             raise ValueError("prompt: must contain at least one token")
         req = self.route_request(prompt_ids, params, cache_salt)
-        await self._admit(req)
+        hint = await self._admit(request_id, req)
         payload = {"prompt_ids": [int(t) for t in prompt_ids], "params": params, "request_id": request_id,
-                   "priority": priority, "cache_salt": cache_salt,
+                   "priority": priority, "cache_salt": cache_salt, "replica_hint": hint,
                    "route": {"block_hashes": list(req.block_hashes), "prompt_tokens": req.prompt_tokens,
                              "max_tokens": req.max_tokens}}
         for attempt in range(3):
@@ -215,9 +239,13 @@ class FleetClient:
             except Exception as exc:  # noqa: BLE001
                 if attempt < 2 and _is_replica_death(exc):
                     log.warning("request %s: replica died before accepting it; sending it again", request_id)
+                    if hint is not None:
+                        self.view.mark_dead(hint)
+                    payload["replica_hint"] = None  # let the router choose among the living
                     continue
                 raise
         if "rejected" in first:
+            self.view.unroute(hint, request_id)
             if first["rejected"] == "overloaded":
                 raise Overloaded(first.get("reason", "overloaded"), first["message"])
             raise ValueError(first["message"])
@@ -295,6 +323,7 @@ class FleetClient:
             policy = self.policy.to_json() if self.policy is not None else {}
             auto = dict(self.autoscale) if self.autoscale else None
         return FleetSnapshot(time.time(), live, {s.replica: self.view.residency.num_blocks(s.replica) for s in live},
+                             self.view.pending(),
                              list(reversed(self.view.decisions)), dict(self.view.reasons),
                              list(reversed(self.scale_history)), self.queued, self.queue_cap, self.rejected, audit,
                              policy, auto)

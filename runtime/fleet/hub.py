@@ -28,9 +28,13 @@ class FleetHub:
         self.commands: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         self.scale_log: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self.knobs: dict[str, Any] | None = None
+        # The gateway's own queue (requests no replica had room for): relayed to the replicas
+        # so the autoscaler, which only hears from replicas, counts it as demand.
+        self.gateway: dict[str, float] = {"queued": 0.0, "queued_tokens": 0.0}
 
     def report(self, replica: str, stats: dict[str, Any], batch: bytes | None, metrics: bytes | None
-               ) -> list[tuple[str, dict[str, Any]]]:
+               ) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, float]]:
+        """-> (policy commands for this replica, the gateway's queue)."""
         self.stats[replica] = stats
         self.seen[replica] = time.time()
         if metrics is not None:
@@ -38,11 +42,13 @@ class FleetHub:
         if batch is not None:
             self.seq += 1
             self.events.append((self.seq, replica, batch))
-        return self.commands.pop(replica, [])
+        return self.commands.pop(replica, []), dict(self.gateway)
 
-    def pull(self, since: int) -> dict[str, Any]:
+    def pull(self, since: int, gateway: dict[str, float] | None = None) -> dict[str, Any]:
         """Everything newer than `since`; `gap` says events were dropped (replay impossible:
         the consumer must rebuild from scratch, as after vLLM's replay window)."""
+        if gateway is not None:
+            self.gateway = gateway
         first = self.events[0][0] if self.events else self.seq + 1
         batches = [(s, r, b) for s, r, b in self.events if s > since]
         return {"seq": self.seq, "batches": batches, "gap": since + 1 < first and since < self.seq,

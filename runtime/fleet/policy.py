@@ -26,7 +26,7 @@ class ReplicaStats:
     replica: str
     num_blocks: int
     block_size: int
-    free_blocks: int            # allocatable now: free + evictable cached
+    free_blocks: int            # a new request could get: free + evictable cached, less what is promised
     watermark_blocks: int
     running: int
     waiting: int
@@ -35,10 +35,16 @@ class ReplicaStats:
     step_time_s: float = 0.0    # recent mean step wall time
     tokens_per_step: float = 0.0
     cached_blocks: int = 0
+    used_blocks: int = 0
     prefix_hit_rate: float = 0.0
     queued_tokens: int = 0      # prompt + max_tokens of waiting requests
     time: float = 0.0           # wall clock of the sample
     draining: bool = False
+    pid: int = 0                # the replica's process (operators; fault tests)
+    node: str = ""
+    # Requests the engine took in the last seconds: the router stops counting its own note
+    # of a routed request once the replica's stats include it (then it is in free_blocks).
+    recent_requests: tuple[str, ...] = ()
 
     @property
     def headroom_blocks(self) -> int:
@@ -54,7 +60,9 @@ class ReplicaStats:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ReplicaStats":
         names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["recent_requests"] = tuple(kw.get("recent_requests", ()))
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -88,9 +96,10 @@ def blocks_needed(stats: ReplicaStats, req: RouteRequest, matched: int) -> int:
 
 def route(req: RouteRequest, replicas: Sequence[ReplicaStats], matched: Callable[[str], int],
           pending_blocks: Callable[[str], int] = lambda r: 0, pending_requests: Callable[[str], int] = lambda r: 0,
-          imbalance: int = 16, turn: int = 0) -> Decision:
+          imbalance: int = 16, last_tie: str | None = None) -> Decision:
     """`matched(r)`: leading blocks of the prompt replica r holds; `pending_*`: what was
-    routed to r since its stats were taken; `turn`: the round-robin counter."""
+    routed to r and its stats do not show yet; `last_tie`: the replica the previous tie
+    went to (round-robin continues after it)."""
     skipped: dict[str, str] = {}
     fits: list[tuple[ReplicaStats, int, int]] = []  # (stats, matched blocks, queue)
     for s in replicas:
@@ -129,7 +138,7 @@ def route(req: RouteRequest, replicas: Sequence[ReplicaStats], matched: Callable
         top = [t for t in top if t[0].headroom_blocks - pending_blocks(t[0].replica) == most]
     if len(top) > 1:
         top.sort(key=lambda t: t[0].replica)
-        chosen = top[turn % len(top)]
+        chosen = next((t for t in top if last_tie is not None and t[0].replica > last_tie), top[0])
         return Decision(chosen[0].replica, "prefix" if reason == "prefix" else "tie", chosen[1], skipped)
     return Decision(top[0][0].replica, reason, top[0][1], skipped)
 

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from typing import Any, AsyncIterator
 
 from runtime.fleet.policy import ReplicaStats
@@ -26,6 +27,7 @@ from runtime.fleet.policy import ReplicaStats
 log = logging.getLogger("pagedjax.fleet.replica")
 
 HUB_NAME = "pagedjax-fleet-hub"
+RECENT_S = 10.0  # how long a taken request id stays in the stats
 NAMESPACE = "pagedjax"
 
 
@@ -40,24 +42,33 @@ def pin_cpus(threads: int, rank: int) -> list[int] | None:
     return mine
 
 
-def replica_stats(engine: Any, name: str, draining: bool = False, window_s: float = 10.0) -> ReplicaStats:
-    """The routing view of one engine (caller need not hold the lock)."""
+def replica_stats(engine: Any, name: str, draining: bool = False, window_s: float = 10.0,
+                  node: str = "", recent: tuple[str, ...] = ()) -> ReplicaStats:
+    """The routing view of one engine (caller need not hold the lock). `free_blocks` is what
+    a new request could still get: allocatable blocks less what is already promised, i.e.
+    the growth reserved for running requests (reserve mode) and what the waiting ones need,
+    so the router's capacity check sees what the replica's own admission will see."""
     with engine.lock:
         pool, sched, policy = engine.pool, engine.scheduler, engine.policy
         waiting = sched.waiting_requests()
+        reserve = policy.admission_mode == "reserve"
         queued = sum(len(r.prompt_ids) + r.params.max_tokens for r in waiting)
+        promised = (sched._reserved_growth() if reserve else 0) + sum(
+            sched.blocks_for(len(r.prompt_ids) + (r.params.max_tokens if reserve else 0)) for r in waiting)
         steps = [s for s in engine.metrics.window.recent(engine.metrics.window.steps, window_s) if s.num_tokens]
         c = sched.counters
         return ReplicaStats(
             replica=name, num_blocks=pool.num_blocks, block_size=pool.block_size,
-            free_blocks=pool.num_free_blocks, watermark_blocks=math.ceil(policy.watermark * pool.num_blocks),
+            free_blocks=pool.num_free_blocks - promised,
+            watermark_blocks=math.ceil(policy.watermark * pool.num_blocks),
             running=len(sched.running), waiting=len(waiting), max_num_seqs=policy.max_num_seqs,
             admission_mode=policy.admission_mode,
             step_time_s=sum(s.step_time for s in steps) / len(steps) if steps else 0.0,
             tokens_per_step=sum(s.num_tokens for s in steps) / len(steps) if steps else 0.0,
-            cached_blocks=pool.num_cached_blocks,
+            cached_blocks=pool.num_cached_blocks, used_blocks=pool.num_used_blocks,
             prefix_hit_rate=c.prefix_hits / c.prefix_queries if c.prefix_queries else 0.0,
-            queued_tokens=queued, time=time.time(), draining=draining)
+            queued_tokens=queued, time=time.time(), draining=draining, pid=os.getpid(), node=node,
+            recent_requests=recent)
 
 
 class EngineReplica:
@@ -68,6 +79,9 @@ class EngineReplica:
 
         ctx = serve.get_replica_context()
         self.name = ctx.replica_id.unique_id
+        import ray
+
+        self.node = ray.get_runtime_context().get_node_id()[:8]
         rank = getattr(getattr(ctx, "rank", None), "local_rank", 0) or 0
         self.cpus = pin_cpus(int(spec.get("threads", 0)), rank)
         from runtime.cli import quiet_libraries
@@ -90,6 +104,8 @@ class EngineReplica:
         self.llm, self.engine = llm, AsyncEngine(llm)
         self.engine.start()
         self.draining = False
+        self.fleet_queue: dict[str, float] = {}
+        self.recent: deque[tuple[float, str]] = deque(maxlen=1024)  # (when, request id) taken
         self.report_s = float(spec.get("report_s", 0.2))
         self.metrics_every = max(1, int(1.0 / self.report_s))
         self._hub = None
@@ -115,6 +131,7 @@ class EngineReplica:
         except ValueError as exc:
             yield {"rejected": "invalid", "message": str(exc)}
             return
+        self.recent.append((time.monotonic(), rid))
         yield {"accepted": self.name}
         finished = False
         try:
@@ -130,7 +147,11 @@ class EngineReplica:
 
     # --- what the router, the autoscaler and the hub read -------------------------------------
     def stats(self) -> ReplicaStats:
-        return replica_stats(self.llm, self.name, self.draining)
+        cutoff = time.monotonic() - RECENT_S
+        while self.recent and self.recent[0][0] < cutoff:
+            self.recent.popleft()
+        return replica_stats(self.llm, self.name, self.draining, node=self.node,
+                             recent=tuple(r for _, r in self.recent))
 
     def record_routing_stats(self) -> dict[str, Any]:
         return self.stats().to_dict()
@@ -138,7 +159,10 @@ class EngineReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         s = self.stats()
         return {"running": float(s.running), "waiting": float(s.waiting), "queued_tokens": float(s.queued_tokens),
-                "step_time_s": s.step_time_s, "max_num_seqs": float(s.max_num_seqs)}
+                "step_time_s": s.step_time_s, "max_num_seqs": float(s.max_num_seqs),
+                # the gateway's queue, the same number on every replica (the policy takes the max)
+                "fleet_queued": float(self.fleet_queue.get("queued", 0.0)),
+                "fleet_queued_tokens": float(self.fleet_queue.get("queued_tokens", 0.0))}
 
     def check_health(self) -> None:
         if not self.engine.running:
@@ -171,7 +195,8 @@ class EngineReplica:
                     raise LookupError("no fleet hub yet")
                 batch = encode_batch(to_vllm_events(raw, self.llm.pool.block_size)) if raw else None
                 metrics = self.llm.metrics.render() if n % self.metrics_every == 0 else None
-                commands = await hub.report.remote(self.name, self.stats().to_dict(), batch, metrics)
+                commands, self.fleet_queue = await hub.report.remote(self.name, self.stats().to_dict(), batch,
+                                                                     metrics)
                 raw = []
                 for who, changes in commands or ():
                     try:

@@ -8,7 +8,6 @@ gateway's admission check and console. The decision itself is `policy.route`.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import Counter, deque
@@ -19,6 +18,7 @@ from runtime.fleet.policy import Decision, ReplicaStats, RouteRequest, route
 from runtime.kv_events import Residency, decode_batch
 
 DECISIONS_KEPT = 200
+PENDING_TTL_S = 10.0  # a routed request the replica never reports taking stops counting then
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,9 @@ class FleetView:
         self.stale_s = stale_s
         self._stats: dict[str, ReplicaStats] = {}
         self._seen: dict[str, float] = {}
-        self._routed: dict[str, deque[tuple[float, int]]] = {}
+        self._routed: dict[str, dict[str, tuple[float, int]]] = {}  # replica -> request id -> (when, blocks)
         self._lock = threading.Lock()
-        self._turn = itertools.count()
+        self._last_tie: str | None = None
         self.decisions: deque[RoutingRecord] = deque(maxlen=DECISIONS_KEPT)
         self.seq = 0
         self.dead: set[str] = set()
@@ -71,6 +71,11 @@ class FleetView:
                 self.update_stats(ReplicaStats.from_dict(st), pulled["seen"].get(replica))
         self.seq = pulled["seq"]
 
+    def unroute(self, replica: str | None, request_id: str) -> None:
+        """The replica refused the request (or died first): it holds nothing of it."""
+        with self._lock:
+            self._routed.get(replica or "", {}).pop(request_id, None)
+
     def mark_dead(self, replica: str) -> None:
         with self._lock:
             self.dead.add(replica)
@@ -90,29 +95,40 @@ class FleetView:
             return self._stats.get(replica)
 
     def _pending(self, replica: str) -> tuple[int, int]:
-        """Blocks and requests routed to `replica` after its last stats were taken."""
+        """Blocks and requests routed to `replica` that its stats do not show yet (a request
+        is in flight to it until its id appears among the stats' recent requests)."""
         st = self._stats.get(replica)
-        since = st.time if st else 0.0
-        q = self._routed.get(replica, ())
-        recent = [b for t, b in q if t > since]
-        return sum(recent), len(recent)
+        seen = set(st.recent_requests) if st else set()
+        q = self._routed.get(replica)
+        if not q:
+            return 0, 0
+        expired = time.time() - PENDING_TTL_S
+        for rid in [r for r, (t, _) in q.items() if r in seen or t < expired]:
+            del q[rid]
+        return sum(b for _, b in q.values()), len(q)
+
+    def pending(self) -> dict[str, tuple[int, int]]:
+        """replica -> (blocks, requests) routed to it that its stats do not show yet."""
+        with self._lock:
+            return {r: self._pending(r) for r in self._stats}
 
     def decide(self, req: RouteRequest, names: set[str] | None = None) -> Decision:
         replicas = self.live(names)
         with self._lock:
             pending = {s.replica: self._pending(s.replica) for s in replicas}
         return route(req, replicas, lambda r: self.residency.matched(r, req.block_hashes),
-                     lambda r: pending[r][0], lambda r: pending[r][1], self.imbalance, next(self._turn))
+                     lambda r: pending[r][0], lambda r: pending[r][1], self.imbalance, self._last_tie)
 
     def note_routed(self, request_id: str, req: RouteRequest, d: Decision) -> None:
         now = time.time()
         if d.replica is not None:
+            if d.reason == "tie":
+                self._last_tie = d.replica
             st = self.stats(d.replica)
             blocks = 0 if st is None else max(0, -(-(req.prompt_tokens + (
                 req.max_tokens if st.admission_mode == "reserve" else 0)) // st.block_size) - d.matched_blocks)
             with self._lock:
-                q = self._routed.setdefault(d.replica, deque(maxlen=4096))
-                q.append((now, blocks))
+                self._routed.setdefault(d.replica, {})[request_id] = (now, blocks)
             # Its blocks will be there within a step: the next request with this prefix
             # follows instead of racing the events.
             self.residency.expect(d.replica, req.block_hashes)
@@ -124,14 +140,14 @@ class FleetView:
 VIEW = FleetView()
 
 
-def _route_request(pending_request: Any) -> tuple[str, RouteRequest] | None:
+def _route_request(pending_request: Any) -> tuple[str, RouteRequest, str | None] | None:
     args = getattr(pending_request, "args", None) or ()
     payload = args[0] if args and isinstance(args[0], dict) else None
     if payload is None or "route" not in payload:
         return None
     r = payload["route"]
-    return payload.get("request_id", "?"), RouteRequest(tuple(r["block_hashes"]), r["prompt_tokens"],
-                                                        r["max_tokens"])
+    return (payload.get("request_id", "?"), RouteRequest(tuple(r["block_hashes"]), r["prompt_tokens"],
+                                                         r["max_tokens"]), payload.get("replica_hint"))
 
 
 def choose(candidate_replicas: list, pending_request: Any = None) -> list[list]:
@@ -146,7 +162,10 @@ def choose(candidate_replicas: list, pending_request: Any = None) -> list[list]:
     parsed = _route_request(pending_request)
     if parsed is None:  # not a generate call: any replica will do
         return [candidate_replicas]
-    request_id, req = parsed
+    request_id, req, hint = parsed
+    if hint in by_name:  # the gateway's admission check already decided (and reserved) it
+        rest = [r for n, r in by_name.items() if n != hint]
+        return [[by_name[hint]], rest] if rest else [[by_name[hint]]]
     d = VIEW.decide(req, set(by_name))
     if d.replica is None or d.replica not in by_name:
         # No stats yet (a replica just started) or none has room: let the replicas' own

@@ -192,6 +192,7 @@ class Fleet:
         opts = deployment_options(a, self.threads)
         if "autoscaling_config" in opts:
             opts["autoscaling_config"]["policy"]["policy_kwargs"].update(knobs)
+            opts["autoscaling_config"].pop("initial_replicas", None)  # a start-up setting only
         serve._run(serve.deployment(EngineReplica, **opts).bind(self.spec), _blocking=False, name=APP_NAME,
                    route_prefix=None)
 
@@ -249,6 +250,10 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
         fleet.shutdown()
         return 1
     client = fleet.client(ecfg, tok)
+    client.start()
+    if not client.wait_for_replicas(args.replicas, timeout_s=60):
+        log.warning("only %d of %d replicas reported within 60 s; serving anyway", len(client.view.live()),
+                    args.replicas)
     app = create_app(settings, engine=client, fleet=True)
     app.state.fleet = fleet
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
@@ -259,6 +264,9 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        threading.Thread(target=fleet.shutdown, daemon=True).start()
-        time.sleep(0.5)
+        # Replicas and the local Ray instance go with the gateway (bounded: a wedged Ray
+        # must not keep the process alive; its atexit hook still cleans up).
+        t = threading.Thread(target=fleet.shutdown, daemon=True)
+        t.start()
+        t.join(timeout=30)
     return server.exit_code

@@ -118,8 +118,8 @@ def _command() -> list[str]:
 
 
 def _args(checkpoint: Path | None, extra: tuple[str, ...], port: int, api_key: str | None,
-          admin: str | None) -> list[str]:
-    args = [*_command(), "serve", "--host", "127.0.0.1", "--port", str(port)]
+          admin: str | None, subcommand: tuple[str, ...] = ("serve",)) -> list[str]:
+    args = [*_command(), *subcommand, "--host", "127.0.0.1", "--port", str(port)]
     if checkpoint is not None:
         args += ["--checkpoint", str(checkpoint)]
     given = {a.split("=")[0] for a in extra if a.startswith("--")}
@@ -142,19 +142,20 @@ def _pump(proc: subprocess.Popen, logs: list[str]) -> None:
 @contextmanager
 def start_server(checkpoint: Path | None, *extra_args: str, env: dict[str, str] | None = None,
                  api_key: str | None = "auto", admin_token: str | None = "auto",
-                 ready_timeout: float = READY_TIMEOUT_S, wait_ready: bool = True) -> Iterator[ServerHandle]:
+                 ready_timeout: float = READY_TIMEOUT_S, wait_ready: bool = True,
+                 subcommand: tuple[str, ...] = ("serve",)) -> Iterator[ServerHandle]:
     """Run `pagedjax serve` until the block exits (SIGTERM, then kill). checkpoint None: no
     --checkpoint (the default model, resolved from the repository root). api_key: "auto" (a
     random key), a key, or None (no key). admin_token: the same, except None lets the server
     generate one (read back from its "admin token: ..." line). wait_ready=False returns as soon as the socket
-    answers (/health may still be 503)."""
+    answers (/health may still be 503). subcommand: ("fleet", "serve") runs the fleet gateway."""
     key = "k" + secrets.token_urlsafe(12) if api_key == "auto" else api_key  # (never a leading "-")
     admin = "t" + secrets.token_urlsafe(12) if admin_token == "auto" else admin_token
     for attempt in range(3):  # the free port can be taken between probe and bind
         port = free_port()
         full_env = {k: v for k, v in os.environ.items() if k not in ("PAGEDJAX_API_KEY", "PAGEDJAX_ADMIN_TOKEN")}
         full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-        proc = subprocess.Popen(_args(checkpoint, extra_args, port, key, admin), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(_args(checkpoint, extra_args, port, key, admin, subcommand), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=full_env, cwd=Path(__file__).parents[2])
         handle = ServerHandle(f"http://127.0.0.1:{port}", proc, key, admin or "",
                               model=_model_name(checkpoint, extra_args))

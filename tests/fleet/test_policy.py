@@ -27,10 +27,13 @@ def test_longest_cached_prefix_wins_over_free_blocks():
 def test_no_match_goes_to_most_free_blocks_and_ties_round_robin():
     reps = [stats("a", free=50), stats("b", free=80)]
     assert route(REQ, reps, lambda r: 0).replica == "b"
-    tied = [stats("a", free=80), stats("b", free=80)]
-    picks = {route(REQ, tied, lambda r: 0, turn=t).replica for t in range(4)}
-    assert picks == {"a", "b"}
-    assert route(REQ, tied, lambda r: 0, turn=0).reason == "tie"
+    tied = [stats("a", free=80), stats("b", free=80), stats("c", free=80)]
+    last, picks = None, []
+    for _ in range(4):
+        d = route(REQ, tied, lambda r: 0, last_tie=last)
+        assert d.reason == "tie"
+        picks.append(last := d.replica)
+    assert picks == ["a", "b", "c", "a"]
 
 
 def test_equal_prefix_matches_prefer_free_blocks():

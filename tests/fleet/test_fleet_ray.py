@@ -1,0 +1,203 @@
+"""`pagedjax fleet serve` for real: a local Ray instance, two replicas of a tiny random
+model (one core each), the prefix-aware router, the autoscaler. One fleet for the module;
+the tests run in order and leave it as the next one expects (two replicas, idle).
+
+Replica KV: 512 KiB = 64 blocks of 16 tokens, watermark 4 blocks, reserve mode, so a
+request with max_tokens 400 reserves 28 blocks and each replica holds two of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.console.server_util import start_server
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.fleet
+
+FLEET = ("--replicas", "2", "--min-replicas", "1", "--max-replicas", "2", "--scale-in-delay", "600",
+         "--scale-horizon", "0.2", "--threads-per-replica", "1", "--admission-mode", "reserve",
+         "--kv-cache-memory", "512KiB", "--max-num-seqs", "4", "--fleet-queue-cap", "2",
+         "--fleet-queue-timeout", "120", "--drain-timeout", "120")
+SYSTEM = "You are a careful assistant who answers in one short sentence. " * 5  # ~320 tokens
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_ckpt):
+    with start_server(tiny_ckpt, *FLEET, subcommand=("fleet", "serve"), env={"RAY_ADDRESS": ""},
+                      ready_timeout=420) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def console(fleet):
+    c = httpx.Client(base_url=fleet.url, timeout=60, follow_redirects=True)
+    nonce = re.search(r'name="_csrf" value="([^"]+)"', c.get("/admin/login").text).group(1)
+    r = c.post("/admin/login", data={"token": fleet.admin_token, "_csrf": nonce})
+    assert r.status_code == 200 and "Fleet" in r.text
+    yield c
+    c.close()
+
+
+def state(console: httpx.Client) -> dict:
+    r = console.get("/admin/fleet.json")
+    assert r.status_code == 200
+    return r.json()
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def settle(console: httpx.Client, replicas: int = 2) -> None:
+    """Until the replicas' stats show them idle and caught up with what was routed (a
+    finished response can precede the engine freeing its blocks by a step, and the stats
+    by a report)."""
+    def idle() -> bool:
+        s = state(console)
+        return (len(s["replicas"]) == replicas and all(r["running"] == r["waiting"] == r["used_blocks"] == 0
+                                                       for r in s["replicas"])
+                and all(n == 0 for _, n in s["in_flight"].values()))
+
+    wait_for(idle, 30, "idle replicas")
+
+
+def routed(console: httpx.Client, ids: list[str]) -> dict[str, str]:
+    """request id (X-Request-Id) -> replica, from the router's decision log."""
+    out = {}
+    for d in state(console)["decisions"]:
+        rid = d["request_id"].rsplit("-", 1)[0]
+        if rid in ids and d["replica"]:
+            out.setdefault(rid, d["replica"])
+    return out
+
+
+async def _post_all(url: str, bodies: list[dict], ids: list[str], headers: dict) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=300, headers=headers) as c:
+        return await asyncio.gather(*[c.post("/v1/completions", json=b, headers={"X-Request-Id": i})
+                                      for b, i in zip(bodies, ids)])
+
+
+def test_fleet_serves_and_reports_two_replicas(fleet, console):
+    s = state(console)
+    assert len(s["replicas"]) == 2
+    assert {r["num_blocks"] for r in s["replicas"]} == {64}
+    metrics = fleet.client().get("/metrics").text
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert len(re.findall(rf'^{name}{{replica="[^"]+"}} ', metrics, re.M)) == 2, name
+    assert len(re.findall(r'^vllm:cache_config_info\{replica="[^"]+",block_size="16",num_gpu_blocks="64"\} 1',
+                          metrics, re.M)) == 2
+    assert "pagedjax:fleet_replicas 2" in metrics
+
+
+def test_requests_sharing_a_system_prompt_stay_on_one_replica(fleet, console):
+    client = fleet.openai()
+    cached, ids = [], []
+    for i in range(5):
+        r = client.chat.completions.with_raw_response.create(
+            model=fleet.model, max_tokens=4,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}?"}])
+        ids.append(r.headers["x-request-id"])
+        cached.append(r.parse().usage.prompt_tokens_details.cached_tokens)
+    where = routed(console, ids)
+    assert len(set(where.values())) == 1, where
+    assert cached[0] == 0 and all(c >= 16 * 18 for c in cached[1:]), cached
+    reasons = [d["reason"] for d in state(console)["decisions"] if d["request_id"].rsplit("-", 1)[0] in ids[1:]]
+    assert reasons == ["prefix"] * 4
+
+
+def test_cold_prefixes_spread_by_free_blocks(fleet, console):
+    settle(console)
+    ids = [f"cold{i}" for i in range(4)]
+    bodies = [{"model": fleet.model, "prompt": f"{i} unrelated text {i * 7919} " * 3, "max_tokens": 200,
+               "ignore_eos": True} for i in range(4)]
+    rs = asyncio.run(_post_all(fleet.url, bodies, ids, fleet.headers))
+    assert [r.status_code for r in rs] == [200] * 4
+    where = routed(console, ids)
+    counts = sorted(list(where.values()).count(r) for r in set(where.values()))
+    detail = [(d["request_id"], d["replica"], d["detail"]) for d in state(console)["decisions"][:4]]
+    assert counts == [2, 2], detail
+
+
+def test_all_replicas_full_then_429_with_retry_after(fleet, console):
+    """Each replica holds two 28-block reservations; two more wait in the fleet queue
+    (cap 2) and are served later; the rest get 429 at once."""
+    settle(console)
+    ids = [f"full{i}" for i in range(8)]
+    bodies = [{"model": fleet.model, "prompt": f"request {i} " * 4, "max_tokens": 400, "ignore_eos": True}
+              for i in range(8)]
+    rs = asyncio.run(_post_all(fleet.url, bodies, ids, fleet.headers))
+    codes = [r.status_code for r in rs]
+    log = [(d["request_id"], d["replica"], d["detail"]) for d in state(console)["decisions"][:8]]
+    assert codes.count(429) == 2 and codes.count(200) == 6, (codes, log, [r.text[:300] for r in rs])
+    refused = [r for r in rs if r.status_code == 429]
+    assert all(r.headers.get("retry-after") for r in refused)
+    assert all(r.json()["error"]["code"] == "fleet_full" for r in refused)
+    assert fleet.metric("pagedjax:fleet_rejections_total") >= 2
+
+
+def test_killed_replica_ends_its_streams_with_an_error_and_others_keep_serving(fleet, console):
+    settle(console)
+    client = fleet.openai(timeout=120)
+    stream = client.completions.create(model=fleet.model, prompt="a long story " * 3, max_tokens=450,
+                                       extra_body={"ignore_eos": True}, stream=True)
+    first = next(iter(stream))
+    assert first.choices
+    busy = wait_for(lambda: [r for r in state(console)["replicas"] if r["running"]], 10, "a busy replica")[0]
+    os.kill(busy["pid"], signal.SIGKILL)   # a crash, not a graceful stop
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as err:  # the stream ends with the fleet's error event
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 60
+    assert "replica" in str(err.value).lower()
+    # New requests are served by the survivor meanwhile; then Ray replaces the dead replica.
+    r = fleet.client().post("/v1/completions", json={"model": fleet.model, "prompt": "still there?", "max_tokens": 4})
+    assert r.status_code == 200
+    wait_for(lambda: len([x for x in state(console)["replicas"] if x["pid"] != busy["pid"]]) == 2, 240,
+             "Ray to replace the killed replica")
+    assert busy["replica"] not in {x["replica"] for x in state(console)["replicas"]}
+
+
+def test_scale_in_drains_then_scale_out_under_load(fleet, console):
+    """Lower the scale-in delay from the console: one replica goes, the stream it was
+    serving finishes first (drained, not lost). Then queued load brings it back (1 -> 2)."""
+    settle(console)
+    client = fleet.openai(timeout=300)
+    long = [client.completions.create(model=fleet.model, prompt=f"drain me {i} " * 3, max_tokens=450,
+                                      extra_body={"ignore_eos": True}, stream=True) for i in range(2)]
+    heads = [next(iter(s)) for s in long]
+    assert all(h.choices for h in heads)
+    page = console.get("/admin").text
+    csrf = re.search(r'"X-CSRF-Token": "([^"]+)"', page).group(1)
+    r = console.post("/admin/fleet/autoscale", data={"_csrf": csrf, "scale_in_delay_s": "1"})
+    assert r.status_code == 200 and "Autoscaler updated" in r.text
+    texts = ["".join(c.choices[0].text for c in s if c.choices) for s in long]  # both streams complete
+    assert all(len(t) > 0 for t in texts)
+    wait_for(lambda: len(state(console)["replicas"]) == 1, 120, "scale-in to one replica")
+    hist = state(console)["scale_history"]
+    assert any(e["to"] < e["from"] and e["reason"].startswith("scale in") for e in hist)
+    audit = state(console)["audit"]
+    assert audit[0]["scope"] == "autoscaler" and "scale_in_delay_s" in audit[0]["changes"]
+    # Put the delay back up, then queue more work than one replica can hold.
+    console.post("/admin/fleet/autoscale", data={"_csrf": csrf, "scale_in_delay_s": "600"})
+    bodies = [{"model": fleet.model, "prompt": f"load {i} " * 4, "max_tokens": 400, "ignore_eos": True}
+              for i in range(4)]
+    rs = asyncio.run(_post_all(fleet.url, bodies, [f"load{i}" for i in range(4)], fleet.headers))
+    assert all(r.status_code in (200, 429) for r in rs)
+    wait_for(lambda: any(e["to"] > e["from"] and e["reason"].startswith("scale out")
+                         for e in state(console)["scale_history"]), 60, "a scale-out decision")
+    wait_for(lambda: len(state(console)["replicas"]) == 2, 240, "the second replica back")
