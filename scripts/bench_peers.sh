@@ -7,6 +7,9 @@
 #   bash scripts/bench_peers.sh                              # all four systems
 #   PEERS=pagedjax,vllm-fp32 bash scripts/bench_peers.sh     # a subset
 #   BENCH_PEERS_N=8 PEERS=vllm-fp32 bash scripts/bench_peers.sh   # a smoke run
+#   # the fleet: one replica vs two behind the prefix-aware router vs two behind Ray's default
+#   PEERS=pagedjax,fleet-prefix,fleet-default BENCH_PEERS_SCENARIO=multi-prefix \
+#     BENCH_RESULTS=bench-results/fleet bash scripts/bench_peers.sh
 #
 # Writes bench-results/peers-<system>.json (the `bench serve` report plus a "peer" record:
 # server command, version, start-up seconds, warm-up reply, and "machine": CPU model, cores,
@@ -17,7 +20,7 @@
 # Environment: PEERS, BENCH_PEERS_N (requests, default 64), BENCH_PEERS_CONCURRENCY (64),
 # BENCH_PEERS_MAX_TOKENS (64), BENCH_PEERS_EXTRA (more `bench serve` flags, e.g.
 # --ignore-eos), PAGEDJAX_FLAGS (default: none, the `serve` defaults), VLLM_FLAGS,
-# LLAMACPP_FLAGS, BENCH_PEERS_PORT (first port, default 18461), BENCH_PEERS_START_TIMEOUT
+# LLAMACPP_FLAGS, FLEET_FLAGS, BENCH_PEERS_SCENARIO (default shared-prefix), BENCH_PEERS_PORT (first port, default 18461), BENCH_PEERS_START_TIMEOUT
 # (seconds to wait for a server, default 900), BENCH_RESULTS (default bench-results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +40,8 @@ MODEL_NAME=smollm2-135m-instruct
 read -ra PAGEDJAX_ARGS <<< "${PAGEDJAX_FLAGS:-}"  # default: plain `pagedjax serve` defaults
 read -ra VLLM_ARGS <<< "${VLLM_FLAGS:-}"
 read -ra LLAMACPP_ARGS <<< "${LLAMACPP_FLAGS:-}"
+read -ra FLEET_ARGS <<< "${FLEET_FLAGS:---replicas 2}"
+SCENARIO=${BENCH_PEERS_SCENARIO:-shared-prefix}
 read -ra EXTRA_ARGS <<< "${BENCH_PEERS_EXTRA:-}"
 export PAGEDJAX_JAX_CACHE=${PAGEDJAX_JAX_CACHE:-$ROOT/.cache/jax} TF_CPP_MIN_LOG_LEVEL=2
 
@@ -92,7 +97,7 @@ wait_ready() {
 # Why a system cannot run here, or nothing when it can.
 missing() {
   case $1 in
-    pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-w8a8-head)
+    pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-w8a8-head|fleet-*)
       [[ -f $CKPT/config.json ]] || echo "no checkpoint at ${CKPT#$ROOT/} (run .venv/bin/pagedjax pull smollm2)" ;;
     # A peer script owns its install layout; its `version` succeeds only when installed.
     vllm-*)
@@ -121,13 +126,18 @@ server_cmd() {  # the server's command line for system $1 on port $2, into SERVE
     vllm-fp32) SERVER_CMD=(bash scripts/peers/vllm_cpu.sh serve --port "$2" --dtype float32 "${VLLM_ARGS[@]}") ;;
     vllm-bf16) SERVER_CMD=(bash scripts/peers/vllm_cpu.sh serve --port "$2" --dtype bfloat16 "${VLLM_ARGS[@]}") ;;
     llamacpp) SERVER_CMD=(bash scripts/peers/llama_cpp.sh serve --port "$2" "${LLAMACPP_ARGS[@]}") ;;
+    # N replicas on a local Ray instance (each pinned to its share of the cores)
+    fleet-prefix|fleet-default)
+      SERVER_CMD=("$PY" -m runtime.cli fleet serve --checkpoint "$CKPT" --host 127.0.0.1 --port "$2"
+                  --served-model-name "$MODEL_NAME" --no-access-log --router "${1#fleet-}" "${FLEET_ARGS[@]}"
+                  "${PAGEDJAX_ARGS[@]}") ;;
   esac
 }
 
 version_of() {
   local v=""
   case $1 in
-    pagedjax*) v=$("$PY" -c 'import importlib.metadata as m; print("pagedjax " + m.version("pagedjax"))' 2>/dev/null) ;;
+    pagedjax*|fleet-*) v=$("$PY" -c 'import importlib.metadata as m; print("pagedjax " + m.version("pagedjax"))' 2>/dev/null) ;;
     vllm-*) v=$(timeout 60 bash scripts/peers/vllm_cpu.sh version 2>/dev/null) ;;
     # Its output only when it succeeds (first line: llama-server prints two).
     llamacpp) v=$(timeout 60 bash scripts/peers/llama_cpp.sh version 2>/dev/null) ;;
@@ -149,8 +159,8 @@ except Exception as exc:
 
 IFS=, read -ra SYSTEMS <<< "$PEERS"
 for system in "${SYSTEMS[@]}"; do  # a typo in PEERS is an error, not a silent skip
-  case $system in pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-w8a8-head|vllm-fp32|vllm-bf16|llamacpp) ;;
-    *) echo "PEERS: unknown system '$system' (known: pagedjax, pagedjax-w8a8, pagedjax-w8a8-kv8, pagedjax-w8a8-head, vllm-fp32, vllm-bf16, llamacpp)" >&2
+  case $system in pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-w8a8-head|vllm-fp32|vllm-bf16|llamacpp|fleet-prefix|fleet-default) ;;
+    *) echo "PEERS: unknown system '$system' (known: pagedjax, pagedjax-w8a8, pagedjax-w8a8-kv8, pagedjax-w8a8-head, vllm-fp32, vllm-bf16, llamacpp, fleet-prefix, fleet-default)" >&2
        exit 2 ;;
   esac
 done
@@ -190,7 +200,7 @@ for system in "${SYSTEMS[@]}"; do
   # average still remembers the previous system's run, the 3 s CPU sample does not.
   load_bench=$("$PY" -m runtime.bench.benchmarks_md loadavg)
   busy=$("$PY" -m runtime.bench.benchmarks_md cpu-busy 3)
-  bench=("$PY" -m runtime.cli bench serve --url "$url" --scenario shared-prefix --num-requests "$N"
+  bench=("$PY" -m runtime.cli bench serve --url "$url" --scenario "$SCENARIO" --num-requests "$N"
          --concurrency "$CONCURRENCY" --max-tokens "$MAX_TOKENS" --timeout 600 --max-duration 900
          --no-progress --out "$result" "${EXTRA_ARGS[@]}")
   if ! timeout 1000 "${bench[@]}"; then

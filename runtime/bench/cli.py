@@ -130,6 +130,7 @@ def _add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model name sent in requests (default: the first of /v1/models)")
     p.add_argument("--scenario", choices=SCENARIOS, default="shared-prefix",
                    help="shared-prefix: chat, one ~320-token system prompt + short user messages; "
+                        "multi-prefix: the same with 4 different system prompts interleaved (fleet routing); "
                         "random: random-length completions; long-prompt: long completions prompts")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)

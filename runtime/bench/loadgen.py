@@ -19,7 +19,10 @@ from typing import Any
 
 import httpx
 
-SCENARIOS = ("shared-prefix", "random", "long-prompt")
+SCENARIOS = ("shared-prefix", "multi-prefix", "random", "long-prompt")
+# multi-prefix: this many system prompts, interleaved request by request (fleet routing).
+NUM_PREFIXES = 4
+DESKS = ("Returns desk", "Shipping desk", "Warranty desk", "Trip planning desk")
 
 # ~320 SmolLM2 tokens (checked by tests/runtime/test_bench.py against the real tokenizer
 # when it is available). Shared verbatim by every shared-prefix request, by the offline
@@ -83,12 +86,17 @@ def system_prompt(prefix_words: int | None = None) -> str:
     return SYSTEM_PROMPT if prefix_words is None else " ".join(SYSTEM_PROMPT.split()[:max(1, prefix_words)])
 
 
-def shared_prefix_messages(n: int, seed: int = 0, prefix_words: int | None = None) -> list[list[dict[str, str]]]:
-    """n chat conversations: SYSTEM_PROMPT + a short user message varying per request."""
+def shared_prefix_messages(n: int, seed: int = 0, prefix_words: int | None = None,
+                           prefixes: int = 1) -> list[list[dict[str, str]]]:
+    """n chat conversations: SYSTEM_PROMPT + a short user message varying per request.
+    prefixes > 1: that many system prompts (each opens with its own desk, so their blocks
+    differ from the first one on), request i using prompt i % prefixes."""
     rng = random.Random(seed)
-    system = system_prompt(prefix_words)
+    base = system_prompt(prefix_words)
+    systems = [base] if prefixes == 1 else [f"{DESKS[k % len(DESKS)]} {k}. {base}" for k in range(prefixes)]
     out = []
     for i in range(n):
+        system = systems[i % len(systems)]
         topic = USER_TOPICS[(i + rng.randrange(len(USER_TOPICS))) % len(USER_TOPICS)]
         name = NAMES[rng.randrange(len(NAMES))]
         out.append([{"role": "system", "content": system},
@@ -109,8 +117,9 @@ def build_workload(scenario: str, num_requests: int, *, max_tokens: int = 64, se
     if num_requests < 1 or max_tokens < 1:
         raise ValueError("num_requests/max_tokens: must be >= 1")
     rng = random.Random(seed)
-    if scenario == "shared-prefix":
-        msgs = shared_prefix_messages(num_requests, seed, prefix_words)
+    if scenario in ("shared-prefix", "multi-prefix"):
+        msgs = shared_prefix_messages(num_requests, seed, prefix_words,
+                                      NUM_PREFIXES if scenario == "multi-prefix" else 1)
         return [RequestSpec(i, m, None, max_tokens) for i, m in enumerate(msgs)]
     if scenario == "random":
         mean = input_len or 256

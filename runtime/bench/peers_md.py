@@ -131,3 +131,68 @@ def render_peers(results: str | Path) -> list[str]:
                  "; ".join(f"{PEER_LABELS.get(k, k)}: \"{v}\"" for k, v in replies if v) + ".")
         L.append("")
     return L
+
+
+# --- the fleet: one replica vs two behind each router (scripts/bench_peers.sh, multi-prefix) --------
+FLEET_LABELS = {"pagedjax": "one replica (`pagedjax serve`, both cores)",
+                "fleet-prefix": "fleet, 2 replicas, prefix-aware router",
+                "fleet-default": "fleet, 2 replicas, Ray Serve's default router (power of two choices)"}
+
+
+def render_fleet(results: str | Path) -> list[str]:
+    """The "Fleet routing" section from bench-results/fleet/peers-*.json."""
+    d = Path(results) / "fleet"
+    L = ["## Fleet routing: prefix-aware vs Ray Serve's default router", ""]
+    found = {k: r for k, r in load_peers(d).items() if k in FLEET_LABELS} if d.is_dir() else {}
+    if not found:
+        return L + ["_not run_ (`PEERS=pagedjax,fleet-prefix,fleet-default BENCH_PEERS_SCENARIO=multi-prefix "
+                    "BENCH_RESULTS=bench-results/fleet bash scripts/bench_peers.sh`).", ""]
+    first = next(iter(found.values()))
+    c, m = first["config"], first.get("machine") or {}
+    L.append(f"Scenario {c['scenario']}: {first['num_requests']} chat requests over 4 different ~330-token system "
+             f"prompts, interleaved request by request, concurrency {c.get('concurrency')}, max_tokens "
+             f"{c['max_tokens']}{', ignore_eos' if c.get('ignore_eos') else ''}. The fleet runs 2 replicas on a "
+             f"local Ray instance, each pinned to one core; the single replica gets both. Hit rate: cached "
+             f"prompt tokens / prompt tokens, from the responses' usage. CPU: {m.get('cpu_model')}, "
+             f"{m.get('cores')} cores.")
+    L.append("")
+    head = ["setup", "ok/failed", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "prefix hit rate",
+            "start-up s", "load avg 1m at start"]
+    rows = []
+    for k, r in found.items():
+        peer, mm = r.get("peer") or {}, r.get("machine") or {}
+        rows.append([FLEET_LABELS[k], f"{r['successful_requests']}/{r['failed_requests']}",
+                     f"{r['output_throughput']:,.1f}", _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]),
+                     _ms(r["itl_s"]["p50"]), _pct(r.get("client_cached_token_rate")),
+                     _num(peer.get("startup_s"), ",.0f"), _num(mm.get("loadavg_1m"), ".2f")])
+    L += _table(head, rows)
+    L.append("")
+    pre, dflt = found.get("fleet-prefix"), found.get("fleet-default")
+    if pre and dflt:
+        L.append(f"- Prefix hit rate: prefix-aware **{_pct(pre.get('client_cached_token_rate'))}** vs default "
+                 f"**{_pct(dflt.get('client_cached_token_rate'))}**"
+                 + (f" (one replica: {_pct(found['pagedjax'].get('client_cached_token_rate'))})"
+                    if "pagedjax" in found else ""))
+        L.append(f"- TTFT p99: prefix-aware {_ms(pre['ttft_s']['p99'])} ms vs default {_ms(dflt['ttft_s']['p99'])} ms; "
+                 f"output tok/s {_x(_ratio(pre['output_throughput'], dflt['output_throughput']))} of the default's")
+        L.append("")
+    if pre:
+        L += _plan_next_to(pre, d)
+    return L
+
+
+def _plan_next_to(r: dict[str, Any], d: Path) -> list[str]:
+    """`pagedjax plan`'s fleet size (fleet/plan.json, its --json output for the measured
+    request rate) beside the measured per-replica throughput."""
+    plan = _load(d, "plan.json")
+    per_replica = r["output_throughput"] / 2
+    measured = (f"measured: {per_replica:,.1f} output tok/s per replica (one core each, float32), "
+                f"{r['output_throughput']:,.1f} for the fleet at {r['request_throughput']:.2f} req/s")
+    if not plan:
+        return [f"- Fleet sizing: {measured}; `pagedjax plan` not recorded (fleet/plan.json).", ""]
+    return [f"- `pagedjax plan --model smollm2-135m --device cpu --context-len {plan['context_len']} "
+            f"--output-tokens {plan['output_tokens']} --rps {plan['target_rps']:.2f} --weight-dtype "
+            f"{plan['weight_dtype']} --kv-dtype {plan['kv_dtype']}`: {plan['fleet']} replica(s) of this machine "
+            f"({plan['fleet_with_headroom']} with {plan['headroom']:.0%} headroom) at its roofline ceiling of "
+            f"{plan['tps_ceiling']:,.0f} tok/s per device; {measured}. The roofline assumes the whole machine "
+            f"per replica and bandwidth-bound decode; on 2 cores the replicas are compute-bound and share it.", ""]

@@ -103,10 +103,13 @@ class FleetClient:
                  context_limit: int, block_size: int, *, queue_cap: int = 256, queue_timeout_s: float = 30.0,
                  pull_s: float = 0.1, view: FleetView = VIEW, policy: Any = None, envelope: Any = None,
                  autoscale: dict[str, Any] | None = None,
-                 rescale: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 rescale: Callable[[dict[str, Any]], None] | None = None, route_at_gateway: bool = True) -> None:
         self.handle, self.hub, self.view = handle, hub, view
         self.policy, self.envelope = policy, envelope  # the fleet-wide admission policy (console form)
         self.autoscale, self._rescale = autoscale, rescale
+        # False with Ray's default router (benchmark baseline): no routing or fleet
+        # admission here, Ray picks the replica.
+        self.route_at_gateway = route_at_gateway
         self.audit: list[FleetAudit] = []
         self.lock = threading.RLock()
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -189,7 +192,7 @@ class FleetClient:
     async def _admit(self, request_id: str, req: RouteRequest) -> str | None:
         """The replica the request goes to, once some replica can hold it (the fleet queue);
         None when no replica has reported yet (their own queues decide)."""
-        if not self.view.live():
+        if not self.route_at_gateway or not self.view.live():
             return None
         d = self._try_route(request_id, req)
         if d.replica is not None:

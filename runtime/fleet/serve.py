@@ -204,7 +204,8 @@ class Fleet:
         return FleetClient(self.handle, self.hub, tokenizer, ecfg.model.vocab_size, sc.max_model_len,
                            min(sc.max_model_len, ecfg.cache.num_tokens), ecfg.cache.block_size,
                            queue_cap=a.fleet_queue_cap, queue_timeout_s=a.fleet_queue_timeout, policy=ecfg.policy,
-                           envelope=sc, autoscale=self.autoscale_knobs(), rescale=self.rescale)
+                           envelope=sc, autoscale=self.autoscale_knobs(), rescale=self.rescale,
+                           route_at_gateway=a.router == "prefix")
 
     def shutdown(self) -> None:
         import ray

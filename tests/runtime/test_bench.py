@@ -129,6 +129,16 @@ def test_workloads():
         build_workload("nope", 1)
 
 
+def test_multi_prefix_interleaves_four_system_prompts():
+    mp = build_workload("multi-prefix", 12, seed=3)
+    systems = [s.messages[0]["content"] for s in mp]
+    assert len(set(systems)) == loadgen.NUM_PREFIXES == 4
+    assert systems[:4] == systems[4:8] == systems[8:12]  # request i uses prompt i % 4
+    # They differ from the first words on (distinct first KV block), and carry the shared text.
+    assert len({s.split()[0] + s.split()[1] for s in set(systems)}) == 4
+    assert all(loadgen.SYSTEM_PROMPT in s for s in systems)
+
+
 def test_load_config_validation():
     with pytest.raises(ValueError, match="rate"):
         LoadConfig(url="http://x", rate=1.0, concurrency=2)

@@ -106,3 +106,25 @@ def test_annotate_peer_records_machine_and_load(tmp_path):
     assert d["machine"]["loadavg_1m"] == 0.7 and d["machine"]["cpu_busy_pct_before"] == 3.0
     assert d["machine"]["cores"] >= 1 and d["machine"]["cpu_model"]
     assert list(load_peers(tmp_path)) == ["x"]
+
+
+def test_fleet_section_compares_the_routers_and_shows_the_plan(tmp_path):
+    from runtime.bench.peers_md import render_fleet
+
+    assert "_not run_" in "\n".join(render_fleet(tmp_path))
+    fleet = tmp_path / "fleet"
+    fleet.mkdir()
+    reports = {k: _report(k, tok) for k, tok in (("pagedjax", 120.0), ("fleet-prefix", 130.0), ("fleet-default", 100.0))}
+    for k, rate in (("pagedjax", 0.9), ("fleet-prefix", 0.88), ("fleet-default", 0.55)):
+        reports[k]["client_cached_token_rate"] = rate
+        reports[k]["request_throughput"] = 4.0
+        reports[k]["config"]["scenario"] = "multi-prefix"
+    _write(fleet, reports)
+    (fleet / "plan.json").write_text(json.dumps({"context_len": 400, "output_tokens": 32, "target_rps": 4.0,
+                                                 "weight_dtype": "float32", "kv_dtype": "float32", "fleet": 1,
+                                                 "fleet_with_headroom": 2, "headroom": 0.2, "tps_ceiling": 900.0}))
+    text = "\n".join(render_fleet(tmp_path))
+    assert _row(text, "fleet, 2 replicas, prefix-aware router")[6] == "88.0%"
+    assert "prefix-aware **88.0%** vs default **55.0%** (one replica: 90.0%)" in text
+    assert "1.30x of the default's" in text
+    assert "1 replica(s) of this machine (2 with 20% headroom)" in text and "65.0 output tok/s per replica" in text
