@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import math
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from litestar import Request, Response, Router, get, post
@@ -62,8 +63,10 @@ def fleet_page(request: Request, saved: str | None = None) -> Template:
 
 
 def _apply(request: Request, client: Any, form: dict[str, Any]) -> Any:
-    changes, errors, raw = parse_policy_form(form, client)
     replica = (form.get("replica") or "").strip() or None
+    # Compared with that replica's own policy, so a change back to the fleet's value counts.
+    target = SimpleNamespace(policy=client.policy_for(replica), envelope=client.envelope)
+    changes, errors, raw = parse_policy_form(form, target)
     if replica is not None and replica not in {s.replica for s in client.view.live()}:
         errors["replica"] = f"unknown replica {replica!r}"
     if not errors and changes:
@@ -73,7 +76,7 @@ def _apply(request: Request, client: Any, form: dict[str, Any]) -> Any:
             errors["policy"] = str(exc)
     if errors:
         return _render(request, fleet_ctx(client, errors=errors, values=raw), 422)
-    saved = f"policy applied to {replica or 'all replicas'}" if changes else "no change"
+    saved = f"Policy applied to {replica or 'all replicas'}" if changes else "No change"
     if not is_htmx(request):
         return Redirect(f"/admin?saved={saved.replace(' ', '+')}", status_code=303)
     return _render(request, fleet_ctx(client, saved=saved))
@@ -112,8 +115,8 @@ async def fleet_autoscale(request: Request) -> Any:
     if errors:
         return _render(request, fleet_ctx(client, errors=errors, values={k: str(form.get(k, "")) for k in form}), 422)
     if not is_htmx(request):
-        return Redirect("/admin?saved=autoscaler+updated", status_code=303)
-    return _render(request, fleet_ctx(client, saved="autoscaler updated"))
+        return Redirect("/admin?saved=Autoscaler+updated", status_code=303)
+    return _render(request, fleet_ctx(client, saved="Autoscaler updated"))
 
 
 @get("/fleet.json", name="fleet_json", sync_to_thread=True)

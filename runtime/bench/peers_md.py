@@ -139,16 +139,29 @@ FLEET_LABELS = {"pagedjax": "one replica (`pagedjax serve`, both cores)",
                 "fleet-default": "fleet, 2 replicas, Ray Serve's default router (power of two choices)"}
 
 
+FLEET_RUNS = (("fleet", "KV cache to spare (2 GiB per replica): every replica can keep all four prompts"),
+              ("fleet-pressure", "KV pressure: each fleet replica's cache holds about two of the four prompts "
+                                 "(the single replica gets the fleet's total)"))
+
+
 def render_fleet(results: str | Path) -> list[str]:
-    """The "Fleet routing" section from bench-results/fleet/peers-*.json."""
-    d = Path(results) / "fleet"
+    """The "Fleet routing" section from bench-results/fleet*/peers-*.json."""
     L = ["## Fleet routing: prefix-aware vs Ray Serve's default router", ""]
-    found = {k: r for k, r in load_peers(d).items() if k in FLEET_LABELS} if d.is_dir() else {}
-    if not found:
+    runs = [(Path(results) / sub, title) for sub, title in FLEET_RUNS]
+    runs = [(d, t, {k: r for k, r in load_peers(d).items() if k in FLEET_LABELS}) for d, t in runs if d.is_dir()]
+    runs = [x for x in runs if x[2]]
+    if not runs:
         return L + ["_not run_ (`PEERS=pagedjax,fleet-prefix,fleet-default BENCH_PEERS_SCENARIO=multi-prefix "
                     "BENCH_RESULTS=bench-results/fleet bash scripts/bench_peers.sh`).", ""]
+    for d, title, found in runs:
+        L += _fleet_run(d, title, found)
+    return L
+
+
+def _fleet_run(d: Path, title: str, found: dict[str, dict[str, Any]]) -> list[str]:
     first = next(iter(found.values()))
     c, m = first["config"], first.get("machine") or {}
+    L = [f"### {title}", ""]
     L.append(f"Scenario {c['scenario']}: {first['num_requests']} chat requests over 4 different ~330-token system "
              f"prompts, interleaved request by request, concurrency {c.get('concurrency')}, max_tokens "
              f"{c['max_tokens']}{', ignore_eos' if c.get('ignore_eos') else ''}. The fleet runs 2 replicas on a "
@@ -175,9 +188,16 @@ def render_fleet(results: str | Path) -> list[str]:
                     if "pagedjax" in found else ""))
         L.append(f"- TTFT p99: prefix-aware {_ms(pre['ttft_s']['p99'])} ms vs default {_ms(dflt['ttft_s']['p99'])} ms; "
                  f"output tok/s {_x(_ratio(pre['output_throughput'], dflt['output_throughput']))} of the default's")
-        L.append("")
     if pre:
         L += _plan_next_to(pre, d)
+    else:
+        L.append("")
+    L.append("Servers: " + "; ".join(f"`{(r.get('peer') or {}).get('server_cmd', '?')}`" for r in found.values()))
+    L.append("")
+    L.append(f"Client (each): `{(first.get('peer') or {}).get('bench_cmd', '?')}`; runs by `scripts/bench_peers.sh` "
+             f"with `PEERS=pagedjax,fleet-prefix,fleet-default BENCH_PEERS_SCENARIO=multi-prefix "
+             f"BENCH_RESULTS=bench-results/{d.name}` (`FLEET_FLAGS` / `PAGEDJAX_FLAGS` for the cache sizes shown).")
+    L.append("")
     return L
 
 

@@ -111,6 +111,9 @@ class FleetClient:
         # admission here, Ray picks the replica.
         self.route_at_gateway = route_at_gateway
         self.audit: list[FleetAudit] = []
+        self._replica_policy: dict[str, Any] = {}  # per-replica overrides (else the fleet policy)
+        self._initial_policy = policy               # what a new replica starts with (the CLI flags)
+        self._known: set[str] = set()
         self.lock = threading.RLock()
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.max_model_len, self.context_limit, self.block_size = max_model_len, context_limit, block_size
@@ -141,6 +144,7 @@ class FleetClient:
             try:
                 queue = {"queued": float(self.queued), "queued_tokens": float(self.queued_tokens)}
                 self.view.apply_pull(ray.get(self.hub.pull.remote(self.view.seq, queue), timeout=10))
+                self._catch_up_new_replicas()
                 if time.monotonic() - last_slow > 1.0:
                     last_slow = time.monotonic()
                     self._metrics = ray.get(self.hub.replica_metrics.remote(), timeout=10)
@@ -149,6 +153,22 @@ class FleetClient:
                 log.warning("fleet hub pull failed: %s", exc)
                 self._stop.wait(1.0)
             self._stop.wait(self.pull_s)
+
+    def _catch_up_new_replicas(self) -> None:
+        """A replica Ray started later (scale-out, a replacement) starts from the CLI flags:
+        give it the fleet-wide policy changes made since."""
+        new = [s.replica for s in self.view.live() if s.replica not in self._known]
+        if not new:
+            return
+        self._known.update(new)
+        if self.policy is None or self._initial_policy is None:
+            return
+        with self.lock:
+            diff = {k: v for k, v in self.policy.to_json().items() if self._initial_policy.to_json().get(k) != v}
+        for r in new:
+            if diff:
+                self.hub.command.remote(r, "fleet policy (new replica)", diff)
+                log.info("replica %s joined: applying the fleet policy changes %s", r, diff)
 
     def wait_for_replicas(self, n: int, timeout_s: float) -> bool:
         """Until n replicas have reported (routing needs their stats and residency)."""
@@ -290,17 +310,25 @@ class FleetClient:
         applies it at its next step boundary). Raises ValueError naming the field."""
         import ray
 
-        new = self.policy.replace(self.envelope, **changes)
-        targets = [replica] if replica else [s.replica for s in self.view.live()]
-        if replica and replica not in targets:
+        live = [s.replica for s in self.view.live()]
+        if replica is not None and replica not in live:
             raise ValueError(f"replica: unknown replica {replica!r}")
+        targets = [replica] if replica else live
+        new = {r: self.policy_for(r).replace(self.envelope, **changes) for r in targets}
+        fleet_new = self.policy.replace(self.envelope, **changes) if replica is None else None
         for r in targets:
             ray.get(self.hub.command.remote(r, who, changes), timeout=10)
         with self.lock:
-            if replica is None:
-                self.policy = new
+            self._replica_policy.update(new)
+            if fleet_new is not None:
+                self.policy = fleet_new
             self.audit.append(FleetAudit(time.time(), who, replica or "all replicas", dict(changes)))
         log.info("policy change by %s for %s: %s", who, replica or "all replicas", changes)
+
+    def policy_for(self, replica: str | None) -> Any:
+        """A replica's admission policy as the gateway last set it (the fleet's by default)."""
+        with self.lock:
+            return self._replica_policy.get(replica or "", self.policy)
 
     def update_autoscale(self, who: str, knobs: dict[str, Any]) -> dict[str, Any]:
         """Validate and apply new autoscaler knobs (Ray Serve updates the deployment in place)."""

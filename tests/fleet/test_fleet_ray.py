@@ -149,6 +149,23 @@ def test_all_replicas_full_then_429_with_retry_after(fleet, console):
     assert fleet.metric("pagedjax:fleet_rejections_total") >= 2
 
 
+def test_policy_change_for_one_replica_from_the_console(fleet, console):
+    page = console.get("/admin").text
+    csrf = re.search(r'"X-CSRF-Token": "([^"]+)"', page).group(1)
+    a, b = sorted(r["replica"] for r in state(console)["replicas"])
+    bad = console.post("/admin/fleet/policy", data={"_csrf": csrf, "replica": a, "watermark": "2"})
+    assert bad.status_code == 422 and "Nothing was changed" in bad.text
+    r = console.post("/admin/fleet/policy", data={"_csrf": csrf, "replica": a, "admission_mode": "optimistic"})
+    assert r.status_code == 200 and f"Policy applied to {a}" in r.text
+    modes = lambda: {x["replica"]: x["admission_mode"] for x in state(console)["replicas"]}  # noqa: E731
+    wait_for(lambda: modes() == {a: "optimistic", b: "reserve"}, 10, "the change to reach one replica only")
+    audit = state(console)["audit"][0]
+    assert audit["scope"] == a and audit["changes"] == {"admission_mode": "optimistic"}
+    # Back to the fleet-wide setting for the tests that follow.
+    console.post("/admin/fleet/policy", data={"_csrf": csrf, "admission_mode": "reserve", "replica": a})
+    wait_for(lambda: set(modes().values()) == {"reserve"}, 10, "reserve mode on both")
+
+
 def test_killed_replica_ends_its_streams_with_an_error_and_others_keep_serving(fleet, console):
     settle(console)
     client = fleet.openai(timeout=120)
@@ -201,3 +218,22 @@ def test_scale_in_drains_then_scale_out_under_load(fleet, console):
     wait_for(lambda: any(e["to"] > e["from"] and e["reason"].startswith("scale out")
                          for e in state(console)["scale_history"]), 60, "a scale-out decision")
     wait_for(lambda: len(state(console)["replicas"]) == 2, 240, "the second replica back")
+
+
+@pytest.mark.real_model
+def test_smollm2_through_a_two_replica_fleet_with_the_openai_client(smollm2_ckpt):
+    """The default model behind the fleet: the official client, streaming and not, the
+    second chat with the same system prompt hitting the first one's replica's cache."""
+    with start_server(None, "--replicas", "2", "--threads-per-replica", "1", "--max-num-seqs", "4",
+                      "--max-num-batched-tokens", "64", "--kv-cache-memory", "64MiB",
+                      subcommand=("fleet", "serve"), env={"RAY_ADDRESS": ""}, ready_timeout=600) as srv:
+        client = srv.openai(timeout=300)
+        msgs = [{"role": "system", "content": "You are a geography teacher. Answer in one short sentence. " * 4},
+                {"role": "user", "content": "What is the capital of France?"}]
+        r = client.chat.completions.create(model=srv.model, messages=msgs, max_tokens=24, temperature=0)
+        assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+        chunks = list(client.chat.completions.create(model=srv.model, messages=msgs, max_tokens=24, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16 * 4  # routed to the replica holding it
+        assert [m.id for m in client.models.list().data] == [srv.model]

@@ -151,3 +151,14 @@ def test_ray_policy_reads_the_replicas_autoscaling_stats():
     assert "logged_at" in state
     target, _ = policy(Ctx({}, current=2, target=2))
     assert target == 2  # nothing reported yet: hold (no scale-in before the delay)
+
+
+def test_a_replica_start_failure_becomes_one_line():
+    from runtime.fleet.serve import _one_line
+
+    wall = RuntimeError("The deployment failed to start 3 times in a row.\nTraceback (most recent call last):\n"
+                        '  File "replica.py", line 10, in __init__\n    raise FileNotFoundError(...)\n'
+                        "ray.exceptions.RayTaskError(FileNotFoundError): ...\n"
+                        "FileNotFoundError: /models/x: not a pagedjax checkpoint (no config.json)\n")
+    assert _one_line(wall) == "FileNotFoundError: /models/x: not a pagedjax checkpoint (no config.json)"
+    assert _one_line(RuntimeError("just text")) == "just text"
