@@ -221,11 +221,12 @@ def test_scale_in_drains_then_scale_out_under_load(fleet, console):
 
 
 @pytest.mark.real_model
-def test_smollm2_through_a_two_replica_fleet_with_the_openai_client(smollm2_ckpt):
-    """The default model behind the fleet: the official client, streaming and not, the
-    second chat with the same system prompt hitting the first one's replica's cache."""
-    with start_server(None, "--replicas", "2", "--threads-per-replica", "1", "--max-num-seqs", "4",
-                      "--max-num-batched-tokens", "64", "--kv-cache-memory", "64MiB",
+def test_smollm2_through_the_fleet_with_the_openai_client(smollm2_ckpt):
+    """The default model behind the fleet (gateway -> router -> Ray Serve replica), the
+    official client, streaming and not; the second chat with the same system prompt hits
+    the cache. One replica on both cores with test_api_real_model's envelope, so its step
+    programs come from the compilation cache (routing between replicas: the tests above)."""
+    with start_server(None, "--replicas", "1", "--threads-per-replica", "2", "--kv-cache-memory", "64MiB",
                       subcommand=("fleet", "serve"), env={"RAY_ADDRESS": ""}, ready_timeout=600) as srv:
         client = srv.openai(timeout=300)
         msgs = [{"role": "system", "content": "You are a geography teacher. Answer in one short sentence. " * 4},
@@ -235,5 +236,5 @@ def test_smollm2_through_a_two_replica_fleet_with_the_openai_client(smollm2_ckpt
         chunks = list(client.chat.completions.create(model=srv.model, messages=msgs, max_tokens=24, temperature=0,
                                                      stream=True, stream_options={"include_usage": True}))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
-        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16 * 4  # routed to the replica holding it
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16 * 4
         assert [m.id for m in client.models.list().data] == [srv.model]
