@@ -109,8 +109,35 @@ class EngineReplica:
         self.report_s = float(spec.get("report_s", 0.2))
         self.metrics_every = max(1, int(1.0 / self.report_s))
         self._hub = None
+        self.zmq_pub, self.zmq_seq, self.zmq_endpoint = None, 0, None
+        if spec.get("kv_events_endpoint"):
+            self._bind_zmq(spec["kv_events_endpoint"], rank, spec.get("kv_events_topic", ""))
         self._pump = asyncio.get_event_loop().create_task(self._report_loop())
         log.info("replica %s ready on cpus %s in %.1f s", self.name, self.cpus, time.monotonic() - t0)
+
+    def _bind_zmq(self, endpoint: str, rank: int, topic: str) -> None:
+        """vLLM's KV-event publisher, for consumers outside the fleet (llm-d's precise prefix
+        scorer, ...): a ZMQ PUB socket sending (topic, 8-byte big-endian sequence number,
+        KVEventBatch msgpack) per batch; replica `rank` binds the endpoint's port + rank, as
+        vLLM offsets it per data-parallel rank."""
+        import zmq
+
+        scheme, _, rest = endpoint.rpartition(":")
+        self.zmq_endpoint = f"{scheme}:{int(rest) + rank}" if rest.isdigit() else endpoint
+        self.zmq_pub = zmq.Context.instance().socket(zmq.PUB)
+        self.zmq_pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.zmq_pub.bind(self.zmq_endpoint)
+        self.zmq_topic = topic.encode()
+        log.info("replica %s publishes KV events on %s", self.name, self.zmq_endpoint)
+
+    def _publish_zmq(self, batch: bytes) -> None:
+        import zmq
+
+        try:
+            self.zmq_pub.send_multipart((self.zmq_topic, self.zmq_seq.to_bytes(8, "big"), batch), flags=zmq.NOBLOCK)
+            self.zmq_seq += 1
+        except zmq.Again:  # a slow subscriber: PUB drops, as vLLM's does
+            pass
 
     # --- requests ------------------------------------------------------------------------------
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[Any]:
@@ -182,38 +209,35 @@ class EngineReplica:
         return self._hub
 
     async def _report_loop(self) -> None:
+        """Every report_s: the pool's new residency events go out as one KVEventBatch (ZMQ
+        at once if enabled; to the hub with the stats, kept in order until it answers)."""
         from runtime.kv_events import encode_batch, to_vllm_events
 
-        n = 0
+        n, backlog = 0, []  # raw events the hub has not acknowledged yet
         while True:
-            raw: list = []
             try:
                 with self.llm.lock:
                     raw = self.llm.pool.take_events()
+                if raw and self.zmq_pub is not None:
+                    self._publish_zmq(encode_batch(to_vllm_events(raw, self.llm.pool.block_size)))
+                backlog += raw
                 hub = self._hub_handle()
-                if hub is None:
-                    raise LookupError("no fleet hub yet")
-                batch = encode_batch(to_vllm_events(raw, self.llm.pool.block_size)) if raw else None
-                metrics = self.llm.metrics.render() if n % self.metrics_every == 0 else None
-                commands, self.fleet_queue = await hub.report.remote(self.name, self.stats().to_dict(), batch,
-                                                                     metrics)
-                raw = []
-                for who, changes in commands or ():
-                    try:
-                        self.llm.update_policy(who, **changes)
-                    except ValueError as exc:
-                        log.warning("policy change from %s refused: %s", who, exc)
-                n += 1
+                if hub is not None:
+                    batch = encode_batch(to_vllm_events(backlog, self.llm.pool.block_size)) if backlog else None
+                    metrics = self.llm.metrics.render() if n % self.metrics_every == 0 else None
+                    commands, self.fleet_queue = await hub.report.remote(self.name, self.stats().to_dict(), batch,
+                                                                         metrics)
+                    backlog = []
+                    n += 1
+                    for who, changes in commands or ():
+                        try:
+                            self.llm.update_policy(who, **changes)
+                        except ValueError as exc:
+                            log.warning("policy change from %s refused: %s", who, exc)
             except asyncio.CancelledError:
                 raise
-            except LookupError:
-                pass
             except Exception:  # noqa: BLE001 -- the hub restarting must not stop serving
                 log.exception("report to the fleet hub failed")
-            finally:
-                if raw:  # not delivered: keep the events, in order, for the next report
-                    with self.llm.lock:
-                        self.llm.pool.events[:0] = raw
             await asyncio.sleep(self.report_s)
 
     async def __del__(self) -> None:

@@ -57,6 +57,10 @@ def add_fleet_parser(sub: Any) -> None:
                    help="seconds a new replica takes to start: the queue must clear within it")
     g.add_argument("--scale-in-delay", type=float, default=60.0)
     g.add_argument("--target-utilization", type=float, default=0.8)
+    g.add_argument("--kv-events-endpoint", default=None,
+                   help="also publish each replica's KV events on ZMQ, as vLLM does (e.g. tcp://*:5557; replica "
+                        "k binds port + k), for consumers outside the fleet")
+    g.add_argument("--kv-events-topic", default="", help="ZMQ topic of those messages (default: empty, as vLLM)")
     g.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds a replica being scaled in gets to finish its requests")
     add_engine_arguments(s, serving=True)
@@ -141,7 +145,8 @@ class Fleet:
                                                              get_if_exists=True).remote()
         serve.start(proxy_location="Disabled")
         self.spec = {"checkpoint": str(self.checkpoint.resolve()), "engine_args": _engine_args(a),
-                     "threads": threads, "warmup": True}
+                     "threads": threads, "warmup": True, "kv_events_endpoint": a.kv_events_endpoint,
+                     "kv_events_topic": a.kv_events_topic}
         self.threads = threads
         app = serve.deployment(EngineReplica, **deployment_options(a, threads)).bind(self.spec)
         log.info("starting %d replica(s) of %s (%s cores each)%s", a.replicas, self.checkpoint.name,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from litestar.testing import TestClient
@@ -16,11 +15,16 @@ from console.settings import ADMIN_TOKEN_ENV, ServerSettings, resolve_admin_toke
 
 
 class StubEngine:
-    """Just enough AsyncEngine for /v1/models and the readiness checks."""
+    """Just enough of the web layer's engine interface (AsyncEngine, FleetClient) for
+    /v1/models and the readiness checks."""
+
+    max_model_len = 512
 
     def __init__(self) -> None:
         self.accepting, self.started, self.stopped = True, False, False
-        self.engine = SimpleNamespace(envelope=SimpleNamespace(max_model_len=512), has_unfinished=lambda: False)
+
+    def has_unfinished(self) -> bool:
+        return False
 
     def start(self) -> None:
         self.started = True

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.console.server_util import start_server
+from tests.console.server_util import free_port, start_server
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.fleet
@@ -30,9 +30,14 @@ SYSTEM = "You are a careful assistant who answers in one short sentence. " * 5  
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_ckpt):
-    with start_server(tiny_ckpt, *FLEET, subcommand=("fleet", "serve"), env={"RAY_ADDRESS": ""},
-                      ready_timeout=420) as srv:
+def zmq_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_ckpt, zmq_port):
+    with start_server(tiny_ckpt, *FLEET, "--kv-events-endpoint", f"tcp://127.0.0.1:{zmq_port}",
+                      subcommand=("fleet", "serve"), env={"RAY_ADDRESS": ""}, ready_timeout=420) as srv:
         yield srv
 
 
@@ -101,6 +106,57 @@ def test_fleet_serves_and_reports_two_replicas(fleet, console):
     assert len(re.findall(r'^vllm:cache_config_info\{replica="[^"]+",block_size="16",num_gpu_blocks="64"\} 1',
                           metrics, re.M)) == 2
     assert "pagedjax:fleet_replicas 2" in metrics
+
+
+def test_kv_events_on_zmq_decode_with_vllms_own_types(fleet, zmq_port):
+    """What a vLLM KV-event subscriber (llm-d's precise scorer) would read: multipart
+    (topic, 8-byte sequence, msgpack KVEventBatch), decoded with vLLM's struct layout."""
+    import msgspec
+    import zmq
+
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list
+
+    class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[bytes | int]
+        parent_block_hash: bytes | int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[bytes | int]
+        medium: str | None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    class KVEventBatch(EventBatch):
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    for port in (zmq_port, zmq_port + 1):
+        sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.5)  # let the subscription reach the publishers
+    prompt = "zmq events " * 10
+    r = fleet.client().post("/v1/completions", json={"model": fleet.model, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200
+    stored = []
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not stored:
+        if sub.poll(500):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b"" and len(seq) == 8
+            batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+            stored += [e for e in batch.events if isinstance(e, BlockStored)]
+    sub.close(0)
+    assert stored and stored[0].block_size == 16 and len(stored[0].token_ids) == 16 * len(stored[0].block_hashes)
 
 
 def test_requests_sharing_a_system_prompt_stay_on_one_replica(fleet, console):
