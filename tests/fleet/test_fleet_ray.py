@@ -15,6 +15,7 @@ import signal
 import time
 
 import httpx
+import msgspec
 import pytest
 
 from tests.console.server_util import free_port, start_server
@@ -27,6 +28,39 @@ FLEET = ("--replicas", "2", "--min-replicas", "1", "--max-replicas", "2", "--sca
          "--kv-cache-memory", "512KiB", "--max-num-seqs", "4", "--fleet-queue-cap", "2",
          "--fleet-queue-timeout", "120", "--drain-timeout", "120")
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 5  # ~320 tokens
+
+
+# vLLM's KV-event types as its subscriber example defines them (the tag is the class name),
+# so the test decodes what a vLLM consumer would, not with our own classes.
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 @pytest.fixture(scope="module")
@@ -111,33 +145,7 @@ def test_fleet_serves_and_reports_two_replicas(fleet, console):
 def test_kv_events_on_zmq_decode_with_vllms_own_types(fleet, zmq_port):
     """What a vLLM KV-event subscriber (llm-d's precise scorer) would read: multipart
     (topic, 8-byte sequence, msgpack KVEventBatch), decoded with vLLM's struct layout."""
-    import msgspec
     import zmq
-
-    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-        ts: float
-        events: list
-
-    class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-        pass
-
-    class BlockStored(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        parent_block_hash: bytes | int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-
-    class BlockRemoved(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        medium: str | None
-
-    class AllBlocksCleared(KVCacheEvent):
-        pass
-
-    class KVEventBatch(EventBatch):
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
     sub = zmq.Context.instance().socket(zmq.SUB)
     for port in (zmq_port, zmq_port + 1):
