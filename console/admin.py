@@ -125,6 +125,17 @@ def _audit_row(a: Any) -> dict[str, Any]:
     return {"when": when, "who": a.who, "changes": a.changes}
 
 
+def parse_number(text: str, typ: type) -> tuple[Any, str | None]:
+    """A form field's string as `typ` -> (value, None), or (None, the field's error)."""
+    try:
+        value: Any = typ(text)
+    except ValueError:
+        return None, "must be a number" if typ is float else "must be a whole number"
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, "must be a finite number"
+    return value, None
+
+
 def parse_policy_form(form: Any, engine: Any) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
     """Form strings -> typed changes (only fields that differ), per-field errors, raw values.
     Each change is validated on its own first so every bad field gets its own message."""
@@ -137,13 +148,9 @@ def parse_policy_form(form: Any, engine: Any) -> tuple[dict[str, Any], dict[str,
         if text is None:
             continue  # a partial form (a tool posting one field) leaves the others alone
         raw[name] = text = str(text).strip()
-        try:
-            value: Any = typ(text)
-        except ValueError:
-            errors[name] = "must be a number" if typ is float else "must be a whole number"
-            continue
-        if isinstance(value, float) and not math.isfinite(value):
-            errors[name] = "must be a finite number"
+        value, err = parse_number(text, typ)
+        if err:
+            errors[name] = err
             continue
         if value == getattr(current, name):
             continue

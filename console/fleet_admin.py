@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from litestar import Request, Response, Router, get, post
 from litestar.response import Redirect, Template
 
-from console.admin import NO_STORE, POLICY_FIELDS, parse_policy_form
+from console.admin import NO_STORE, POLICY_FIELDS, parse_number, parse_policy_form
 from console.auth import AdminAuth, is_htmx, login, login_form, logout
 
 AUTOSCALE_FIELDS: list[tuple[str, str, type, str]] = [
@@ -98,15 +97,11 @@ async def fleet_autoscale(request: Request) -> Any:
         text = str(form.get(name, "")).strip()
         if not text:
             continue
-        try:
-            value = typ(text)
-        except ValueError:
-            errors[name] = "must be a number" if typ is float else "must be a whole number"
-            continue
-        if isinstance(value, float) and not math.isfinite(value):
-            errors[name] = "must be a finite number"
-            continue
-        knobs[name] = value
+        value, err = parse_number(text, typ)
+        if err:
+            errors[name] = err
+        else:
+            knobs[name] = value
     if not errors:
         try:
             await asyncio.to_thread(client.update_autoscale, request.state.admin_session.who, knobs)
