@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 import console
 from console import schemas as S
-from console.api import ACCESS_KEY, ROUTES, AccessRecord
+from console.api import ACCESS_KEY, ROOT_ROUTES, ROUTES, AccessRecord
 from console.errors import EXCEPTION_HANDLERS, APIError
 from console.settings import ServerSettings
 from runtime.async_engine import AsyncEngine
@@ -76,6 +76,14 @@ def require_ready(connection: ASGIConnection, _: BaseRouteHandler) -> None:
 def v1_router(with_security: bool) -> Router:
     return Router(path="/v1", route_handlers=ROUTES, guards=[require_api_key, require_ready],
                   exception_handlers=EXCEPTION_HANDLERS, tags=["OpenAI"],
+                  security=[{"bearer": []}] if with_security else None)
+
+
+def root_router(with_security: bool) -> Router:
+    """/tokenize, /detokenize (vLLM's paths and shapes), /generate and /generate_stream (TGI's)
+    at the root, behind the same door as /v1."""
+    return Router(path="/", route_handlers=ROOT_ROUTES, guards=[require_api_key, require_ready],
+                  exception_handlers=EXCEPTION_HANDLERS, tags=["Native"],
                   security=[{"bearer": []}] if with_security else None)
 
 
@@ -162,6 +170,16 @@ def metrics(request: Request) -> Response:
     return Response(text, media_type=CONTENT_TYPE_LATEST, headers={"Cache-Control": "no-store"})
 
 
+@get("/replicas/{replica:str}/metrics", summary="One fleet replica's Prometheus metrics, unlabelled (as a model "
+     "server exports them: what llm-d's endpoint picker scrapes per endpoint)", sync_to_thread=False)
+def replica_metrics(request: Request, replica: str) -> Response:
+    engine = request.app.state.get("engine")
+    text = engine.replica_metrics(replica) if engine is not None else None
+    if text is None:
+        raise APIError(404, f"replica: no replica {replica!r} is reporting", param="replica", code="not_found")
+    return Response(text, media_type=CONTENT_TYPE_LATEST, headers={"Cache-Control": "no-store"})
+
+
 # --- lifecycle ----------------------------------------------------------------------------------------------
 
 def _load_and_warm(app: Litestar, factory: Callable[[], LLMEngine]) -> None:
@@ -227,13 +245,14 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
     up in the background by the lifespan. Neither: the API answers 503 (console-only tests).
     `fleet`: `engine` is a FleetClient (runtime/fleet/gateway.py): the console is the fleet page."""
     http_metrics = HttpMetrics()
-    handlers: list = [v1_router(with_security=settings.api_key is not None), health, metrics,
+    handlers: list = [v1_router(with_security=settings.api_key is not None),
+                      root_router(with_security=settings.api_key is not None), health, metrics,
                       create_static_files_router(path="/static", directories=[Path(console.__file__).parent / "static"],
                                                  include_in_schema=False)]
     if fleet:
         from console.fleet_admin import fleet_admin_router
 
-        handlers.append(fleet_admin_router())
+        handlers += [fleet_admin_router(), replica_metrics]
     else:
         from console.admin import admin_router
 

@@ -4,7 +4,7 @@ Bodies are decoded strictly (`"5"` is not an integer), so the published OpenAPI 
 (generated from these same structs by msgspec, see `operation` below) is exactly
 what the server accepts. Unknown fields are ignored, as OpenAI clients send many.
 Extensions over OpenAI: top_k, min_p, repetition_penalty, priority, ignore_eos,
-stop_token_ids.
+stop_token_ids; vLLM's /tokenize and /detokenize bodies.
 """
 
 from __future__ import annotations
@@ -84,7 +84,92 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
+class TokenizeRequest(Struct, kw_only=True):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True   # the BOS the model's config asks for (prompt only, as vLLM)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[Annotated[int, Meta(ge=0)]]
+
+
+class GenerateParameters(Struct, kw_only=True):
+    """Text Generation Inference's `parameters` (the ones this engine can honour)."""
+
+    max_new_tokens: PositiveInt | None = None
+    do_sample: bool = False
+    temperature: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    top_k: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, lt=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=MAX_STOP)] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    details: bool = False
+    decoder_input_details: bool = False
+    return_full_text: bool = False
+
+
+class GenerateRequest(Struct, kw_only=True):
+    """TGI's POST /generate and /generate_stream body."""
+
+    inputs: Annotated[str, Meta(min_length=1)]
+    parameters: GenerateParameters | None = None
+    stream: bool = False
+
+
 # --- responses -------------------------------------------------------------------------------
+
+class GenToken(Struct):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class GenDetails(Struct):
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None = None
+    tokens: list[GenToken] | None = None
+
+
+class GenerateResponse(Struct):
+    generated_text: str
+    details: GenDetails | None = None
+
+
+class StreamDetails(Struct):
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None = None
+
+
+class GenerateStreamEvent(Struct):
+    """One SSE event of /generate_stream: a token; the last one also the whole text and details."""
+
+    index: int
+    token: GenToken
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
 
 class PromptTokensDetails(Struct):
     cached_tokens: int = 0
@@ -291,7 +376,8 @@ def openapi_components() -> dict[str, Schema]:
     """Every struct the operations reference, keyed by name, for OpenAPIConfig.components."""
     _, comps = msgspec.json.schema_components(
         [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
-         ChatCompletionChunk, ModelList, ErrorResponse], ref_template=REF)
+         ChatCompletionChunk, ModelList, ErrorResponse, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
+         DetokenizeResponse, GenerateRequest, GenerateResponse, GenerateStreamEvent], ref_template=REF)
     return {name: RawSchema(raw=body) for name, body in comps.items()}
 
 

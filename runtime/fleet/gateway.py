@@ -257,6 +257,10 @@ class FleetClient:
             try:
                 first = await gen.__anext__()
                 break
+            except asyncio.CancelledError:  # the client went away before the replica answered
+                gen.cancel()
+                self.view.unroute(hint, request_id)
+                raise
             except StopAsyncIteration:
                 raise RuntimeError("the replica closed the stream before accepting") from None
             except Exception as exc:  # noqa: BLE001
@@ -358,6 +362,11 @@ class FleetClient:
                              list(reversed(self.view.decisions)), dict(self.view.reasons),
                              list(reversed(self.scale_history)), self.queued, self.queue_cap, self.rejected, audit,
                              policy, auto)
+
+    def replica_metrics(self, replica: str) -> bytes | None:
+        """One replica's own exposition (no replica label), or None if it is not reporting."""
+        live = {s.replica for s in self.view.live()}
+        return self._metrics.get(replica) if replica in live else None
 
     def render_metrics(self) -> bytes:
         """Every replica's series labelled by replica, then the gateway's own."""

@@ -1,6 +1,6 @@
 """Property-based API fuzzing: schemathesis against the live server's /schema/openapi.json.
 
-Schema-valid (positive) and schema-violating (negative) bodies for every /v1 operation;
+Schema-valid (positive) and schema-violating (negative) bodies for every API operation;
 the server must never answer 5xx, every answer must match the published schema (status
 code, content type, body), schema-violating input must be refused with 4xx, and the API
 key must really be enforced. Generation is clamped to a few tokens so fuzzing stays fast.
@@ -26,7 +26,8 @@ from tests.console.server_util import ServerHandle, start_server
 MAX_EXAMPLES = 30  # per operation and mode
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection, ignored_auth]
-OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET")]
+OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
+              ("/tokenize", "POST"), ("/detokenize", "POST"), ("/generate", "POST"), ("/generate_stream", "POST")]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,13 @@ def _clamp(body: object) -> None:
             body[key] = min(v, 4)
     if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = 4
+    params = body.get("parameters")
+    if isinstance(params, dict):
+        v = params.get("max_new_tokens")
+        if isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 2**63:
+            params["max_new_tokens"] = min(v, 4)
+        elif "max_new_tokens" not in params:
+            params["max_new_tokens"] = 4
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 16:
         body["n"] = min(n, 2)

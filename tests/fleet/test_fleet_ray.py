@@ -140,6 +140,12 @@ def test_fleet_serves_and_reports_two_replicas(fleet, console):
     assert len(re.findall(r'^vllm:cache_config_info\{replica="[^"]+",block_size="16",num_gpu_blocks="64"\} 1',
                           metrics, re.M)) == 2
     assert "pagedjax:fleet_replicas 2" in metrics
+    # Each replica's own exposition, as llm-d's endpoint picker scrapes a model server.
+    one = state(console)["replicas"][0]["replica"]
+    r = fleet.client().get(f"/replicas/{one}/metrics")
+    assert r.status_code == 200 and re.search(r"^vllm:num_requests_running 0", r.text, re.M)
+    assert 'replica="' not in r.text
+    assert fleet.client().get("/replicas/nope/metrics").status_code == 404
 
 
 def test_kv_events_on_zmq_decode_with_vllms_own_types(fleet, zmq_port):
