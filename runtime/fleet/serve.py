@@ -122,6 +122,7 @@ class Fleet:
         self.handle: Any = None
         self.spec: dict[str, Any] = {}
         self.threads = 0
+        self.joined = False
 
     def start(self, progress: bool = True) -> None:
         import ray
@@ -136,8 +137,14 @@ class Fleet:
         threads = a.threads_per_replica or (max(1, cores // max(1, a.max_replicas or a.replicas)) if not address
                                             else 0)
         env = {k: v for k, v in os.environ.items() if k.startswith(("PAGEDJAX_", "XLA_", "JAX_"))}
+        self.joined = bool(address)
         if address:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            try:
+                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            except ConnectionError as exc:
+                raise RuntimeError(f"cannot join the Ray cluster at {address} ({exc}); with Ray's token "
+                                   f"authentication set RAY_AUTH_TOKEN to the cluster's token, or use --address auto "
+                                   f"on one of its nodes") from None
         else:
             ray.init(num_cpus=max(cores, (a.max_replicas or a.replicas) * max(threads, 1)), namespace=NAMESPACE,
                      include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env} if env else None)
@@ -213,11 +220,20 @@ class Fleet:
                            route_at_gateway=a.router == "prefix")
 
     def shutdown(self) -> None:
+        """A local instance goes entirely; on a cluster we joined only our application and hub
+        go (other applications keep running), then we disconnect."""
         import ray
         from ray import serve
 
+        if not ray.is_initialized():
+            return
         try:
-            serve.shutdown()
+            if self.joined:
+                serve.delete(APP_NAME)
+                if self.hub is not None:
+                    ray.kill(self.hub)
+            else:
+                serve.shutdown()
         finally:
             ray.shutdown()
 
