@@ -288,6 +288,12 @@ def _sse(obj: object) -> bytes:
     return b"data: " + S.encode(obj) + b"\n\n"
 
 
+def sse_response(events: AsyncIterator[bytes]) -> Stream:
+    """A server-sent-events response that proxies must not buffer."""
+    return Stream(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                  "X-Accel-Buffering": "no"})
+
+
 async def _respond(request: Request, gen: Generation, stream: bool, include_usage: bool,
                    full: Callable[[], object], head: Callable[[], list[object]],
                    chunk: Callable[[Job, Any], object], usage_chunk: Callable[[S.Usage], object]) -> Response:
@@ -317,8 +323,7 @@ async def _respond(request: Request, gen: Generation, stream: bool, include_usag
         finally:  # a client gone before (or while) the outputs flowed
             gen.abort_unfinished()
 
-    return Stream(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                    "X-Accel-Buffering": "no"})
+    return sse_response(events())
 
 
 @post("/completions", status_code=200, operation_class=S.operation(S.CompletionRequest, S.CompletionResponse),
@@ -390,145 +395,4 @@ async def list_models(request: Request) -> Response:
     return Response(S.encode(S.ModelList([card])), media_type="application/json")
 
 
-# --- tokenizer endpoints (vLLM's shapes, at the root as vLLM serves them) -----------------------------
-
-@post("/tokenize", status_code=200, operation_class=S.operation(S.TokenizeRequest, S.TokenizeResponse),
-      summary="Tokenize a prompt, or chat messages with the chat template")
-async def tokenize(request: Request) -> Response:
-    body = S.decode_body(await request.body(), S.TokenizeRequest)
-    if body.model is not None:
-        _check_model(request, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "prompt: send exactly one of prompt or messages", param="prompt")
-    engine = request.app.state.engine
-    tok = engine.tokenizer
-    if body.messages is not None:
-        ids = _chat_prompt(body.messages, tok, body.add_generation_prompt)
-    else:
-        ids = tok.encode(body.prompt)
-        if not body.add_special_tokens and ids and getattr(tok, "add_bos", False) and ids[0] == tok.bos_token_id:
-            ids = ids[1:]
-    strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
-    return Response(S.encode(S.TokenizeResponse(len(ids), engine.max_model_len, ids, strs)),
-                    media_type="application/json")
-
-
-@post("/detokenize", status_code=200, operation_class=S.operation(S.DetokenizeRequest, S.DetokenizeResponse),
-      summary="Token ids back to text")
-async def detokenize(request: Request) -> Response:
-    body = S.decode_body(await request.body(), S.DetokenizeRequest)
-    if body.model is not None:
-        _check_model(request, body.model)
-    engine = request.app.state.engine
-    bad = next((t for t in body.tokens if t >= engine.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"tokens: token id {bad} is outside the vocabulary (0..{engine.vocab_size - 1})",
-                       param="tokens")
-    return Response(S.encode(S.DetokenizeResponse(engine.tokenizer.decode(body.tokens, skip_special_tokens=False))),
-                    media_type="application/json")
-
-
-# --- native generate (Text Generation Inference's shapes) -------------------------------------------
-
-TGI_DEFAULT_MAX_NEW_TOKENS = 100
-
-
-def _tgi_sampling(request: Request, p: S.GenerateParameters, prompt_len: int) -> SamplingParams:
-    """TGI samples when asked (do_sample) or when any sampling knob is set; otherwise greedy."""
-    sample = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p))
-    kw: dict[str, Any] = {"temperature": (p.temperature if p.temperature is not None else 1.0) if sample else 0.0}
-    if sample and p.top_p is not None:
-        kw["top_p"] = p.top_p
-    if sample and p.top_k is not None and p.top_k < request.app.state.engine.vocab_size:
-        kw["top_k"] = p.top_k
-    if p.repetition_penalty is not None:
-        kw["repetition_penalty"] = p.repetition_penalty
-    mt = _max_tokens(request, prompt_len, p.max_new_tokens, TGI_DEFAULT_MAX_NEW_TOKENS, "inputs",
-                     "parameters.max_new_tokens")
-    try:
-        return SamplingParams(max_tokens=mt, stop=tuple(p.stop or ()), logprobs=0,
-                              seed=None if p.seed is None else p.seed % 2**32, **kw)
-    except ValueError as exc:
-        raise APIError.from_value_error(exc, default_param="parameters") from None
-
-
-def _tgi_finish(job: Job) -> str:
-    if job.finish_reason == "length":
-        return "length"
-    return "stop_sequence" if isinstance(job.stop_reason, str) else "eos_token"
-
-
-async def _tgi(request: Request, body: S.GenerateRequest, stream: bool) -> Response:
-    p = body.parameters or S.GenerateParameters()
-    if p.decoder_input_details:
-        raise APIError(400, "parameters.decoder_input_details: prompt-token logprobs are not supported yet",
-                       param="parameters.decoder_input_details")
-    tok = request.app.state.engine.tokenizer
-    ids = tok.encode(body.inputs)
-    gen = await _submit(request, [ids], [_tgi_sampling(request, p, len(ids))], 1, "interactive")
-    job = gen.jobs[0]
-    special = {*tok.eos_token_ids, *([tok.bos_token_id] if tok.bos_token_id is not None else [])}
-    prefix = body.inputs if p.return_full_text else ""
-
-    def token(t: int, text: str, lp: Any) -> S.GenToken:
-        return S.GenToken(t, text, lp[0] if lp else None, t in special)
-
-    if not stream:
-        await run_watching_disconnect(request, gen.collect())
-        if job.finish_reason in ("abort", "error"):
-            raise _failure(job)
-        details = None
-        if p.details:
-            toks = [token(t, tok.decode([t], skip_special_tokens=False), lp)
-                    for t, lp in zip(job.token_ids, job.logprobs or [None] * len(job.token_ids))]
-            details = S.GenDetails(_tgi_finish(job), job.completion_tokens, p.seed, toks)
-        return Response(S.encode(S.GenerateResponse(prefix + "".join(job.text), details)),
-                        media_type="application/json")
-
-    async def events() -> AsyncIterator[bytes]:
-        # One event per token, its text the incremental decoder's (a token that completes no
-        # character has ""); the event before the last is held so the last can carry the
-        # whole text and the details.
-        held: list[Any] | None = None  # [index, id, text, logprob]
-        n = 0
-        try:
-            async for j, out in gen.outputs():
-                if out.finished and out.finish_reason in ("abort", "error"):
-                    e = _failure(j)
-                    yield _sse(error_body(e.status_code, e.message, code=e.code))
-                    return
-                lps = out.logprobs or [None] * len(out.token_ids)
-                for t, lp in zip(out.token_ids, lps):
-                    if held is not None:
-                        yield _sse(S.GenerateStreamEvent(held[0], token(held[1], held[2], held[3])))
-                    held, n = [n, t, "", lp], n + 1
-                if held is not None:
-                    held[2] += out.text
-                if out.finished and held is not None:
-                    yield _sse(S.GenerateStreamEvent(held[0], token(held[1], held[2], held[3]),
-                                                     prefix + "".join(j.text),
-                                                     S.StreamDetails(_tgi_finish(j), j.completion_tokens, p.seed)))
-        finally:
-            gen.abort_unfinished()
-
-    return Stream(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                    "X-Accel-Buffering": "no"})
-
-
-@post("/generate", status_code=200, operation_class=S.operation(S.GenerateRequest, S.GenerateResponse),
-      summary="Generate text (Text Generation Inference's shape; stream: true answers as /generate_stream)")
-async def generate(request: Request) -> Response:
-    body = S.decode_body(await request.body(), S.GenerateRequest)
-    return await _tgi(request, body, body.stream)
-
-
-@post("/generate_stream", status_code=200,
-      operation_class=S.operation(S.GenerateRequest, S.GenerateStreamEvent),
-      summary="Generate text as server-sent events, one per token (Text Generation Inference's shape)")
-async def generate_stream(request: Request) -> Response:
-    body = S.decode_body(await request.body(), S.GenerateRequest)
-    return await _tgi(request, body, True)
-
-
 ROUTES = [completions, chat_completions, list_models]
-ROOT_ROUTES = [tokenize, detokenize, generate, generate_stream]

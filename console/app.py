@@ -34,7 +34,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 import console
 from console import schemas as S
-from console.api import ACCESS_KEY, ROOT_ROUTES, ROUTES, AccessRecord
+from console.api import ACCESS_KEY, ROUTES, AccessRecord
+from console.native import ROOT_ROUTES
 from console.errors import EXCEPTION_HANDLERS, APIError
 from console.settings import ServerSettings
 from runtime.async_engine import AsyncEngine
