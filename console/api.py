@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,11 +23,14 @@ from litestar.response import Stream
 
 from console import schemas as S
 from console.errors import APIError, ClientDisconnected, error_body
+from console.structured import ToolPlan, guide_from_body, plan_tools, render_messages
 from runtime.async_engine import AsyncEngine
 from runtime.engine import RequestOutput
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded
+from runtime.structured import Guide
 
+log = logging.getLogger(__name__)
 MAX_JOBS = 64  # prompts x n per HTTP request
 ACCESS_KEY = "pagedjax.access"  # ASGI scope key of the request's AccessRecord
 
@@ -186,22 +190,22 @@ def _completion_prompts(prompt: Any, tok: Any) -> list[list[int]]:
                         "token-id lists (not a mix)", param="prompt")
 
 
-def _chat_prompt(messages: list[S.ChatMessage], tok: Any, add_generation_prompt: bool = True) -> list[int]:
+def _chat_prompt(messages: list[S.ChatMessage], tok: Any, add_generation_prompt: bool = True,
+                 tools: ToolPlan | None = None) -> list[int]:
     for i, m in enumerate(messages):
         # As OpenAI: only an assistant turn may come without content (tool calls); a user or
         # system message without it would silently generate from nothing.
         if m.content is None and m.role != "assistant":
             raise APIError(400, f"messages[{i}].content: a {m.role} message needs content",
                            param=f"messages[{i}].content")
-
-    def content(m: S.ChatMessage) -> str:
-        if isinstance(m.content, list):
-            return "".join(p.text for p in m.content)
-        return m.content or ""
-
-    msgs = [{"role": m.role, "content": content(m), **({"name": m.name} if m.name else {})} for m in messages]
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"messages[{i}].tool_calls: only an assistant message has tool calls",
+                           param=f"messages[{i}].tool_calls")
+    renders_tools = getattr(tok, "renders_tools", False)
+    msgs, specs = render_messages(messages, tools or ToolPlan("none"), renders_tools)
     try:
-        return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt))
+        return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                                  **({"tools": specs} if specs else {})))
     except ValueError as exc:
         raise APIError.from_value_error(exc, default_param="messages") from None
     except Exception as exc:  # noqa: BLE001 -- a template tripping on odd input is the input's fault
@@ -226,15 +230,24 @@ def _max_tokens(request: Request, prompt_len: int, asked: int | None, default: i
 
 
 def _sampling(body: S.CompletionRequest | S.ChatCompletionRequest, max_tokens: int,
-              logprobs: int | None, vocab: int) -> SamplingParams:
+              logprobs: int | None, vocab: int, guide: Guide | None = None) -> SamplingParams:
     kw = {k: v for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                          "repetition_penalty") if (v := getattr(body, k)) is not None}
+    if body.logit_bias:
+        bad = next((k for k in body.logit_bias if not k.isdigit()), None)
+        if bad is not None:
+            raise APIError(400, f"logit_bias: keys are token ids, got {bad!r}", param="logit_bias")
+        kw["logit_bias"] = tuple((int(k), v) for k, v in body.logit_bias.items())
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})",
+                       param="min_tokens")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if body.top_k is not None and body.top_k >= vocab:
         kw["top_k"] = 0  # keeping the whole vocabulary is no filter at all
     try:
         return SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
-                              ignore_eos=body.ignore_eos, logprobs=logprobs,
+                              ignore_eos=body.ignore_eos, logprobs=logprobs, min_tokens=body.min_tokens,
+                              guide=guide or guide_from_body(body),
                               seed=None if body.seed is None else body.seed % 2**32, **kw)
     except ValueError as exc:
         raise APIError.from_value_error(exc) from None
@@ -331,6 +344,8 @@ async def _respond(request: Request, gen: Generation, stream: bool, include_usag
 async def completions(request: Request) -> Response:
     body = S.decode_body(await request.body(), S.CompletionRequest)
     _check_model(request, body.model)
+    if body.user:
+        log.info("request %s: user %r", record_of(request).request_id, body.user[:200])
     tok = request.app.state.engine.tokenizer
     prompts = _completion_prompts(body.prompt, tok)
     vocab = request.app.state.engine.vocab_size
@@ -360,15 +375,18 @@ async def chat_completions(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     tok = request.app.state.engine.tokenizer
-    ids = _chat_prompt(body.messages, tok)
+    plan = plan_tools(body, guide_from_body(body) is not None)
+    ids = _chat_prompt(body.messages, tok, tools=plan)
+    if body.user:
+        log.info("request %s: user %r", record_of(request).request_id, body.user[:200])
     lp = (body.top_logprobs or 0) if body.logprobs else None
     by_new_name = body.max_completion_tokens is not None
     mt = _max_tokens(request, len(ids), body.max_completion_tokens if by_new_name else body.max_tokens, None,
                      "messages", "max_completion_tokens" if by_new_name else "max_tokens")
     vocab = request.app.state.engine.vocab_size
-    gen = await _submit(request, [ids], [_sampling(body, mt, lp, vocab)], body.n, body.priority)
+    gen = await _submit(request, [ids], [_sampling(body, mt, lp, vocab, plan.guide)], body.n, body.priority)
     rid, created, model = f"chatcmpl-{gen.record.request_id}", int(time.time()), body.model
-    fmt = gen.formatter(tok, lp is not None)
+    fmt = S.Formatter(tok, lp is not None, tools=plan if plan.active else None)
 
     def chunk(choices: list[S.ChatChunkChoice], usage: S.Usage | None = None) -> S.ChatCompletionChunk:
         return S.ChatCompletionChunk(rid, created, model, choices, usage)

@@ -91,6 +91,11 @@ def msgspec_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> APIErro
     missing = re.match(r"Object missing required field `(\w+)`", text)
     if missing:
         param = ".".join(p for p in (param, missing.group(1)) if p)
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", text)
+    if unknown:
+        param = ".".join(p for p in (param, unknown.group(1)) if p)
+        return APIError(400, f"{param}: this server does not support this field", param=param,
+                        code="unsupported_field")
     return APIError(400, f"{param}: {text}" if param else text, param=param, code="invalid_value")
 
 

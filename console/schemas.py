@@ -2,9 +2,11 @@
 
 Bodies are decoded strictly (`"5"` is not an integer), so the published OpenAPI schema
 (generated from these same structs by msgspec, see `operation` below) is exactly
-what the server accepts. Unknown fields are ignored, as OpenAI clients send many.
-Extensions over OpenAI: top_k, min_p, repetition_penalty, priority, ignore_eos,
-stop_token_ids; vLLM's /tokenize and /detokenize bodies.
+what the server accepts. A field this server does not implement is a 400 naming it,
+never silently ignored (OpenAI clients send only the fields their callers set).
+Extensions over OpenAI, as vLLM names them: top_k, min_p, repetition_penalty, min_tokens,
+stop_token_ids, ignore_eos, structured_outputs, prompt_logprobs; priority; vLLM's
+/tokenize and /detokenize bodies.
 """
 
 from __future__ import annotations
@@ -28,11 +30,36 @@ StopField = Annotated[str, Meta(min_length=1)] | Annotated[list[Annotated[str, M
                                                           Meta(max_length=MAX_STOP)]
 
 
-class StreamOptions(Struct):
+class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class _Sampling(Struct, kw_only=True):
+class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None     # none: any JSON object
+    strict: bool | None = None               # outputs always follow the schema here
+    description: str | None = None
+
+
+class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json: dict[str, Any] | str | None = None      # a JSON schema (object or JSON text)
+    regex: str | None = None
+    choice: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | None = None
+    grammar: Annotated[str, Meta(min_length=1)] | None = None   # Lark or GBNF (EBNF)
+    json_object: bool | None = None
+
+
+LogitBias = dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]]
+
+
+class _Sampling(Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by both endpoints."""
 
     model: str
@@ -54,6 +81,10 @@ class _Sampling(Struct, kw_only=True):
     priority: Literal["interactive", "batch"] = "interactive"
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 PromptItem = str | Annotated[int, Meta(ge=0)] | Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1)]
@@ -64,17 +95,52 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | Annotated[list[PromptItem], Meta(min_length=1)]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
-class TextPart(Struct):
+class TextPart(Struct, forbid_unknown_fields=True):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(Struct, kw_only=True):
+class FunctionCall(Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str              # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None    # an assistant turn that called tools
+    tool_call_id: str | None = None             # a tool turn: the call it answers
+
+
+class FunctionDef(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -82,9 +148,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
-class TokenizeRequest(Struct, kw_only=True):
+class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
@@ -95,12 +164,12 @@ class TokenizeRequest(Struct, kw_only=True):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(Struct, kw_only=True):
+class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     tokens: list[Annotated[int, Meta(ge=0)]]
 
 
-class GenerateParameters(Struct, kw_only=True):
+class GenerateParameters(Struct, kw_only=True, forbid_unknown_fields=True):
     """Text Generation Inference's `parameters` (the ones this engine can honour)."""
 
     max_new_tokens: PositiveInt | None = None
@@ -116,7 +185,7 @@ class GenerateParameters(Struct, kw_only=True):
     return_full_text: bool = False
 
 
-class GenerateRequest(Struct, kw_only=True):
+class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     """TGI's POST /generate and /generate_stream body."""
 
     inputs: Annotated[str, Meta(min_length=1)]
@@ -189,7 +258,7 @@ class CompletionLogprobs(Struct):
     text_offset: list[int]
 
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 class CompletionChoice(Struct):
@@ -230,6 +299,7 @@ class ChatLogprobs(Struct):
 class ChatResponseMessage(Struct):
     content: str | None
     role: Literal["assistant"] = "assistant"
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Struct):
@@ -250,9 +320,22 @@ class ChatCompletionResponse(Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -388,10 +471,12 @@ class Formatter:
     `job` is console.api.Job (duck-typed: prompt_ids, text, token_ids, logprobs,
     finish_reason, stop_reason, offset)."""
 
-    def __init__(self, tokenizer: Any, wants_logprobs: bool, echo: bool = False):
+    def __init__(self, tokenizer: Any, wants_logprobs: bool, echo: bool = False, tools: Any = None):
         self.tok = tokenizer
         self.wants_logprobs = wants_logprobs
         self.echo = echo
+        self.tools = tools          # console.structured.ToolPlan of a chat with tools, or None
+        self._streams: dict[int, Any] = {}
 
     def token(self, token_id: int) -> str:
         return self.tok.decode([token_id], skip_special_tokens=False)
@@ -438,10 +523,30 @@ class Formatter:
                              for i, lp in zip(ids, lps)])
 
     def chat_delta(self, job: Any, out: Any) -> ChatChunkChoice:
-        delta = ChatDelta(content=out.text) if out.text or not out.finished else ChatDelta()
-        return ChatChunkChoice(job.index, delta, self._chat_lp(out.token_ids, out.logprobs), out.finish_reason,
-                               out.stop_reason)
+        lp = self._chat_lp(out.token_ids, out.logprobs)
+        if self.tools is None:
+            delta = ChatDelta(content=out.text) if out.text or not out.finished else ChatDelta()
+            return ChatChunkChoice(job.index, delta, lp, out.finish_reason, out.stop_reason)
+        from console.structured import ToolStream
+
+        ts = self._streams.setdefault(job.index, ToolStream(self.tools))
+        text, calls = ts.feed(out.text), []
+        if out.finished:
+            tail, calls = ts.finish()
+            text += tail
+        deltas = [ToolCallDelta(i, c.id, "function", FunctionDelta(c.function.name, c.function.arguments))
+                  for i, c in enumerate(calls)]
+        delta = ChatDelta(content=text or (None if out.finished else ""), tool_calls=deltas or None)
+        reason = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+        return ChatChunkChoice(job.index, delta, lp, reason, out.stop_reason)
 
     def chat_choice(self, job: Any) -> ChatChoice:
-        return ChatChoice(job.index, ChatResponseMessage("".join(job.text)), self._chat_lp(job.token_ids, job.logprobs),
-                          job.finish_reason, job.stop_reason)
+        text, calls, reason = "".join(job.text), None, job.finish_reason
+        if self.tools is not None:
+            from console.structured import parse_tool_calls
+
+            content, found = parse_tool_calls(text, self.tools)
+            if found and reason == "stop":
+                text, calls, reason = content, found, "tool_calls"
+        return ChatChoice(job.index, ChatResponseMessage(text, tool_calls=calls),
+                          self._chat_lp(job.token_ids, job.logprobs), reason, job.stop_reason)

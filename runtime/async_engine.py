@@ -97,7 +97,10 @@ class AsyncEngine:
     # --- requests -----------------------------------------------------------------------
     async def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any
                       ) -> tuple[str, asyncio.Queue]:
-        """`submit` for callers that may also be given a fleet (whose admission awaits)."""
+        """`submit` for callers that may also be given a fleet (whose admission awaits). A
+        structured output's grammar compiles on a worker thread, off the event loop."""
+        if params.guide is not None and kw.get("matcher") is None:
+            kw["matcher"] = await asyncio.to_thread(self.engine.compile_guide, params.guide)
         return self.submit(prompt_ids, params, **kw)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any) -> tuple[str, asyncio.Queue]:

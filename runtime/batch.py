@@ -79,7 +79,8 @@ def step_row(req: "Request", n: int) -> ScheduledSeq:
 
 
 def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tokens_bucket: int,
-                     max_blocks_per_seq: int, block_size: int, scratch_row: int) -> StepInput:
+                     max_blocks_per_seq: int, block_size: int, scratch_row: int,
+                     token_mask: np.ndarray | None = None) -> StepInput:
     """Vectorised over tokens: the per-sequence Python work is list building only, so a
     256-sequence decode step costs well under a millisecond on the host."""
     from runtime.sampling import make_sampling_inputs
@@ -128,7 +129,7 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
     reset[:n] = np.fromiter((sq.reset_row for sq in seqs), bool, n)
     sample_mask = np.zeros(S, bool)
     sample_mask[:n] = np.fromiter((sq.sample for sq in seqs), bool, n)
-    sampling = make_sampling_inputs([sq.sampling_row for sq in seqs], S)
+    sampling = make_sampling_inputs([sq.sampling_row for sq in seqs], S, token_mask)
     shared = choose_shared_prefix(tables, nblocks, kv_lens, n, block_size)
     return StepInput(token_ids, from_state, positions, slots, kind, token_row, qsl, kv_lens, tables,
                      np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, sampling, shared)

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from runtime.batch import step_row
 from runtime.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
@@ -37,6 +39,7 @@ from runtime.request import Request
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded, Scheduler, SchedulerOutput
 from runtime.snapshot import EngineSnapshot, take_snapshot
+from runtime.structured import GuideCompiler
 from runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class _InFlight:
     handle: StepHandle
     num_tokens: int
     launched_at: float                  # perf_counter
+    guided: bool = False                # a row's structured output needs this step's token next
 
 
 @dataclass(eq=False)
@@ -103,6 +107,8 @@ class LLMEngine:
         params = prepare(params, config.quantization, config.model, tokenizer, lm_head=config.quantize_lm_head)
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
                                   config.attention_backend, dtype, config.quantization)
+        self.guides = GuideCompiler(tokenizer, config.model.vocab_size)
+        self.masks = self.runner.masks
         self.metrics = EngineMetrics()
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
         self.lock = threading.RLock()
@@ -153,16 +159,24 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: str = "interactive", cache_salt: str | None = None,
-                    on_output: Callable[[RequestOutput], None] | None = None) -> Request:
-        """Queue a request. Raises ValueError (bad input) or Overloaded (queue limits)."""
+                    on_output: Callable[[RequestOutput], None] | None = None, matcher: Any = None) -> Request:
+        """Queue a request. Raises ValueError (bad input) or Overloaded (queue limits).
+        A structured output (params.guide) compiles here unless `matcher` is given
+        (compile_guide, which callers on an event loop run off it)."""
         if not prompt_ids:
             raise ValueError("prompt: must contain at least one token")
         vocab = self.config.model.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if params.guide is not None and matcher is None:
+            matcher = self.compile_guide(params.guide)
         req = Request(request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", [int(t) for t in prompt_ids],
                       params.with_seed(self._rng), priority, cache_salt)
+        req.matcher = matcher
         with self.lock:
             if req.request_id in self._tracked:
                 raise ValueError(f"request_id: {req.request_id!r} is already in use")
@@ -178,6 +192,11 @@ class LLMEngine:
             if on_output is not None:
                 self._callbacks[req.request_id] = on_output
         return req
+
+    def compile_guide(self, guide: Any) -> Any:
+        """A fresh matcher for a structured output (thread-safe; ValueError naming the
+        field when it does not compile within the time limit)."""
+        return self.guides.compile(guide)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's blocks return to the pool at the next step boundary."""
@@ -216,6 +235,10 @@ class LLMEngine:
         """One beat: plan and launch step N+1 while step N runs on the device, then read
         step N back (tokens, stops, text). Without async scheduling N+1 is read at once."""
         outputs: list[RequestOutput] = []
+        if self._inflight is not None and self._inflight.guided:
+            # A structured row's next mask needs the token this step samples: read it first.
+            done, self._inflight = self._inflight, None
+            self._read_back(done, outputs)
         with self.lock:
             self._apply_boundary(outputs)
             launched = self._launch(self.scheduler.schedule(), outputs)
@@ -242,8 +265,15 @@ class LLMEngine:
         if not plan.scheduled:
             return None
         seqs = [step_row(req, n) for req, n in plan.scheduled]
+        num_seqs, num_tokens = self.envelope.bucket_for(len(seqs), plan.num_batched_tokens)
+        guided = [(i, req.matcher) for i, (req, _) in enumerate(plan.scheduled)
+                  if req.matcher is not None and seqs[i].sample]
+        eos = self.tokenizer.eos_token_ids
+        banned = [(i, (*eos, *b)) for i, (req, _) in enumerate(plan.scheduled)
+                  if seqs[i].sample and (b := req.banned_tokens) is not None]
         try:
-            handle = self.runner.launch(seqs, *self.envelope.bucket_for(len(seqs), plan.num_batched_tokens))
+            mask = self.masks.build(num_seqs, guided, banned, self.guides.executor)
+            handle = self.runner.launch(seqs, num_seqs, num_tokens, token_mask=mask)
         except Exception as exc:  # noqa: BLE001 -- one bad step must not kill the loop
             self._fail([req for req, _ in plan.scheduled], exc, outputs)
             return None
@@ -256,7 +286,7 @@ class LLMEngine:
                 req.first_scheduled_time = now
                 self.metrics.queue_time.observe(now - req.arrival_time)
             rows.append((req, self.scheduler.commit(req, n)))
-        return _InFlight(rows, handle, plan.num_batched_tokens, time.perf_counter())
+        return _InFlight(rows, handle, plan.num_batched_tokens, time.perf_counter(), bool(guided))
 
     def _read_back(self, done: _InFlight, outputs: list[RequestOutput]) -> None:
         """Wait for a launched step (outside the lock: the web thread keeps adding requests),
@@ -310,7 +340,8 @@ class LLMEngine:
         self.scheduler.append_token(req, tok)
         if req.params.logprobs is not None:
             k = req.params.logprobs
-            top = [(int(a), float(b)) for a, b in zip(result["top_ids"][i][:k], result["top_logprobs"][i][:k])]
+            top = [(int(a), float(b)) for a, b in zip(result["top_ids"][i][:k], result["top_logprobs"][i][:k])
+                   if b > -np.inf]  # a structured output's forbidden tokens
             req.logprobs.append((float(result["logprobs"][i]), top))
         if req.first_token_time is None:
             req.first_token_time = now
@@ -327,9 +358,16 @@ class LLMEngine:
             reason, stop_reason = "stop", None
         elif tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
+        elif req.matcher is not None:
+            if not req.matcher.consume_token(tok):
+                return self._finish(req, "error", error=f"structured output rejected token {tok}: "
+                                                        f"{req.matcher.get_error()}", new_ids=[tok])
+            if req.matcher.is_stopped():  # the grammar is complete: nothing else may follow
+                reason = "stop"
+                t.detok.push([tok])
         t.detok.push([tok] if reason is None else [])
         text_end = len(t.detok.text)
-        if reason is None and p.stop:
+        if reason is None and p.stop and req.num_generated >= p.min_tokens:
             for s in p.stop:
                 idx = t.detok.text.find(s, max(0, t.emitted - len(s)))
                 if idx >= 0 and idx < text_end:

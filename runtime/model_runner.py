@@ -224,6 +224,9 @@ class ModelRunner:
         fn.__name__ = STEP_FN_NAME  # type: ignore[attr-defined]
         self._step = jax.jit(fn, donate_argnums=(1, 2))
         self.fail_next_step: Exception | None = None  # test hook: the next step raises this
+        from runtime.structured import TokenMasks
+
+        self.masks = TokenMasks(cfg.vocab_size)  # the all-allowed mask every unconstrained step passes
 
     def recover(self) -> bool:
         """After a failed step the donated cache may be gone: rebuild it empty. Returns
@@ -238,11 +241,15 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.kv))
 
-    def launch(self, seqs: list, num_seqs_bucket: int, num_tokens_bucket: int) -> "StepHandle":
+    def launch(self, seqs: list, num_seqs_bucket: int, num_tokens_bucket: int,
+               token_mask: np.ndarray | None = None) -> "StepHandle":
         """Build the padded input and dispatch the step; returns at once (JAX dispatch is
-        asynchronous), the device state already advanced for the next launch."""
+        asynchronous), the device state already advanced for the next launch. token_mask:
+        the [num_seqs_bucket, ceil(V/32)] allowed-token bitmask (None: every token)."""
+        if token_mask is None:
+            token_mask = self.masks.all_allowed(num_seqs_bucket)
         inp = build_step_input(seqs, num_seqs_bucket, num_tokens_bucket, self.max_blocks_per_seq,
-                               self.cache_cfg.block_size, self.scratch_row)
+                               self.cache_cfg.block_size, self.scratch_row, token_mask)
         if self.fail_next_step is not None:
             exc, self.fail_next_step = self.fail_next_step, None
             raise exc

@@ -57,6 +57,7 @@ class Request:
     finish_time: float | None = None
     # logprobs of generated tokens: (chosen logprob, [(id, logprob)...]) when asked
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    matcher: Any = None              # llguidance matcher of a structured output (params.guide)
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:
@@ -98,6 +99,13 @@ class Request:
     def uses_penalties(self) -> bool:
         p = self.params
         return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+    @property
+    def banned_tokens(self) -> tuple[int, ...] | None:
+        """Token ids its next token may not be while below min_tokens (EOS added by the
+        engine), or None."""
+        p = self.params
+        return p.stop_token_ids if self.num_output_tokens < p.min_tokens else None
 
     @property
     def is_finished(self) -> bool:

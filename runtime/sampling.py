@@ -16,6 +16,8 @@ Device pipeline, computed per row so a row's tokens never depend on the rest of 
   then a token inside it: an exact inverse CDF without vocabulary-sized noise.
 - Logprobs (chosen as vLLM's default): log_softmax of the RAW logits, before penalties,
   temperature and filters; top_ids by raw probability, most probable first.
+- Before all of it, logit_bias is added and the allowed-token bitmask applied (structured
+  outputs, min_tokens; runtime/structured.py): like vLLM, logprobs see both.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runtime.structured import Guide
+
 GREEDY_EPS = 1e-5   # temperatures below this sample greedily (as vLLM)
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries per request (one fixed-shape [S, 300] input)
 CANDIDATES = 128    # top values a filtering row looks at before the bisection fallback
 _BLOCK = 256        # vocabulary block of the two-level inverse-CDF draw
 
@@ -73,6 +78,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None         # top logprobs to return per token, 0..MAX_LOGPROBS
     n: int = 1
+    min_tokens: int = 0                 # EOS and stop_token_ids are banned below this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit
+    guide: Guide | None = None          # structured output (runtime/structured.py)
 
     def __post_init__(self) -> None:
         for name, (kind, valid, msg) in _RULES.items():
@@ -92,6 +100,18 @@ class SamplingParams:
                "stop_token_ids", f"must be non-negative token ids, got {ids!r}")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos",
                f"must be true or false, got {self.ignore_eos!r}")
+        _check(isinstance(self.min_tokens, (int, np.integer)) and not isinstance(self.min_tokens, bool)
+               and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        bias = tuple(self.logit_bias.items()) if isinstance(self.logit_bias, dict) else tuple(self.logit_bias)
+        _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for t, v in bias:
+            _check(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0, "logit_bias",
+                   f"keys must be token ids, got {t!r}")
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100, "logit_bias",
+                   f"values must be between -100 and 100, got {v!r} for token {t}")
+        _check(self.guide is None or isinstance(self.guide, Guide), "guide", "must be a runtime.structured.Guide")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
 
@@ -129,6 +149,9 @@ class SamplingInputs:
     seeds: jax.Array               # [S] u32
     steps: jax.Array               # [S] i32 tokens generated so far
     want_logprobs: jax.Array       # [S] bool the request asked for logprobs
+    token_mask: jax.Array          # [S, W] i32 allowed-token bitmask, W = ceil(V/32) (or 0: none); -1 = all
+    bias_ids: jax.Array            # [S, MAX_LOGIT_BIAS] i32 logit_bias token ids; -1 = unused slot
+    bias_values: jax.Array         # [S, MAX_LOGIT_BIAS] f32
 
 
 @jax.tree_util.register_dataclass
@@ -140,8 +163,28 @@ class SampleOutput:
     top_logprobs: jax.Array   # [S, num_logprobs] f32
 
 
-def make_sampling_inputs(rows: Sequence[SamplingRow | None], pad_to: int) -> SamplingInputs:
-    """Host-side numpy batch; None rows and rows past len(rows) are greedy padding."""
+_NO_BIAS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _bias_arrays(rows: Sequence[SamplingRow], pad_to: int) -> tuple[np.ndarray, np.ndarray]:
+    if not any(r.params.logit_bias for r in rows):
+        if pad_to not in _NO_BIAS:
+            ids, vals = np.full((pad_to, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((pad_to, MAX_LOGIT_BIAS), np.float32)
+            ids.flags.writeable = vals.flags.writeable = False
+            _NO_BIAS[pad_to] = ids, vals
+        return _NO_BIAS[pad_to]
+    ids, vals = np.full((pad_to, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((pad_to, MAX_LOGIT_BIAS), np.float32)
+    for i, r in enumerate(rows):
+        for j, (t, v) in enumerate(r.params.logit_bias):
+            ids[i, j], vals[i, j] = t, v
+    return ids, vals
+
+
+def make_sampling_inputs(rows: Sequence[SamplingRow | None], pad_to: int,
+                         token_mask: np.ndarray | None = None) -> SamplingInputs:
+    """Host-side numpy batch; None rows and rows past len(rows) are greedy padding.
+    token_mask: [pad_to, ceil(V/32)] allowed-token bitmask (runtime.structured.TokenMasks);
+    None = no row is constrained (a [pad_to, 0] placeholder)."""
     _check(len(rows) <= pad_to, "pad_to", f"{len(rows)} rows do not fit in {pad_to}")
     pad = SamplingRow(SamplingParams(temperature=0.0))
     rows = [r or pad for r in rows] + [pad] * (pad_to - len(rows))
@@ -150,11 +193,16 @@ def make_sampling_inputs(rows: Sequence[SamplingRow | None], pad_to: int) -> Sam
                "a sampled row needs a seed: call SamplingParams.with_seed when the request is added")
     col = lambda get, dtype=np.float32: np.asarray([get(r) for r in rows], dtype)
     floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    if token_mask is None:
+        token_mask = np.zeros((pad_to, 0), np.int32)
+    _check(token_mask.shape[0] == pad_to, "token_mask", f"needs {pad_to} rows, got {token_mask.shape[0]}")
+    bias_ids, bias_values = _bias_arrays(rows, pad_to)
     return SamplingInputs(**{f: col(lambda r: getattr(r.params, f)) for f in floats},
                           top_k=col(lambda r: max(r.params.top_k, 0), np.int32),
                           seeds=col(lambda r: r.params.seed or 0, np.uint32),
                           steps=col(lambda r: r.step, np.int32),
-                          want_logprobs=col(lambda r: r.params.logprobs is not None, bool))
+                          want_logprobs=col(lambda r: r.params.logprobs is not None, bool),
+                          token_mask=token_mask, bias_ids=bias_ids, bias_values=bias_values)
 
 
 # ----------------------------------------------------------------------------- device side
@@ -246,6 +294,28 @@ def _draw(s: jax.Array, m: jax.Array, thr: jax.Array, u: jax.Array) -> jax.Array
     return b * _BLOCK + inverse_cdf(inner, u[:, 1])
 
 
+def bias_and_mask(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """logits [S, V] f32 + logit_bias, then -inf where the bitmask forbids a token. Each
+    behind a cond: a batch without either pays two tiny reductions."""
+    S, V = logits.shape
+
+    def add_bias(x):
+        ids = jnp.where(inputs.bias_ids >= 0, inputs.bias_ids, V)   # unused slots drop
+        rows = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+        return x.at[rows, ids].add(inputs.bias_values, mode="drop")
+    logits = jax.lax.cond(jnp.any(inputs.bias_ids >= 0), add_bias, lambda x: x, logits)
+    W = inputs.token_mask.shape[1]
+    if W == 0:
+        return logits
+
+    def apply_mask(x):
+        words = jax.lax.bitcast_convert_type(inputs.token_mask, jnp.uint32)
+        bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+        allowed = bits.reshape(S, W * 32)[:, :V].astype(bool)
+        return jnp.where(allowed, x, -jnp.inf)
+    return jax.lax.cond(jnp.any(inputs.token_mask != -1), apply_mask, lambda x: x, logits)
+
+
 def penalties_on(inputs: SamplingInputs) -> jax.Array:
     """Scalar bool: some row uses a repetition, frequency or presence penalty."""
     return jnp.any((inputs.repetition_penalty != 1.0) | (inputs.frequency_penalty != 0.0)
@@ -303,7 +373,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs, output_counts: jax.Array |
     otherwise), so a batch without logprobs pays no vocabulary-wide top-k or logsumexp."""
     _check(0 <= num_logprobs <= MAX_LOGPROBS, "num_logprobs",
            f"must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}")
-    logits = logits.astype(jnp.float32)
+    logits = bias_and_mask(logits.astype(jnp.float32), inputs)
     S, V = logits.shape
     args = (logits, inputs, output_counts, prompt_mask)
     # the branch recomputes the penalties: an [S, V] operand would be materialised for greedy too

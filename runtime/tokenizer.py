@@ -48,7 +48,12 @@ class ChatTemplate:
     eos_token: str = ""
     _compiled: Any = field(default=None, repr=False)
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        return "tools" in self.source
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[dict[str, Any]] | None = None) -> str:
         if self._compiled is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
@@ -60,7 +65,8 @@ class ChatTemplate:
             self._compiled = env.from_string(self.source)
         try:
             return self._compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token,
+                                         **({"tools": list(tools)} if tools else {}))
         except jinja2.TemplateError as exc:
             raise ValueError(f"messages: chat template failed: {exc}") from None
 
@@ -97,10 +103,16 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template writes `tools` into the prompt itself."""
+        return self.chat is not None and self.chat.renders_tools
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None) -> str:
         if self.chat is None:
             raise ValueError("messages: this checkpoint has no chat template; use /v1/completions")
-        return self.chat.render(messages, add_generation_prompt)
+        return self.chat.render(messages, add_generation_prompt, tools)
 
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, list(prompt_ids))

@@ -182,6 +182,12 @@ def add_bench_parser(subparsers: Any) -> None:
     add_accuracy_arguments(s)
     s.set_defaults(func=run_accuracy)
 
+    from runtime.bench.structured import add_structured_arguments, run_structured
+
+    s = sub.add_parser("structured", help="per-step cost of structured outputs at 1, 16 and 64 constrained rows")
+    add_structured_arguments(s)
+    s.set_defaults(func=run_structured)
+
     s = sub.add_parser("render", help="render BENCHMARKS.md from a results directory")
     s.add_argument("--results", default="bench-results")
     s.add_argument("--commands", help="file with the commands to list in the page")

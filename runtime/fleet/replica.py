@@ -149,7 +149,7 @@ class EngineReplica:
             yield {"rejected": "overloaded", "reason": "draining", "message": "replica is draining"}
             return
         try:
-            rid, queue = self.engine.submit(req["prompt_ids"], req["params"], request_id=req["request_id"],
+            rid, queue = await self.engine.asubmit(req["prompt_ids"], req["params"], request_id=req["request_id"],
                                             priority=req.get("priority", "interactive"),
                                             cache_salt=req.get("cache_salt"))
         except Overloaded as exc:
