@@ -71,6 +71,7 @@ class Job:
     text: list[str] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[Any] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: Any = None
@@ -83,6 +84,8 @@ class Job:
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.cached_tokens, self.completion_tokens = out.cached_tokens, out.completion_tokens
         if out.finished:
             self.finished, self.finish_reason, self.error = True, out.finish_reason, out.error
@@ -141,9 +144,6 @@ class Generation:
         p = sum(n for n, _ in prompts.values())
         c = sum(j.completion_tokens for j in self.jobs)
         return S.Usage(p, c, p + c, S.PromptTokensDetails(sum(x for _, x in prompts.values())))
-
-    def formatter(self, tokenizer: Any, wants_logprobs: bool, echo: bool = False) -> S.Formatter:
-        return S.Formatter(tokenizer, wants_logprobs, echo)
 
 
 async def run_watching_disconnect(request: Request, work: Awaitable[None]) -> None:
@@ -311,7 +311,7 @@ async def _respond(request: Request, gen: Generation, stream: bool, include_usag
                    full: Callable[[], object], head: Callable[[], list[object]],
                    chunk: Callable[[Job, Any], object], usage_chunk: Callable[[S.Usage], object]) -> Response:
     """Non-streaming: wait for every choice, answer `full()`. Streaming: `head()` events,
-    then one `chunk(job, output)` per output, an error event for a choice that failed,
+    then the `chunk(job, output)` events of each output, an error event for a choice that failed,
     the usage chunk when asked, and `[DONE]`."""
     if not stream:
         await run_watching_disconnect(request, gen.collect())
@@ -328,8 +328,9 @@ async def _respond(request: Request, gen: Generation, stream: bool, include_usag
                 if out.finished and out.finish_reason in ("abort", "error"):
                     e = _failure(job)
                     yield _sse(error_body(e.status_code, e.message, code=e.code))
-                elif out.text or out.finished or out.logprobs:
-                    yield _sse(chunk(job, out))
+                elif out.text or out.finished or out.logprobs or out.prompt_logprobs:
+                    for obj in chunk(job, out):
+                        yield _sse(obj)
             if include_usage:
                 yield _sse(usage_chunk(gen.usage()))
             yield b"data: [DONE]\n\n"
@@ -349,11 +350,14 @@ async def completions(request: Request) -> Response:
     tok = request.app.state.engine.tokenizer
     prompts = _completion_prompts(body.prompt, tok)
     vocab = request.app.state.engine.vocab_size
-    params = [_sampling(body, _max_tokens(request, len(p), body.max_tokens, 16, "prompt"), body.logprobs, vocab)
-              for p in prompts]
+    # echo + logprobs scores the prompt too (evaluation harnesses); prompt_logprobs is vLLM's way
+    echo_lp = body.echo and body.logprobs is not None
+    plp = max(body.prompt_logprobs or 0, body.logprobs or 0) if echo_lp or body.prompt_logprobs is not None else None
+    params = [dataclasses.replace(_sampling(body, _max_tokens(request, len(p), body.max_tokens, 16, "prompt"),
+                                            body.logprobs, vocab), prompt_logprobs=plp) for p in prompts]
     gen = await _submit(request, prompts, params, body.n, body.priority)
     rid, created, model = f"cmpl-{gen.record.request_id}", int(time.time()), body.model
-    fmt = gen.formatter(tok, body.logprobs is not None, echo=body.echo)
+    fmt = S.Formatter(tok, body.logprobs is not None, echo=body.echo, prompt_top=body.prompt_logprobs)
 
     def resp(choices: list[S.CompletionChoice], usage: S.Usage | None = None) -> S.CompletionResponse:
         return S.CompletionResponse(rid, created, model, choices, usage)
@@ -361,8 +365,10 @@ async def completions(request: Request) -> Response:
     return await _respond(
         request, gen, body.stream, _include_usage(body),
         full=lambda: resp([fmt.completion_choice(j) for j in gen.jobs], gen.usage()),
-        head=lambda: [resp([fmt.completion_echo(j)]) for j in gen.jobs] if body.echo else [],
-        chunk=lambda j, out: resp([fmt.completion_delta(j, out)]),
+        # with prompt logprobs the echo waits for them (they come with the first token)
+        head=lambda: [resp([fmt.completion_echo(j)]) for j in gen.jobs] if body.echo and not echo_lp else [],
+        chunk=lambda j, out: [*([resp([fmt.completion_echo(j)])] if echo_lp and out.prompt_logprobs else []),
+                              resp([fmt.completion_delta(j, out)])],
         usage_chunk=lambda u: resp([], u))
 
 
@@ -397,7 +403,7 @@ async def chat_completions(request: Request) -> Response:
                                               gen.usage()),
         head=lambda: [chunk([S.ChatChunkChoice(j.index, S.ChatDelta("assistant", ""), None, None)
                              for j in gen.jobs])],
-        chunk=lambda j, out: chunk([fmt.chat_delta(j, out)]),
+        chunk=lambda j, out: [chunk([fmt.chat_delta(j, out)])],
         usage_chunk=lambda u: chunk([], u))
 
 

@@ -5,6 +5,8 @@ metrics and access log."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -87,12 +89,15 @@ def _tgi_finish(job: Job) -> str:
 
 async def _tgi(request: Request, body: S.GenerateRequest, stream: bool) -> Response:
     p = body.parameters or S.GenerateParameters()
-    if p.decoder_input_details:
-        raise APIError(400, "parameters.decoder_input_details: prompt-token logprobs are not supported yet",
+    if p.decoder_input_details and stream:  # as TGI
+        raise APIError(400, "parameters.decoder_input_details: not supported when streaming tokens",
                        param="parameters.decoder_input_details")
     tok = request.app.state.engine.tokenizer
     ids = tok.encode(body.inputs)
-    gen = await _submit(request, [ids], [_tgi_sampling(request, p, len(ids))], 1, "interactive")
+    sp = _tgi_sampling(request, p, len(ids))
+    if p.decoder_input_details:
+        sp = dataclasses.replace(sp, prompt_logprobs=0)
+    gen = await _submit(request, [ids], [sp], 1, "interactive")
     job = gen.jobs[0]
     special = {*tok.eos_token_ids, *([tok.bos_token_id] if tok.bos_token_id is not None else [])}
     prefix = body.inputs if p.return_full_text else ""
@@ -108,7 +113,11 @@ async def _tgi(request: Request, body: S.GenerateRequest, stream: bool) -> Respo
         if p.details:
             toks = [token(t, tok.decode([t], skip_special_tokens=False), lp)
                     for t, lp in zip(job.token_ids, job.logprobs or [None] * len(job.token_ids))]
-            details = S.GenDetails(_tgi_finish(job), job.completion_tokens, p.seed, toks)
+            prefill = None
+            if p.decoder_input_details:
+                prefill = [S.PrefillToken(t, tok.decode([t], skip_special_tokens=False), lp[0] if lp else None)
+                           for t, lp in zip(job.prompt_ids, job.prompt_logprobs or [None] * len(job.prompt_ids))]
+            details = S.GenDetails(_tgi_finish(job), job.completion_tokens, p.seed, toks, prefill)
         return Response(S.encode(S.GenerateResponse(prefix + "".join(job.text), details)),
                         media_type="application/json")
 

@@ -202,11 +202,18 @@ class GenToken(Struct):
     special: bool
 
 
+class PrefillToken(Struct):
+    id: int
+    text: str
+    logprob: float | None       # None for the first prompt token
+
+
 class GenDetails(Struct):
     finish_reason: Literal["length", "eos_token", "stop_sequence"]
     generated_tokens: int
     seed: int | None = None
     tokens: list[GenToken] | None = None
+    prefill: list[PrefillToken] | None = None   # decoder_input_details: the prompt's tokens and logprobs
 
 
 class GenerateResponse(Struct):
@@ -261,12 +268,21 @@ class CompletionLogprobs(Struct):
 FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
+class PromptLogprob(Struct):
+    logprob: float
+    rank: int | None            # 1 = most probable; None: outside the top prompt_logprobs
+    decoded_token: str
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
     stop_reason: str | int | None = None
+    # vLLM's prompt_logprobs: None for the first prompt token, then {token id: logprob} with the
+    # prompt's own token and the top N
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(Struct):
@@ -471,8 +487,10 @@ class Formatter:
     `job` is console.api.Job (duck-typed: prompt_ids, text, token_ids, logprobs,
     finish_reason, stop_reason, offset)."""
 
-    def __init__(self, tokenizer: Any, wants_logprobs: bool, echo: bool = False, tools: Any = None):
+    def __init__(self, tokenizer: Any, wants_logprobs: bool, echo: bool = False, tools: Any = None,
+                 prompt_top: int | None = None):
         self.tok = tokenizer
+        self.prompt_top = prompt_top    # vLLM's prompt_logprobs: N (None: not asked)
         self.wants_logprobs = wants_logprobs
         self.echo = echo
         self.tools = tools          # console.structured.ToolPlan of a chat with tools, or None
@@ -493,13 +511,26 @@ class Formatter:
                                   [{self.token(i): v for i, v in lp[1]} if lp else None for lp in lps], offsets)
 
     def completion_echo(self, job: Any) -> CompletionChoice:
-        lps = [None] * len(job.prompt_ids)  # prompt tokens carry no logprobs (not computed)
+        lps = job.prompt_logprobs or [None] * len(job.prompt_ids)  # (asked with echo + logprobs)
         return CompletionChoice(job.index, self.tok.decode(job.prompt_ids),
                                 self._completion_lp(job, job.prompt_ids, lps), None)
 
+    def prompt_logprobs(self, job: Any, entries: list[Any] | None) -> list[dict[str, PromptLogprob] | None] | None:
+        if not self.prompt_top or entries is None:
+            return None
+        out: list[dict[str, PromptLogprob] | None] = [None]
+        for tid, e in zip(job.prompt_ids[1:], entries[1:]):
+            chosen, top = e
+            ranks = {t: r for r, (t, _) in enumerate(top, 1)}
+            d = {str(tid): PromptLogprob(chosen, ranks.get(tid), self.token(tid))}
+            for t, v in top[:self.prompt_top]:
+                d.setdefault(str(t), PromptLogprob(v, ranks[t], self.token(t)))
+            out.append(d)
+        return out
+
     def completion_delta(self, job: Any, out: Any) -> CompletionChoice:
         return CompletionChoice(job.index, out.text, self._completion_lp(job, out.token_ids, out.logprobs),
-                                out.finish_reason, out.stop_reason)
+                                out.finish_reason, out.stop_reason, self.prompt_logprobs(job, out.prompt_logprobs))
 
     def completion_choice(self, job: Any) -> CompletionChoice:
         job.offset = 0
@@ -509,7 +540,7 @@ class Formatter:
             lp = CompletionLogprobs(*(getattr(head.logprobs, f) + getattr(lp, f) for f in
                                       ("tokens", "token_logprobs", "top_logprobs", "text_offset")))
         return CompletionChoice(job.index, (head.text if head else "") + "".join(job.text), lp,
-                                job.finish_reason, job.stop_reason)
+                                job.finish_reason, job.stop_reason, self.prompt_logprobs(job, job.prompt_logprobs))
 
     def _chat_lp(self, ids: list[int], lps: list[Any]) -> ChatLogprobs | None:
         if not self.wants_logprobs:

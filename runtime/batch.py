@@ -41,6 +41,7 @@ class StepInput:
     state_rows: jax.Array       # [S] int32 penalty-state row per sequence (R-1 = scratch row)
     reset_rows: jax.Array       # [S] bool clear that row's penalty state before this step
     sample_mask: jax.Array      # [S] bool the sampled token is kept (chunk reached the end)
+    prompt_targets: jax.Array   # [T] int32 the prompt token after this one, for prompt logprobs; -1 = none
     sampling: SamplingInputs    # per-sequence sampling parameters, [S] each
     shared: SharedPrefix        # leading blocks many sequences share (cascade attention)
 
@@ -59,6 +60,7 @@ class ScheduledSeq:
     sampling_row: object         # runtime.sampling row for make_sampling_inputs
     count_from: int = 0          # tokens before this offset are already in the penalty state
     pending_last: bool = False   # the last token is pending: the device reads it from its state row
+    prompt_next: Sequence[int] = ()  # prompt logprobs: each token's next prompt token (-1 past the prompt)
 
 
 def step_row(req: "Request", n: int) -> ScheduledSeq:
@@ -74,6 +76,10 @@ def step_row(req: "Request", n: int) -> ScheduledSeq:
         prompt_len=req.num_prompt_tokens, state_row=req.state_row, reset_row=req.needs_row_reset,
         sample=start + n == req.num_tokens, sampling_row=SamplingRow(req.params, req.num_output_tokens),
         count_from=max(0, req.row_counted_upto - start), pending_last=pending)
+    P = req.num_prompt_tokens
+    if req.params.prompt_logprobs is not None and start < P - 1:
+        nxt = req.token_ids[start + 1:min(start + n + 1, P)]
+        seq.prompt_next = nxt + [-1] * (n - len(nxt))
     req.row_counted_upto = max(req.row_counted_upto, start + n)
     return seq
 
@@ -129,10 +135,14 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
     reset[:n] = np.fromiter((sq.reset_row for sq in seqs), bool, n)
     sample_mask = np.zeros(S, bool)
     sample_mask[:n] = np.fromiter((sq.sample for sq in seqs), bool, n)
+    targets = np.full(T, -1, np.int32)
+    for i, sq in enumerate(seqs):
+        if sq.prompt_next:
+            targets[qsl[i]:qsl[i] + len(sq.prompt_next)] = sq.prompt_next
     sampling = make_sampling_inputs([sq.sampling_row for sq in seqs], S, token_mask)
     shared = choose_shared_prefix(tables, nblocks, kv_lens, n, block_size)
     return StepInput(token_ids, from_state, positions, slots, kind, token_row, qsl, kv_lens, tables,
-                     np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, sampling, shared)
+                     np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, targets, sampling, shared)
 
 
 def choose_shared_prefix(tables: np.ndarray, nblocks: np.ndarray, kv_lens: np.ndarray, n: int,

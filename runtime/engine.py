@@ -59,6 +59,8 @@ class RequestOutput:
     cached_tokens: int = 0
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     error: str | None = None
+    # once, with the first token: None for the first prompt token, then (logprob, top) per token
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -76,6 +78,7 @@ class _InFlight:
     num_tokens: int
     launched_at: float                  # perf_counter
     guided: bool = False                # a row's structured output needs this step's token next
+    prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)  # (req, offset in T, pos, n)
 
 
 @dataclass(eq=False)
@@ -84,6 +87,7 @@ class _Tracked:
     detok: IncrementalDetokenizer
     emitted: int = 0                    # characters of detok.text already sent
     stop_hold: int = 0                  # characters held back (could begin a stop string)
+    prompt_sent: bool = False           # prompt logprobs delivered
 
 
 class LLMEngine:
@@ -278,7 +282,11 @@ class LLMEngine:
             self._fail([req for req, _ in plan.scheduled], exc, outputs)
             return None
         now = time.monotonic()
-        rows = []
+        rows, prompt_rows, offset = [], [], 0
+        for seq, (req, n) in zip(seqs, plan.scheduled):
+            if seq.prompt_next:
+                prompt_rows.append((req, offset, seq.start_pos, n))
+            offset += n
         for req, n in plan.scheduled:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.metrics.prompt_tokens.inc(min(n, req.num_prompt_tokens - req.num_computed_tokens))
@@ -286,7 +294,7 @@ class LLMEngine:
                 req.first_scheduled_time = now
                 self.metrics.queue_time.observe(now - req.arrival_time)
             rows.append((req, self.scheduler.commit(req, n)))
-        return _InFlight(rows, handle, plan.num_batched_tokens, time.perf_counter(), bool(guided))
+        return _InFlight(rows, handle, plan.num_batched_tokens, time.perf_counter(), bool(guided), prompt_rows)
 
     def _read_back(self, done: _InFlight, outputs: list[RequestOutput]) -> None:
         """Wait for a launched step (outside the lock: the web thread keeps adding requests),
@@ -302,6 +310,8 @@ class LLMEngine:
         with self.lock:
             now = time.monotonic()
             new_tokens = 0
+            for req, t0, pos, n in done.prompt_rows:
+                self._add_prompt_logprobs(req, result, t0, pos, n)
             for i, (req, sampled) in enumerate(done.rows):
                 if sampled and not req.is_finished:  # (a request aborted or stopped meanwhile drops it)
                     new_tokens += 1
@@ -315,6 +325,20 @@ class LLMEngine:
             self.metrics.step_time.observe(dt)
             self.metrics.step_tokens.observe(done.num_tokens)
             self._refresh_gauges(dt, done.num_tokens, new_tokens)
+
+    @staticmethod
+    def _add_prompt_logprobs(req: Request, result: dict, t0: int, pos: int, n: int) -> None:
+        """Positions pos..pos+n-1 of the step predicted prompt tokens pos+1..; a recomputed
+        prefill (after preemption) adds nothing twice."""
+        k = req.params.prompt_logprobs or 0
+        lp, ids, tops = result["prompt_logprobs"], result["prompt_top_ids"], result["prompt_top_logprobs"]
+        for j in range(n):
+            p = pos + j
+            if p + 1 >= req.num_prompt_tokens:
+                break
+            if p == len(req.prompt_logprobs):
+                req.prompt_logprobs.append((float(lp[t0 + j]), [(int(a), float(b)) for a, b in
+                                                                 zip(ids[t0 + j][:k], tops[t0 + j][:k])]))
 
     def _fail(self, reqs: list[Request], exc: Exception, outputs: list[RequestOutput]) -> None:
         log.error("engine step failed; failing its %d requests: %s", len(reqs), exc, exc_info=exc)
@@ -387,9 +411,13 @@ class LLMEngine:
         text = t.detok.text[t.emitted:text_end] if text_end > t.emitted else ""
         t.emitted = max(t.emitted, text_end)
         lp = req.logprobs[-len(ids):] if (req.params.logprobs is not None and ids) else []
+        plp = None
+        if (req.params.prompt_logprobs is not None and not t.prompt_sent
+                and len(req.prompt_logprobs) >= req.num_prompt_tokens - 1):
+            plp, t.prompt_sent = [None, *req.prompt_logprobs], True
         return RequestOutput(req.request_id, ids, text, prompt_tokens=req.num_prompt_tokens,
                              completion_tokens=req.num_generated, cached_tokens=max(req.num_cached_tokens, 0),
-                             logprobs=lp, **kw)
+                             logprobs=lp, prompt_logprobs=plp, **kw)
 
     def _finish(self, req: Request, reason: str, *, stop_reason: Any = None, error: str | None = None,
                 text_end: int | None = None, new_ids: list[int] | None = None) -> RequestOutput:

@@ -14,6 +14,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -117,8 +118,43 @@ def select_attention(backend: str) -> Callable[..., jax.Array]:
     raise ValueError(f"attention_backend: must be auto, xla or pallas, got {backend!r}")
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PromptLogprobs:
+    logprobs: jax.Array       # [T] f32 log_softmax at each token of its prompt_targets token (0: none)
+    top_ids: jax.Array        # [T, NUM_LOGPROBS] i32, most probable first
+    top_logprobs: jax.Array   # [T, NUM_LOGPROBS] f32
+
+
+PROMPT_LP_CHUNK = 128  # prompt rows per lm_head pass: a [128, V] slab, not [T, V]
+
+
+def prompt_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, targets: jax.Array) -> PromptLogprobs:
+    """Raw-logit log_softmax of every token's next prompt token, in PROMPT_LP_CHUNK slabs."""
+    T = hidden.shape[0]
+    c = min(PROMPT_LP_CHUNK, T)
+    pad = -T % c
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, c, hidden.shape[1])
+    tg = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, c)
+
+    def slab(args):
+        hs, ts = args
+        logits = lm_head(cfg, params, hs)
+        lse = jax.nn.logsumexp(logits, -1)
+        chosen = jnp.take_along_axis(logits, jnp.maximum(ts, 0)[:, None], 1)[:, 0] - lse
+        vals, ids = jax.lax.top_k(logits, NUM_LOGPROBS)
+        return jnp.where(ts >= 0, chosen, 0.0), ids.astype(jnp.int32), vals - lse[:, None]
+    lp, ids, top = jax.lax.map(slab, (h, tg))
+    return PromptLogprobs(lp.reshape(-1)[:T], ids.reshape(-1, NUM_LOGPROBS)[:T], top.reshape(-1, NUM_LOGPROBS)[:T])
+
+
+def _no_prompt_logprobs(T: int) -> PromptLogprobs:
+    return PromptLogprobs(jnp.zeros((T,), jnp.float32), jnp.zeros((T, NUM_LOGPROBS), jnp.int32),
+                          jnp.zeros((T, NUM_LOGPROBS), jnp.float32))
+
+
 def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params, kv: tuple,
-          rows: tuple, inp: StepInput) -> tuple[tuple, tuple, SampleOutput]:
+          rows: tuple, inp: StepInput) -> tuple[tuple, tuple, SampleOutput, PromptLogprobs]:
     """rows = (counts [R, V] i32, prompt_mask [R, V] bool, last_token [R] i32): per-request
     device state, row R-1 being scratch for padding."""
     counts, prompt_mask, last_token = rows
@@ -154,6 +190,10 @@ def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params
         return out, (k_cache, v_cache)
 
     hidden, kv = forward_hidden(cfg, params, token_ids, inp.positions, paged_attention, kv)
+    T = token_ids.shape[0]
+    plp = jax.lax.cond(jnp.any(inp.prompt_targets >= 0),
+                       lambda: prompt_logprobs(cfg, params, hidden, inp.prompt_targets),
+                       lambda: _no_prompt_logprobs(T))
     logits = lm_head(cfg, params, hidden[inp.logits_indices])
     # The [S, V] penalty state is gathered only when some row uses penalties.
     out = jax.lax.cond(
@@ -164,14 +204,14 @@ def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params
     kept_rows = jnp.where(inp.sample_mask, inp.state_rows, scratch)
     counts = counts.at[kept_rows, out.token_ids].add(1)
     last_token = last_token.at[kept_rows].set(out.token_ids)
-    return kv, (counts, prompt_mask, last_token), out
+    return kv, (counts, prompt_mask, last_token), out, plp
 
 
 class StepHandle:
     """A launched step's outputs, still on (or coming back from) the device."""
 
-    def __init__(self, out: SampleOutput, num_rows: int):
-        self._out, self.num_rows = out, num_rows
+    def __init__(self, out: SampleOutput, num_rows: int, plp: PromptLogprobs | None = None):
+        self._out, self.num_rows, self._plp = out, num_rows, plp
         self._host: dict[str, np.ndarray] | None = None
 
     def result(self) -> dict[str, np.ndarray]:
@@ -181,7 +221,11 @@ class StepHandle:
             n = self.num_rows
             self._host = {"token_ids": np.asarray(host.token_ids)[:n], "logprobs": np.asarray(host.logprobs)[:n],
                           "top_ids": np.asarray(host.top_ids)[:n], "top_logprobs": np.asarray(host.top_logprobs)[:n]}
-            self._out = None
+            if self._plp is not None:  # only steps that computed prompt logprobs bring them back
+                plp = jax.device_get(self._plp)
+                self._host.update(prompt_logprobs=np.asarray(plp.logprobs), prompt_top_ids=np.asarray(plp.top_ids),
+                                  prompt_top_logprobs=np.asarray(plp.top_logprobs))
+            self._out = self._plp = None
         return self._host
 
 
@@ -253,10 +297,12 @@ class ModelRunner:
         if self.fail_next_step is not None:
             exc, self.fail_next_step = self.fail_next_step, None
             raise exc
-        self.kv, self.penalty, out = self._step(self.params, self.kv, self.penalty, inp)
-        for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs):
+        self.kv, self.penalty, out, plp = self._step(self.params, self.kv, self.penalty, inp)
+        wants_prompt = any(sq.prompt_next for sq in seqs)
+        for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs,
+                  *((plp.logprobs, plp.top_ids, plp.top_logprobs) if wants_prompt else ())):
             a.copy_to_host_async()
-        return StepHandle(out, len(seqs))
+        return StepHandle(out, len(seqs), plp if wants_prompt else None)
 
     def run(self, seqs: list, num_seqs_bucket: int, num_tokens_bucket: int) -> dict[str, np.ndarray]:
         """Launch and wait (warm-up, tests)."""

@@ -58,6 +58,8 @@ class Request:
     # logprobs of generated tokens: (chosen logprob, [(id, logprob)...]) when asked
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     matcher: Any = None              # llguidance matcher of a structured output (params.guide)
+    # prompt logprobs when asked: entry i is prompt token i+1's (logprob, top [(id, logprob)...])
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:

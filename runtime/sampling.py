@@ -56,6 +56,7 @@ _RULES: dict[str, tuple[type, Any, str]] = {   # field: (kind, valid, message); 
     "seed": (int, lambda v: 0 <= v < 2**32, "must be between 0 and 2**32-1"),
     "max_tokens": (int, lambda v: v >= 1, "must be at least 1"),
     "logprobs": (int, lambda v: 0 <= v <= MAX_LOGPROBS, f"must be between 0 and {MAX_LOGPROBS}"),
+    "prompt_logprobs": (int, lambda v: 0 <= v <= MAX_LOGPROBS, f"must be between 0 and {MAX_LOGPROBS}"),
     "n": (int, lambda v: v >= 1, "must be at least 1"),
 }
 
@@ -81,11 +82,12 @@ class SamplingParams:
     min_tokens: int = 0                 # EOS and stop_token_ids are banned below this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit
     guide: Guide | None = None          # structured output (runtime/structured.py)
+    prompt_logprobs: int | None = None  # logprobs of the prompt's tokens (top N of each); bypasses the prefix cache
 
     def __post_init__(self) -> None:
         for name, (kind, valid, msg) in _RULES.items():
             v = getattr(self, name)
-            if v is None and name in ("seed", "logprobs"):
+            if v is None and name in ("seed", "logprobs", "prompt_logprobs"):
                 continue
             kinds = (int, np.integer) if kind is int else (int, float, np.integer, np.floating)
             _check(isinstance(v, kinds) and not isinstance(v, bool), name,

@@ -258,7 +258,8 @@ class Scheduler:
         self.queued_tokens += req.num_prompt_tokens
 
     def _prefix_hits(self, req: Request) -> list[int]:
-        if not self.cache.enable_prefix_cache or req.uses_penalties:
+        # (prompt logprobs need every prompt token computed: such requests skip the lookup)
+        if not self.cache.enable_prefix_cache or req.uses_penalties or req.params.prompt_logprobs is not None:
             return []  # penalty state is built from computed tokens, so compute them all
         req.extend_block_hashes(self.bs)
         usable = (req.num_tokens - 1) // self.bs  # the last token is always computed: its logits are needed

@@ -79,8 +79,24 @@ def test_stop_sequence_and_seeded_sampling(client):
     assert a == b
 
 
+def test_decoder_input_details_gives_prompt_logprobs_as_completions_echo(client):
+    r = client.post("/generate", headers=AUTH, json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 2, "details": True, "decoder_input_details": True}})
+    assert r.status_code == 200, r.text
+    prefill = r.json()["details"]["prefill"]
+    ref = client.post("/v1/completions", headers=AUTH, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}).json()
+    lp = ref["choices"][0]["logprobs"]
+    n = len(prefill)
+    assert n > 3 and prefill[0]["logprob"] is None and lp["token_logprobs"][0] is None
+    assert [t["text"] for t in prefill] == lp["tokens"][:n]
+    assert [t["logprob"] for t in prefill[1:]] == pytest.approx(lp["token_logprobs"][1:n], abs=1e-4)
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"inputs": PROMPT, "parameters": {"decoder_input_details": True}}, "parameters.decoder_input_details"),
+    ({"inputs": PROMPT, "stream": True, "parameters": {"decoder_input_details": True}},
+     "parameters.decoder_input_details"),
+    ({"inputs": PROMPT, "parameters": {"best_of": 2}}, "parameters.best_of"),
     ({"inputs": PROMPT, "parameters": {"temperature": 0}}, "parameters.temperature"),
     ({"inputs": ""}, "inputs"),
     ({"inputs": PROMPT, "parameters": {"max_new_tokens": 10**6}}, "parameters.max_new_tokens"),

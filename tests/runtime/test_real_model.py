@@ -100,3 +100,41 @@ def test_pull_is_idempotent(smollm2_ckpt, monkeypatch):
     stamp = (smollm2_ckpt / "config.json").stat().st_mtime_ns
     assert pull(out=smollm2_ckpt, progress=False) == smollm2_ckpt
     assert (smollm2_ckpt / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_prompt_logprobs_through_the_api_equal_transformers(smollm2_ckpt, hf):
+    """echo + logprobs (what lm-evaluation-harness sends) and vLLM's prompt_logprobs, on a
+    prompt whose blocks are already in the prefix cache."""
+    from pathlib import Path
+
+    from litestar.testing import TestClient
+
+    from console.app import create_app
+    from console.settings import ServerSettings
+    from runtime.async_engine import AsyncEngine
+    from tests.engine_util import make_engine
+
+    model, _, torch = hf
+    settings = ServerSettings(admin_token="a", api_key=None, model_name="smol", checkpoint=Path("smol"),
+                              access_log=False, warmup=False)
+    app = create_app(settings, engine=AsyncEngine(make_engine(smollm2_ckpt, num_blocks=64, max_num_seqs=2)))
+    text = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid."
+    with TestClient(app, timeout=120) as c:
+        body = {"model": "smol", "prompt": text, "max_tokens": 1, "temperature": 0}
+        assert c.post("/v1/completions", json=body).status_code == 200   # caches the prompt's blocks
+        r = c.post("/v1/completions", json={**body, "echo": True, "logprobs": 1, "prompt_logprobs": 2})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+    ids = app.state.engine.tokenizer.encode(text)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1).numpy()
+    want = [float(ref[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["tokens"][:len(ids)] == [
+        app.state.engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=2e-3)
+    plp = choice["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert [plp[i + 1][str(ids[i + 1])]["logprob"] for i in range(len(ids) - 1)] == pytest.approx(want, abs=2e-3)
+    best = [max(d.values(), key=lambda e: e["logprob"]) for d in plp[1:]]
+    assert all(b["rank"] == 1 for b in best)
