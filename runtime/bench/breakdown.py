@@ -92,13 +92,13 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
         seqs = decode_rows(runner, S, shared_len // runner.cache_cfg.block_size * runner.cache_cfg.block_size
                            + unique_len, shared_len)
         host_in = build_step_input(seqs, S, S, runner.max_blocks_per_seq, runner.cache_cfg.block_size,
-                                   runner.scratch_row)
+                                   runner.scratch_row, runner.masks.all_allowed(S))
         inp = jax.device_put(host_in)
         state = {"kv": runner.kv, "rows": runner.penalty}
 
         def run(fn):
             def go():
-                state["kv"], state["rows"], out = fn(runner.params, state["kv"], state["rows"], inp)
+                state["kv"], state["rows"], out, _ = fn(runner.params, state["kv"], state["rows"], inp)
                 return out.token_ids
             return go
         try:
@@ -139,7 +139,8 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
         # host side
         t0 = time.perf_counter()
         for _ in range(iters):
-            build_step_input(seqs, S, S, runner.max_blocks_per_seq, runner.cache_cfg.block_size, runner.scratch_row)
+            build_step_input(seqs, S, S, runner.max_blocks_per_seq, runner.cache_cfg.block_size, runner.scratch_row,
+                             runner.masks.all_allowed(S))
         build_ms = (time.perf_counter() - t0) / iters * 1e3
         out = smp(logits, si, None, None)
         jax.block_until_ready(out)

@@ -126,10 +126,11 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
         r_ = eng.runner
         seqs = decode_rows(r_, B, context_len)
         s_b, t_b = env.bucket_for(B, B)
-        inp = jax.device_put(build_step_input(seqs, s_b, t_b, r_.max_blocks_per_seq, 16, r_.scratch_row))
+        inp = jax.device_put(build_step_input(seqs, s_b, t_b, r_.max_blocks_per_seq, 16, r_.scratch_row,
+                                                  r_.masks.all_allowed(s_b)))
 
         def go():
-            r_.kv, r_.penalty, out = r_._step(r_.params, r_.kv, r_.penalty, inp)
+            r_.kv, r_.penalty, out, _ = r_._step(r_.params, r_.kv, r_.penalty, inp)
             return out.token_ids
         res["device_step_ms"] = _median_ms(go, steps)
         eng.reset_prefix_cache()

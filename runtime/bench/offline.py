@@ -39,7 +39,9 @@ def bench_host(num_seqs: int = 256, steps: int = 200, *, prompt_len: int = 48, s
     from runtime.request import Request
     from runtime.sampling import SamplingParams
     from runtime.scheduler import Scheduler
+    from runtime.structured import TokenMasks
 
+    masks = TokenMasks(49152)  # SmolLM2's vocabulary: the bitmask every step carries
     if num_seqs < 1 or steps < 1:
         raise ValueError("num_seqs/steps: must be >= 1")
     prefill_steps = math.ceil(num_seqs * prompt_len / token_budget) + 2
@@ -70,7 +72,7 @@ def bench_host(num_seqs: int = 256, steps: int = 200, *, prompt_len: int = 48, s
         t1 = time.perf_counter()
         seqs = [step_row(r, n) for r, n in plan.scheduled]
         s_b, t_b = envelope.bucket_for(len(seqs), plan.num_batched_tokens)
-        build_step_input(seqs, s_b, t_b, blocks_per_seq, block_size, num_seqs)
+        build_step_input(seqs, s_b, t_b, blocks_per_seq, block_size, num_seqs, masks.all_allowed(s_b))
         t2 = time.perf_counter()
         for i, (req, n) in enumerate(plan.scheduled):
             if sched.commit(req, n):
@@ -194,7 +196,7 @@ def _decode_input(runner: Any, batch: int, context_len: int) -> Any:
     from runtime.batch import build_step_input
 
     return build_step_input(decode_rows(runner, batch, context_len), batch, batch, runner.max_blocks_per_seq,
-                            runner.cache_cfg.block_size, runner.scratch_row)
+                            runner.cache_cfg.block_size, runner.scratch_row, runner.masks.all_allowed(batch))
 
 
 def _time_steps(fns: list[Callable], runner: Any, inp: Any, iters: int, warmup: int) -> list[list[float]]:
@@ -210,7 +212,7 @@ def _time_steps(fns: list[Callable], runner: Any, inp: Any, iters: int, warmup: 
         for i in range(warmup + iters):
             for fn, ts in zip(fns, times):
                 t0 = time.perf_counter()
-                kv, pen, out = fn(runner.params, kv, pen, inp)
+                kv, pen, out, _ = fn(runner.params, kv, pen, inp)
                 jax.block_until_ready(out.token_ids)
                 if i >= warmup:
                     ts.append(time.perf_counter() - t0)
