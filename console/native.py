@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from litestar import Request, Response, post
+from litestar import Request, Response, get, post
 
 from console import schemas as S
 from console.api import Job, _chat_prompt, _check_model, _failure, _max_tokens, _sse, _submit, \
@@ -55,6 +55,21 @@ async def detokenize(request: Request) -> Response:
                        param="tokens")
     return Response(S.encode(S.DetokenizeResponse(engine.tokenizer.decode(body.tokens, skip_special_tokens=False))),
                     media_type="application/json")
+
+
+@get("/tokenizer_info", operation_class=S.operation(None, S.TokenizerInfo),
+      summary="The tokenizer's special tokens and chat template (vLLM's /tokenizer_info)")
+async def tokenizer_info(request: Request) -> Response:
+    engine = request.app.state.engine
+    tok = engine.tokenizer
+
+    def name(i: int | None) -> str | None:
+        return None if i is None else tok.decode([i], skip_special_tokens=False)
+
+    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+    info = S.TokenizerInfo(name(eos), name(tok.bos_token_id), name(eos), tok.chat.source if tok.chat else None,
+                           engine.max_model_len, getattr(tok, "add_bos", False))
+    return Response(S.encode(info), media_type="application/json")
 
 
 # --- native generate (Text Generation Inference's shapes) -------------------------------------------
@@ -165,4 +180,4 @@ async def generate_stream(request: Request) -> Response:
     return await _tgi(request, body, True)
 
 
-ROOT_ROUTES = [tokenize, detokenize, generate, generate_stream]
+ROOT_ROUTES = [tokenize, detokenize, tokenizer_info, generate, generate_stream]

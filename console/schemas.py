@@ -247,6 +247,18 @@ class DetokenizeResponse(Struct):
     prompt: str
 
 
+class TokenizerInfo(Struct):
+    """vLLM's /tokenizer_info (what lm-evaluation-harness's remote tokenizer reads)."""
+
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    add_bos_token: bool
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+
+
 class PromptTokensDetails(Struct):
     cached_tokens: int = 0
 
@@ -476,7 +488,7 @@ def openapi_components() -> dict[str, Schema]:
     _, comps = msgspec.json.schema_components(
         [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
          ChatCompletionChunk, ModelList, ErrorResponse, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
-         DetokenizeResponse, GenerateRequest, GenerateResponse, GenerateStreamEvent], ref_template=REF)
+         DetokenizeResponse, TokenizerInfo, GenerateRequest, GenerateResponse, GenerateStreamEvent], ref_template=REF)
     return {name: RawSchema(raw=body) for name, body in comps.items()}
 
 

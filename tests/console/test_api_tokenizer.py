@@ -65,3 +65,17 @@ def test_chat_message_without_content_is_rejected_before_anything_is_queued(clie
                     json={"model": "tiny", "messages": [{"role": "system", "content": "x"}, {"role": "user"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].content"
     assert not client.engine.has_unfinished()
+
+
+def test_tokenizer_info_gives_what_a_remote_tokenizer_needs(client):
+    """lm-evaluation-harness's remote tokenizer reads eos/bos/pad and the chat template here,
+    then encodes the eos text with /tokenize to find its id."""
+    r = client.get("/tokenizer_info", headers=AUTH)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    tok = client.engine.tokenizer
+    assert info["chat_template"] == tok.chat.source and info["model_max_length"] > 0
+    ids = client.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
+                      headers=AUTH).json()["tokens"]
+    assert ids == [tok.eos_token_ids[0]]
+    assert client.get("/tokenizer_info").status_code == 401
