@@ -27,7 +27,8 @@ MAX_EXAMPLES = 30  # per operation and mode
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection, ignored_auth]
 OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
-              ("/tokenize", "POST"), ("/detokenize", "POST"), ("/generate", "POST"), ("/generate_stream", "POST")]
+              ("/tokenize", "POST"), ("/detokenize", "POST"), ("/tokenizer_info", "GET"), ("/generate", "POST"),
+              ("/generate_stream", "POST")]
 
 
 @pytest.fixture(scope="module")
