@@ -5,4 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh test peer bench fleet
 bash scripts/install_browser.sh || echo "warning: chromium could not be installed; browser tests will skip"
 export PAGEDJAX_JAX_CACHE=${PAGEDJAX_JAX_CACHE:-$PWD/.cache/jax}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "$@"
+# Two workers, one test file each at a time (module fixtures -- servers, the Ray fleet -- start
+# once): most of the suite waits on subprocess start-up and compiles, which overlap well.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 -n "${PAGEDJAX_TEST_WORKERS:-2}" \
+  --dist loadfile "$@"
