@@ -132,14 +132,7 @@ class GuideCompiler:
                 self._cache.move_to_end(guide)
                 return hit.deep_copy()
         lltok = self._llguidance_tokenizer()
-        grammar = guide.grammar()
-
-        def build() -> Any:
-            import llguidance
-
-            return llguidance.LLMatcher(lltok, grammar, log_level=0)
-
-        fut = self._pool.submit(build)
+        fut = self._pool.submit(self._build, lltok, guide.grammar())
         try:
             matcher = fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -152,6 +145,13 @@ class GuideCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return matcher
+
+
+    @staticmethod
+    def _build(lltok: Any, grammar: str) -> Any:
+        import llguidance
+
+        return llguidance.LLMatcher(lltok, grammar, log_level=0)
 
 
 def _clean(msg: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +50,16 @@ def test_bad_guides_are_value_errors_naming_the_field(engine):
         Guide("yaml", "x")
     with pytest.raises(ValueError, match="non-empty list"):
         Guide.choice([], "structured_outputs.choice")
-    slow = GuideCompiler(engine.tokenizer, engine.config.model.vocab_size, timeout_s=0.0)
-    with pytest.raises(ValueError, match=r"^response_format: the grammar did not compile within 0 s"):
+
+
+def test_a_grammar_that_compiles_too_slowly_is_refused(engine, monkeypatch):
+    slow = GuideCompiler(engine.tokenizer, engine.config.model.vocab_size, timeout_s=0.2)
+    build = slow._build
+    monkeypatch.setattr(slow, "_build", lambda tok, g: (time.sleep(2), build(tok, g))[1])
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"^response_format: the grammar did not compile within 0.2 s"):
         slow.compile(Guide.json_schema(SCHEMA, "response_format"))
+    assert time.monotonic() - t0 < 1.5   # refused at the limit, not when the compile ends
 
 
 def test_sampler_applies_the_bitmask_and_logit_bias():
