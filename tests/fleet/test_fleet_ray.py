@@ -309,3 +309,10 @@ def test_smollm2_through_the_fleet_with_the_openai_client(smollm2_ckpt):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16 * 4
         assert [m.id for m in client.models.list().data] == [srv.model]
+        # Structured outputs compile on the replica: a constrained answer, and a bad regex as a 400.
+        r = client.chat.completions.create(model=srv.model, messages=msgs, max_tokens=8, temperature=0,
+                                           extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+        assert r.choices[0].message.content == "Paris"
+        bad = srv.client().post("/v1/chat/completions", json={"model": srv.model, "messages": msgs, "max_tokens": 4,
+                                                              "structured_outputs": {"regex": "a(b"}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs.regex", bad.text
