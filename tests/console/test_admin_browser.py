@@ -124,7 +124,7 @@ def test_dashboard_used_blocks_rise_and_fall_without_reload(page, server):
     gen = Stream(server, max_tokens=4000)
     gen.start()
     assert gen.started.wait(30)
-    page.wait_for_function("Number(document.getElementById('used-blocks').dataset.value) > 0", timeout=3000)
+    page.wait_for_function("Number(document.getElementById('used-blocks').dataset.value) > 0", timeout=15000)
     shot(page, "dashboard")
     gen.join(120)
     assert gen.ended_at is not None and gen.events[-1]["choices"][0]["finish_reason"] == "length"
