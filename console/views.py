@@ -1,8 +1,10 @@
 """View models for the console pages: plain dicts and dataclasses built from the engine's
-snapshot API, so templates never reach into the engine or hold its lock.
+read model (runtime/snapshot.py), so templates never reach into the engine or hold its lock.
 
-Every read holds `engine.lock` only for copying; aggregation, decoding and formatting
-happen after it is released so a console viewer never stalls the engine thread.
+Only the read model touches the engine's pool, scheduler and metrics, holding
+`engine.lock` just for copying; aggregation, decoding and formatting happen here, after
+it is released, so a console viewer never stalls the engine thread. Besides it, views
+read only the engine's immutable config, envelope and tokenizer.
 """
 
 from __future__ import annotations
@@ -12,29 +14,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from console import charts
-from runtime.block_pool import hash_block
+from runtime import snapshot as read
 from runtime.metrics import percentile
-from runtime.snapshot import BlockView, take_snapshot
+from runtime.snapshot import BLOCK_STATES, BlockView
 
 if TYPE_CHECKING:
     from runtime.engine import LLMEngine
 
 MAX_CELLS = 1024          # block-map cells; bigger caches aggregate blocks per cell
-STATE_CODES = ("free", "cached", "used", "shared")
+STATE_CODES = BLOCK_STATES  # index = state code (runtime.block_pool.block_state)
 RECENT_S = 60.0           # window for "now" rates and latency percentiles
 HORIZON_S, BIN_S = 180.0, 3.0
-
-
-def _pool_blocks(pool: Any) -> Sequence[Any]:
-    # pool.snapshot() copies every BlockInfo (~0.2 s at 50k blocks, under the engine lock,
-    # once a second per viewer). Reading the live records for a few fields is ~50x cheaper;
-    # callers hold engine.lock and copy what they need.
-    return pool.infos
-
-
-def _state_code(info: Any) -> int:
-    rc = info.ref_count
-    return 3 if rc > 1 else 2 if rc == 1 else 1 if info.block_hash is not None else 0
 
 
 @dataclass(frozen=True)
@@ -50,24 +40,12 @@ class BlockMap:
     counts: dict[str, int]
 
 
-def _owners(engine: LLMEngine) -> dict[int, list[str]]:
-    owners: dict[int, list[str]] = {}
-    for r in engine.scheduler.running:
-        for b in r.block_ids:
-            owners.setdefault(b, []).append(r.request_id)
-    return owners
+def blocks_per_cell(num_blocks: int, max_cells: int = MAX_CELLS) -> int:
+    return 1 if num_blocks <= max_cells else -(-num_blocks // max_cells)
 
 
 def block_views(engine: LLMEngine, start: int, stop: int) -> list[BlockView]:
-    """BlockViews for ids [start, stop); same rules as runtime.snapshot.take_snapshot,
-    without copying the whole pool."""
-    now = time.monotonic()
-    with engine.lock:
-        owners = _owners(engine)
-        infos = [(i.block_id, _state_code(i), i.ref_count, i.block_hash is not None, i.last_used, i.hits)
-                 for i in _pool_blocks(engine.pool)[max(0, start):stop]]
-    return [BlockView(b, STATE_CODES[c], rc, tuple(owners.get(b, ())), h, max(0.0, now - lu) if lu else 0.0, hits)
-            for b, c, rc, h, lu, hits in infos]
+    return read.block_views(engine, start, stop)
 
 
 def block_title(v: BlockView) -> str:
@@ -80,16 +58,16 @@ def block_title(v: BlockView) -> str:
 
 
 def block_map(engine: LLMEngine, max_cells: int = MAX_CELLS) -> BlockMap:
-    n = engine.pool.num_blocks
-    if n <= max_cells:
-        views = block_views(engine, 0, n)
+    codes = read.block_states(engine)
+    n = len(codes)
+    per = blocks_per_cell(n, max_cells)
+    if per == 1:
+        # One cell per block: its hover text names owners and age, so copy full views.
+        views = read.block_views(engine, 0, n)
         counts = {s: 0 for s in STATE_CODES}
         for v in views:
             counts[v.state] += 1
         return BlockMap([Cell(v.state, block_title(v)) for v in views], 1, counts)
-    with engine.lock:
-        codes = bytes(_state_code(i) for i in _pool_blocks(engine.pool))
-    per = -(-n // max_cells)
     cells: list[Cell] = []
     totals = [0, 0, 0, 0]
     for a in range(0, n, per):
@@ -103,17 +81,15 @@ def block_map(engine: LLMEngine, max_cells: int = MAX_CELLS) -> BlockMap:
     return BlockMap(cells, per, dict(zip(STATE_CODES, totals, strict=True)))
 
 
-def _p(values: list[float], q: float) -> float | None:
+def _p(values: Sequence[float], q: float) -> float | None:
     return percentile(values, q)
 
 
 def dashboard(engine: LLMEngine) -> dict[str, Any]:
     bmap = block_map(engine)
-    w = engine.metrics.window
-    with engine.lock:
-        snap = take_snapshot(engine, with_blocks=False)
-        steps, ttft, itl = list(w.steps), list(w.ttft), list(w.itl)
-        ages = list(engine.pool.evicted_ages)
+    snap = read.take_snapshot(engine, with_blocks=False)
+    w = read.metrics_window(engine)
+    steps, ttft, itl, ages = list(w.steps), w.ttft, w.itl, snap.evicted_ages
     now = time.monotonic()
     n = snap.num_blocks
     bins = charts.bin_steps(steps, now, HORIZON_S, BIN_S)
@@ -163,8 +139,7 @@ def dashboard(engine: LLMEngine) -> dict[str, Any]:
 
 
 def requests_view(engine: LLMEngine) -> dict[str, Any]:
-    with engine.lock:
-        snap = take_snapshot(engine, with_blocks=False)
+    snap = read.take_snapshot(engine, with_blocks=False)
     order = {"running": 0, "preempted": 1, "waiting": 2}
     reqs = sorted(snap.requests, key=lambda r: (order.get(r.state, 3), -r.age_s))
     return {"requests": reqs, "num_running": sum(r.state == "running" for r in reqs),
@@ -181,65 +156,28 @@ class PrefixRow:
     in_use: bool
 
 
-def _follow(parent: tuple, groups: dict[float, list[tuple]], everything: list[tuple], budget: list[int]
-            ) -> tuple | None:
-    """The most-hit child block of `parent` (hash chaining: child = H(parent, tokens)).
-    Blocks freed or hit together share last_used, so that group is searched first; a
-    bounded scan of all hashed blocks covers the rest."""
-    found = []
-    for pool in (groups.get(parent[4], []), everything):
-        for c in pool:
-            if budget[0] <= 0:
-                break
-            if c is parent:
-                continue
-            budget[0] -= 1
-            if hash_block(parent[1], c[2]) == c[1]:
-                found.append(c)
-        if found:
-            break
-    return max(found, key=lambda c: c[3]) if found else None
-
-
-def top_prefixes(engine: LLMEngine, k: int = 10, decode_tokens: int = 48,
-                 hash_budget: int = 20_000) -> list[PrefixRow]:
-    """Prompt prefixes that later prompts reused, most hits first."""
-    with engine.lock:
-        hashed = [(i.block_id, i.block_hash, i.token_ids, i.hits, i.last_used, i.ref_count)
-                  for i in _pool_blocks(engine.pool) if i.block_hash is not None and i.token_ids]
-    # Roots (first block of a prompt) hash with no parent; salted prefixes do not verify
-    # here and are left out rather than shown mid-prompt.
-    roots = [b for b in hashed if b[3] > 0 and hash_block(None, b[2]) == b[1]]
-    roots.sort(key=lambda b: (-b[3], b[0]))
-    groups: dict[float, list[tuple]] = {}
-    for b in hashed:
-        groups.setdefault(b[4], []).append(b)
-    budget = [hash_budget]
+def top_prefixes(engine: LLMEngine, k: int = 10, decode_tokens: int = 48) -> list[PrefixRow]:
+    """Prompt prefixes that later prompts reused, most hits first (runtime.snapshot.prefix_chains)."""
     rows = []
-    for root in roots[:k]:
-        chain, cur = [root], root
-        # Follow the reused part of the prompt: children that were hit at least once.
-        while budget[0] > 0 and len(chain) < 4096:
-            nxt = _follow(cur, groups, hashed if len(hashed) <= 4096 else [], budget)
-            if nxt is None or nxt[3] == 0:
-                break
-            chain.append(nxt)
-            cur = nxt
-        ids = [t for b in chain for t in b[2]][:decode_tokens]
-        rows.append(PrefixRow(root[0], engine.tokenizer.decode(ids), root[3], len(chain),
-                              len(chain) * len(root[2]), any(b[5] > 0 for b in chain)))
+    for chain in read.prefix_chains(read.hashed_blocks(engine), k):
+        root = chain[0]
+        ids = [t for b in chain for t in b.token_ids][:decode_tokens]
+        rows.append(PrefixRow(root.block_id, engine.tokenizer.decode(ids), root.hits, len(chain),
+                              sum(len(b.token_ids) for b in chain), any(b.ref_count > 0 for b in chain)))
     return rows
 
 
+def flush_confirm(engine: LLMEngine) -> dict[str, Any]:
+    return {"cached": read.take_snapshot(engine, with_blocks=False).cached_blocks}
+
+
 def prefix_cache(engine: LLMEngine) -> dict[str, Any]:
-    with engine.lock:
-        snap = take_snapshot(engine, with_blocks=False)
-        ages = list(engine.pool.evicted_ages)
-        age_total = getattr(engine.pool, "evicted_age_total", 0.0)
+    snap = read.take_snapshot(engine, with_blocks=False)
+    ages = snap.evicted_ages
     return {"snap": snap, "cached_tokens": snap.cached_blocks * snap.block_size,
             "misses": snap.prefix_queries - snap.prefix_hits, "top": top_prefixes(engine),
             "evicted_age_p50": _p(ages, 50), "evicted_age_max": max(ages) if ages else None,
-            "evicted_age_mean": (age_total / snap.evictions) if snap.evictions else None,
+            "evicted_age_mean": snap.evicted_age_mean,
             "enabled": engine.config.cache.enable_prefix_cache}
 
 
@@ -258,7 +196,7 @@ def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
     from runtime.config import DTYPE_BYTES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES
     from runtime.model_runner import compilations
 
-    cfg = engine.config
+    cfg, info = engine.config, read.model_info(engine)
     m, c, env = cfg.model, cfg.cache, engine.envelope
     per_token = m.kv_bytes_per_token(c.kv_dtype)
     seq_len = env.max_model_len
@@ -274,18 +212,18 @@ def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
     return {
         "checkpoint": str(getattr(settings, "checkpoint", "") or "—"),
         "model_name": getattr(settings, "model_name", None) or m.name,
-        "m": m, "cache": c, "env": env, "dtype": cfg.dtype, "backend": engine.runner.attention_backend
-        + (" (decode rows: C++ kernel, runtime/cpu_attention.cc)" if engine.runner.attention_kernel else "")
-        + ("; int8 products: C++ kernel, runtime/cpu_matmul.cc" if engine.runner.matmul_kernel else ""),
+        "m": m, "cache": c, "env": env, "dtype": cfg.dtype, "backend": info.attention_backend
+        + (" (decode rows: C++ kernel, runtime/cpu_attention.cc)" if info.attention_kernel else "")
+        + ("; int8 products: C++ kernel, runtime/cpu_matmul.cc" if info.matmul_kernel else ""),
         "quantization": cfg.quantization, "lm_head_int8": cfg.quantize_lm_head, "kv_quantized": c.kv_dtype in QUANTIZED_KV_DTYPES,
         "kv_elem_bytes": DTYPE_BYTES[c.kv_dtype], "kv_scale_bytes": KV_SCALE_BYTES,
         "device": _jax_device(), "params": m.param_count(),
         "weight_bytes": m.param_count() * planner.WEIGHT_DTYPE_BYTES.get(cfg.dtype, 4),
         "kv_per_token": per_token, "bytes_per_block": c.bytes_per_block(m),
-        "kv_cache_bytes": engine.runner.kv_cache_bytes(), "seq_len": seq_len,
+        "kv_cache_bytes": info.kv_cache_bytes, "seq_len": seq_len,
         "c_seq": per_token * seq_len, "cache_seqs": c.num_tokens // seq_len,
         "buckets": env.bucket_pairs(), "compilations": now_compiled,
-        "compilations_at_ready": engine.compilations_at_ready,
-        "compilations_since_ready": now_compiled - engine.compilations_at_ready,
-        "warmup_s": engine.warmup_seconds, "plans": plans,
+        "compilations_at_ready": info.compilations_at_ready,
+        "compilations_since_ready": now_compiled - info.compilations_at_ready,
+        "warmup_s": info.warmup_s, "plans": plans,
     }

@@ -4,10 +4,13 @@ The device holds KV arrays indexed by block id; this module only decides which i
 are in use, which can be reused on a prefix hit, and which to evict next.
 See DESIGN.md, "KV cache and prefix cache".
 
-Block states (derived, never stored):
-  used   -- ref_count > 0
+Block states (derived, never stored; `block_state` is the one definition, which the
+pool's counters, the console and the read model in runtime/snapshot.py all follow):
+  used   -- ref_count == 1
+  shared -- ref_count > 1 (a prefix hit: several requests read it)
   cached -- ref_count == 0 and has a hash (reusable on a prefix hit until evicted)
   free   -- ref_count == 0 and no hash
+"Used" in the pool's counters means ref_count > 0 (used or shared).
 Cached and free blocks share one free queue in LRU order: allocation takes the head,
 freeing appends to the tail, so the block untouched for longest is evicted first.
 
@@ -77,6 +80,16 @@ def hash_prompt_blocks(
     return hashes
 
 
+# State codes (index = code): small ints so a whole pool's states fit in one bytes object.
+BLOCK_STATES = ("free", "cached", "used", "shared")
+FREE, CACHED, USED, SHARED = range(4)
+
+
+def block_state(ref_count: int, cached: bool) -> int:
+    """The state code of a block with this ref count, holding a prefix-cache hash or not."""
+    return SHARED if ref_count > 1 else USED if ref_count == 1 else CACHED if cached else FREE
+
+
 class NoFreeBlocks(Exception):
     """Fewer allocatable blocks than requested; the pool was left unchanged."""
 
@@ -90,6 +103,9 @@ class BlockInfo:
     token_ids: tuple[int, ...] | None = None
     last_used: float = 0.0  # clock time of last free/touch, for eviction age
     hits: int = 0  # prefix hits since this block was last (re)allocated
+    # The previous block's hash when this one was cached (None: a prompt's first block).
+    # Prefix chains are followed by these links; set and cleared with block_hash.
+    parent_hash: BlockHash | None = None
 
 
 class BlockPool:
@@ -180,6 +196,7 @@ class BlockPool:
                     self.events.append(("removed", info.block_hash))
                 info.block_hash = None
                 info.token_ids = None
+                info.parent_hash = None
                 self._num_cached -= 1
             info.ref_count = 1
             info.hits = 0
@@ -255,7 +272,8 @@ class BlockPool:
     def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int],
                     parent: BlockHash | None = None) -> None:
         """Register a newly full used block under its hash (first holder wins). `parent` is
-        the previous block's hash (only reported in residency events)."""
+        the previous block's hash (None for a prompt's first block): kept as the block's
+        link for prefix chains and reported in residency events."""
         if not self.enable_prefix_cache:
             return
         info = self._blocks[block_id]
@@ -273,6 +291,7 @@ class BlockPool:
             return
         info.block_hash = block_hash
         info.token_ids = tuple(token_ids)
+        info.parent_hash = parent
         self._index[block_hash] = block_id
         if self.events is not None:
             self.events.append(("stored", block_hash, parent, info.token_ids))
@@ -284,6 +303,7 @@ class BlockPool:
             info = self._blocks[self._index.pop(block_hash)]
             info.block_hash = None
             info.token_ids = None
+            info.parent_hash = None
         self._num_cached -= len(dropped)
         if self.events is not None:
             self.events.extend(("removed", h) for h in dropped)
@@ -300,26 +320,26 @@ class BlockPool:
         def fail(msg: str) -> None:
             raise RuntimeError(f"BlockPool invariant violated: {msg}")
 
-        used = cached = free = 0
+        # Counted by the one state rule, so counters and console views cannot drift apart.
+        by_state = [0, 0, 0, 0]
         for info in self._blocks:
             in_queue = info.block_id in self._free_queue
             if info.ref_count < 0:
                 fail(f"block {info.block_id} has ref_count {info.ref_count}")
-            if info.ref_count > 0:
-                used += 1
-                if in_queue:
-                    fail(f"block {info.block_id} is in the free queue with ref_count {info.ref_count}")
-            else:
-                if not in_queue:
-                    fail(f"ref-0 block {info.block_id} is missing from the free queue")
-                if info.block_hash is None:
-                    free += 1
-                else:
-                    cached += 1
+            state = block_state(info.ref_count, info.block_hash is not None)
+            by_state[state] += 1
+            if state in (USED, SHARED) and in_queue:
+                fail(f"block {info.block_id} is in the free queue with ref_count {info.ref_count}")
+            if state in (FREE, CACHED) and not in_queue:
+                fail(f"ref-0 block {info.block_id} is missing from the free queue")
             if info.block_hash is not None and self._index.get(info.block_hash) != info.block_id:
                 fail(f"block {info.block_id} carries a hash the index does not map to it")
             if (info.block_hash is None) != (info.token_ids is None):
                 fail(f"block {info.block_id} has a hash without token ids or vice versa")
+            if info.parent_hash is not None and (info.block_hash is None or info.parent_hash == info.block_hash):
+                fail(f"block {info.block_id} has a parent link without a hash of its own, or to itself")
+        free, cached = by_state[FREE], by_state[CACHED]
+        used = by_state[USED] + by_state[SHARED]
         for block_hash, block_id in self._index.items():
             if not 0 <= block_id < self.num_blocks:
                 fail(f"index points at nonexistent block {block_id}")

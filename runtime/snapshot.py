@@ -1,19 +1,53 @@
-"""Point-in-time views of the engine for the operator console (plain data, no JAX)."""
+"""The engine's read model: point-in-time copies for the operator console, the
+`/admin/*.json` routes and (later) the fleet page, as plain frozen data (no JAX).
+
+Every function here holds the engine's lock only while copying the few fields it needs;
+records are built, aggregated and formatted after the lock is released, so a console
+viewer never stalls the engine thread. Reads stay cheap at 50k blocks: copying every
+BlockInfo (pool.snapshot()) takes ~0.2 s, so the block map is one bytes object of state
+codes, BlockViews are made only for a requested id range, and prefix chains copy only
+hashed blocks.
+
+This module never imports the engine (which imports it): functions take any object with
+the engine's parts (`EngineParts`); LLMEngine is one.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from runtime.block_pool import BLOCK_STATES, BlockHash, block_state
 
 if TYPE_CHECKING:
-    from runtime.engine import LLMEngine
+    from runtime.block_pool import BlockPool
+    from runtime.config import AdmissionPolicy
+    from runtime.metrics import EngineMetrics, StepSample
+    from runtime.scheduler import Scheduler
+
+__all__ = ["BLOCK_STATES", "BlockView", "EngineParts", "EngineSnapshot", "HashedBlock", "MetricsWindow",
+           "ModelInfo", "RequestView", "block_states", "block_views", "hashed_blocks", "metrics_window",
+           "model_info", "prefix_chains", "take_snapshot"]
+
+
+class EngineParts(Protocol):
+    """What the read model copies from."""
+
+    lock: Any                    # the engine's RLock (reentrant: callers may hold it already)
+    pool: BlockPool
+    scheduler: Scheduler
+    metrics: EngineMetrics
+
+    @property
+    def policy(self) -> AdmissionPolicy: ...
 
 
 @dataclass(frozen=True)
 class BlockView:
     block_id: int
-    state: str                  # free | cached | used | shared
+    state: str                  # free | cached | used | shared (runtime.block_pool.block_state)
     ref_count: int
     owners: tuple[str, ...]     # request ids holding it
     cached_hash: bool           # holds a prefix-cache hash
@@ -52,45 +86,147 @@ class EngineSnapshot:
     evictions: int
     preemptions: int
     rejections: dict[str, int] = field(default_factory=dict)
+    evicted_ages: tuple[float, ...] = ()    # the most recent evictions' ages (bounded)
+    evicted_age_total: float = 0.0          # sum over every eviction
 
     @property
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
+    @property
+    def evicted_age_mean(self) -> float | None:
+        return self.evicted_age_total / self.evictions if self.evictions else None
 
-def take_snapshot(engine: "LLMEngine", with_blocks: bool = True) -> EngineSnapshot:
-    """Caller holds engine.lock."""
-    now = time.monotonic()
-    sched, pool = engine.scheduler, engine.pool
+
+@dataclass(frozen=True)
+class HashedBlock:
+    """A block holding a prefix-cache hash, with its link to the previous block."""
+
+    block_id: int
+    block_hash: BlockHash
+    parent_hash: BlockHash | None   # None: a prompt's first block
+    token_ids: tuple[int, ...]
+    hits: int
+    ref_count: int
+
+
+@dataclass(frozen=True)
+class MetricsWindow:
+    """The engine's recent history (runtime.metrics.RecentWindow), copied."""
+
+    steps: tuple[StepSample, ...]
+    ttft: tuple[tuple[float, float], ...]   # (monotonic time, seconds)
+    itl: tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the model page shows beside the engine's config."""
+
+    attention_backend: str
+    attention_kernel: bool      # decode rows on the C++ kernel
+    matmul_kernel: bool         # int8 products on the C++ kernel
+    kv_cache_bytes: int
+    compilations_at_ready: int
+    warmup_s: float
+
+
+def _owners(src: EngineParts) -> dict[int, tuple[str, ...]]:
+    """block id -> ids of the running requests holding it (caller holds the lock)."""
     owners: dict[int, list[str]] = {}
-    for r in sched.running:
+    for r in src.scheduler.running:
         for b in r.block_ids:
             owners.setdefault(b, []).append(r.request_id)
-    blocks = []
-    if with_blocks:
-        for info in pool.snapshot():
-            if info.ref_count > 1:
-                state = "shared"
-            elif info.ref_count == 1:
-                state = "used"
-            elif info.block_hash is not None:
-                state = "cached"
-            else:
-                state = "free"
-            blocks.append(BlockView(info.block_id, state, info.ref_count, tuple(owners.get(info.block_id, ())),
-                                    info.block_hash is not None, max(0.0, now - info.last_used)
-                                    if info.last_used else 0.0, info.hits))
-    reqs = [RequestView(r.request_id, r.status.value, r.priority, len(r.prompt_ids), len(r.output_ids),
-                        max(r.num_cached_tokens, 0), len(r.block_ids), now - r.arrival_time,
-                        (r.first_token_time - r.arrival_time) if r.first_token_time else None, r.num_preemptions)
-            for r in [*sched.running, *sched.waiting_requests()]]
-    policy = engine.policy
-    c = sched.counters
-    import math
-    return EngineSnapshot(
-        time=time.time(), num_blocks=pool.num_blocks, block_size=pool.block_size,
-        used_blocks=pool.num_used_blocks, cached_blocks=pool.num_cached_blocks,
-        free_blocks=pool.num_free_blocks - pool.num_cached_blocks,
-        watermark_blocks=math.ceil(policy.watermark * pool.num_blocks), blocks=blocks, requests=reqs,
-        policy=policy.to_json(), prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits,
-        evictions=pool.num_evictions, preemptions=c.preemptions, rejections=dict(c.rejections))
+    return {b: tuple(ids) for b, ids in owners.items()}
+
+
+def _age(now: float, last_used: float) -> float:
+    return max(0.0, now - last_used) if last_used else 0.0
+
+
+def block_states(src: EngineParts) -> bytes:
+    """Every block's state code (index into BLOCK_STATES), one byte per block."""
+    with src.lock:
+        return bytes(block_state(i.ref_count, i.block_hash is not None) for i in src.pool.infos)
+
+
+def block_views(src: EngineParts, start: int, stop: int) -> list[BlockView]:
+    """BlockViews for ids [start, stop), without copying the rest of the pool."""
+    now = time.monotonic()
+    with src.lock:
+        owners = _owners(src)
+        rows = [(i.block_id, i.ref_count, i.block_hash is not None, i.last_used, i.hits)
+                for i in src.pool.infos[max(0, start):max(0, stop)]]
+    return [BlockView(b, BLOCK_STATES[block_state(rc, h)], rc, owners.get(b, ()), h, _age(now, lu), hits)
+            for b, rc, h, lu, hits in rows]
+
+
+def hashed_blocks(src: EngineParts) -> list[HashedBlock]:
+    """Every block holding a prefix-cache hash (cached, or used and reusable)."""
+    with src.lock:
+        rows = [(i.block_id, i.block_hash, i.parent_hash, i.token_ids, i.hits, i.ref_count)
+                for i in src.pool.infos if i.block_hash is not None]
+    return [HashedBlock(*r) for r in rows]
+
+
+def prefix_chains(blocks: Sequence[HashedBlock], k: int = 10, max_len: int = 4096
+                  ) -> list[tuple[HashedBlock, ...]]:
+    """The k most-hit reused prompt prefixes: from each first block hit at least once,
+    follow the parent links forward to the most-hit child while that child was hit too
+    (the part later prompts reused). A block whose parent was evicted is never reached,
+    so no prefix is shown starting mid-prompt."""
+    best_child: dict[BlockHash, HashedBlock] = {}
+    for b in blocks:
+        if b.parent_hash is not None:
+            cur = best_child.get(b.parent_hash)
+            if cur is None or (b.hits, -b.block_id) > (cur.hits, -cur.block_id):
+                best_child[b.parent_hash] = b
+    roots = sorted((b for b in blocks if b.parent_hash is None and b.hits > 0), key=lambda b: (-b.hits, b.block_id))
+    chains = []
+    for root in roots[:k]:
+        chain = [root]
+        # max_len bounds a (hash-collision) cycle; real chains end at max_model_len.
+        while len(chain) < max_len:
+            nxt = best_child.get(chain[-1].block_hash)
+            if nxt is None or nxt.hits == 0:
+                break
+            chain.append(nxt)
+        chains.append(tuple(chain))
+    return chains
+
+
+def metrics_window(src: EngineParts) -> MetricsWindow:
+    w = src.metrics.window
+    with src.lock:
+        return MetricsWindow(tuple(w.steps), tuple(w.ttft), tuple(w.itl))
+
+
+def model_info(src: Any) -> ModelInfo:
+    """From an engine's runner and warm-up record (immutable after start-up: no lock)."""
+    r = src.runner
+    return ModelInfo(r.attention_backend, bool(r.attention_kernel), bool(r.matmul_kernel), r.kv_cache_bytes(),
+                     src.compilations_at_ready, src.warmup_seconds)
+
+
+def take_snapshot(src: EngineParts, with_blocks: bool = True) -> EngineSnapshot:
+    """Counts, requests, policy and prefix-cache counters; with_blocks adds a BlockView per
+    block (every block: for tests and small pools; the console uses block_states)."""
+    now = time.monotonic()
+    with src.lock:
+        sched, pool = src.scheduler, src.pool
+        reqs = [(r.request_id, r.status.value, r.priority, len(r.prompt_ids), len(r.output_ids),
+                 max(r.num_cached_tokens, 0), len(r.block_ids), now - r.arrival_time,
+                 (r.first_token_time - r.arrival_time) if r.first_token_time else None, r.num_preemptions)
+                for r in [*sched.running, *sched.waiting_requests()]]
+        policy = src.policy
+        c = sched.counters
+        counts = dict(num_blocks=pool.num_blocks, block_size=pool.block_size, used_blocks=pool.num_used_blocks,
+                      cached_blocks=pool.num_cached_blocks,
+                      free_blocks=pool.num_free_blocks - pool.num_cached_blocks,
+                      prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits, evictions=pool.num_evictions,
+                      preemptions=c.preemptions, rejections=dict(c.rejections),
+                      evicted_ages=tuple(pool.evicted_ages), evicted_age_total=pool.evicted_age_total)
+        blocks = block_views(src, 0, pool.num_blocks) if with_blocks else []
+    return EngineSnapshot(time=time.time(), watermark_blocks=math.ceil(policy.watermark * counts["num_blocks"]),
+                          blocks=blocks, requests=[RequestView(*r) for r in reqs], policy=policy.to_json(),
+                          **counts)

@@ -3,12 +3,14 @@ MAX_CELLS map cells, and nothing else on the page grows with the cache."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
 
 import pytest
 
+from console.admin_json import snapshot_json_body
 from console.views import MAX_CELLS
 from runtime.block_pool import hash_block
 from tests.console.test_admin_helpers import console_client, logged_in
@@ -67,6 +69,18 @@ def test_block_detail_lists_one_cells_blocks(big_engine):
     assert f"Blocks 0–{per_cell - 1}" in frag
     assert frag.count("<tr><td>") == per_cell
     assert "shared" in frag  # blocks 0..2999 were touched twice
+
+
+def test_snapshot_json_for_50k_blocks_is_one_letter_per_block(big_engine):
+    body = snapshot_json_body(big_engine, blocks=True)
+    assert "blocks" not in body and len(body["block_map"]) == NUM_BLOCKS
+    counts = {"used": 17_000, "shared": 3_000, "cached": 15_000, "free": 15_000}
+    assert body["block_counts"] == counts
+    assert {s: body["block_map"].count(s[0]) for s in counts} == counts
+    assert body["block_map"][:3_000] == "s" * 3_000 and body["block_map"][20_000] == "c"
+    assert (body["used_blocks"], body["cached_blocks"]) == (20_000, 15_000)
+    assert body["prefixes"] == []  # cached, never reused
+    assert len(json.dumps(snapshot_json_body(big_engine))) < 10_000  # without the map it stays small
 
 
 @pytest.mark.browser

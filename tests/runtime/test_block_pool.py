@@ -392,7 +392,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         hashes = hash_prompt_blocks(tokens, BS)
         for i in range(start, min(len(blocks), len(hashes))):
             if self.pool.snapshot()[blocks[i]].block_hash is None:
-                self.pool.cache_block(blocks[i], hashes[i], tokens[i * BS : (i + 1) * BS])
+                self.pool.cache_block(blocks[i], hashes[i], tokens[i * BS : (i + 1) * BS],
+                                      hashes[i - 1] if i else None)
 
     @rule(target=requests, n=st.integers(0, 5))
     def allocate(self, n: int) -> int:
@@ -452,6 +453,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool.check_invariants()
 
     @invariant()
+    def parent_links_are_the_hash_chain(self) -> None:
+        # A block's link is the hash it was chained from (prefix chains follow these).
+        for i in self.pool.snapshot():
+            if i.block_hash is None:
+                assert i.parent_hash is None
+            else:
+                assert hash_block(i.parent_hash, i.token_ids) == i.block_hash
+
+    @invariant()
     def ref_counts_match_holders(self) -> None:
         holders = [0] * NUM_BLOCKS
         for blocks in self.held.values():
@@ -493,6 +503,7 @@ def test_machine_exercises_hits_and_evictions():
     m.allocate(5)
     m.allocate(5)  # more than the plain free blocks: must evict cached ones
     m.pool_consistent()
+    m.parent_links_are_the_hash_chain()
     m.ref_counts_match_holders()
     m.counts_add_up()
     assert m.hits > 0 and m.evictions_seen > 0
