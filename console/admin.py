@@ -8,6 +8,7 @@ carrying `HX-Request: true` gets just the page's `_fragment` partial instead.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from typing import Any
@@ -18,8 +19,11 @@ from litestar.response import Redirect, Template
 
 from console import views
 from console.auth import AdminAuth, is_htmx, login, login_form, logout
+from console.admin_json import JSON_ROUTES
+from console.admin_state import STATE_ROUTES
+from console.render import NO_STORE, render
+from console.state import apply_policy
 
-NO_STORE = {"Cache-Control": "no-store", "Vary": "HX-Request"}
 
 # (field, label, type, help) in form order; types convert the form's strings.
 POLICY_FIELDS: list[tuple[str, str, type, str]] = [
@@ -46,10 +50,7 @@ def _engine(request: Request) -> Any:
 
 
 def _render(request: Request, page: str, ctx: dict[str, Any], status: int = 200) -> Template:
-    s = request.state.admin_session
-    name = f"admin/_{page}_fragment.html" if is_htmx(request) else f"admin/{page}.html"
-    ctx = {**ctx, "csrf": s.csrf, "who": s.who, "page": page, "clock": time.strftime("%H:%M:%S")}
-    return Template(name, context=ctx, status_code=status, headers=NO_STORE)
+    return render(request, page, ctx, status)
 
 
 def _starting(request: Request, page: str) -> Template:
@@ -78,8 +79,7 @@ def blocks(request: Request, cell: int = 0) -> Template:
     engine = _engine(request)
     if engine is None:
         return _starting(request, "blocks")
-    n = engine.pool.num_blocks
-    per = 1 if n <= views.MAX_CELLS else -(-n // views.MAX_CELLS)
+    per = views.blocks_per_cell(engine.config.cache.num_blocks)
     return _render(request, "blocks", {"detail": _cell_detail(engine, per, cell)})
 
 
@@ -109,20 +109,17 @@ def abort(request: Request, request_id: str) -> Response:
 
 
 # --- admission policy --------------------------------------------------------------------------
-def _policy_ctx(engine: Any, *, values: dict[str, str] | None = None, errors: dict[str, str] | None = None,
-                saved: bool = False) -> dict[str, Any]:
-    with engine.lock:
-        policy = engine.policy.to_json()
-        audit = list(engine.audit)
-    ranges = engine.policy.ranges(engine.envelope)
-    return {"fields": POLICY_FIELDS, "policy": policy, "ranges": ranges, "values": values or {},
-            "errors": errors or {}, "saved": saved, "audit": [_audit_row(a) for a in reversed(audit)],
-            "envelope": engine.envelope}
+RECENT_POLICY_ROWS = 10  # on the policy page; the audit page has the whole history
 
 
-def _audit_row(a: Any) -> dict[str, Any]:
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(a.time))
-    return {"when": when, "who": a.who, "changes": a.changes}
+def _policy_ctx(request: Request, engine: Any, *, values: dict[str, str] | None = None,
+                errors: dict[str, str] | None = None, saved: bool = False) -> dict[str, Any]:
+    store = request.app.state.store
+    policy = engine.policy
+    return {"fields": POLICY_FIELDS, "policy": policy.to_json(), "ranges": policy.ranges(engine.envelope),
+            "values": values or {}, "errors": errors or {}, "saved": saved,
+            "audit": store.audit(limit=RECENT_POLICY_ROWS, action="policy"),
+            "audit_total": store.audit_count("policy"), "envelope": engine.envelope}
 
 
 def parse_number(text: str, typ: type) -> tuple[Any, str | None]:
@@ -168,7 +165,7 @@ def policy_page(request: Request, saved: bool = False) -> Template:
     engine = _engine(request)
     if engine is None:
         return _starting(request, "policy")
-    return _render(request, "policy", _policy_ctx(engine, saved=saved))
+    return _render(request, "policy", _policy_ctx(request, engine, saved=saved))
 
 
 @post("/policy", name="admin_policy_update")
@@ -177,17 +174,18 @@ async def policy_update(request: Request) -> Response:
     if engine is None:
         return _starting(request, "policy")
     changes, errors, raw = parse_policy_form(await request.form(), engine)
+    s = request.state.admin_session
     if not errors and changes:
-        try:
-            engine.update_policy(request.state.admin_session.who, **changes)
+        try:  # on a worker thread: it waits for other operators' changes and writes the state file
+            await asyncio.to_thread(apply_policy, request.app.state.store, engine, s.who, changes, client=s.client)
         except ValueError as exc:  # a cross-field rule: show it beside the field it names
             field, _, msg = str(exc).partition(": ")
             errors[field if field in raw else next(iter(changes))] = msg or str(exc)
     if errors:
-        return _render(request, "policy", _policy_ctx(engine, values=raw, errors=errors), 422)
+        return _render(request, "policy", _policy_ctx(request, engine, values=raw, errors=errors), 422)
     if not is_htmx(request):
         return Redirect("/admin/policy?saved=true", status_code=303)
-    return _render(request, "policy", _policy_ctx(engine, saved=True))
+    return _render(request, "policy", _policy_ctx(request, engine, saved=True))
 
 
 @get("/policy.json", name="admin_policy_json", sync_to_thread=False)
@@ -212,9 +210,7 @@ def flush_confirm(request: Request) -> Template:
     engine = _engine(request)
     if engine is None:
         return _starting(request, "flush")
-    with engine.lock:
-        cached = engine.pool.num_cached_blocks
-    return _render(request, "flush", {"cached": cached})
+    return _render(request, "flush", views.flush_confirm(engine))
 
 
 @post("/prefix-cache/flush", name="admin_flush", sync_to_thread=True, status_code=200)
@@ -243,7 +239,8 @@ def admin_router() -> Router:
     return Router(
         path="/admin",
         route_handlers=[login_form, login, logout, dashboard, blocks, requests_page, abort, policy_page,
-                        policy_update, policy_json, prefix_cache_page, flush_confirm, flush, model_page],
+                        policy_update, policy_json, prefix_cache_page, flush_confirm, flush, model_page,
+                        *STATE_ROUTES, *JSON_ROUTES],
         before_request=auth.before_request,
         opt={"admin_auth": auth},
         include_in_schema=False,

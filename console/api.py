@@ -49,6 +49,8 @@ class AccessRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     ttft_s: float | None = None
+    key: str | None = None               # the API key's name (never the secret)
+    grant: Any = None                    # its admission (console/keys.py), settled when the response ends
 
 
 def record_of(request: Request) -> AccessRecord:

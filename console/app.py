@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from litestar import Litestar, Request, Response, Router, get
 from litestar.connection import ASGIConnection
@@ -32,36 +31,53 @@ from litestar.template.config import TemplateConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-import console
 from console import schemas as S
 from console.api import ACCESS_KEY, ROUTES, AccessRecord
+from console.assets import static_dir, templates_dir
 from console.native import ROOT_ROUTES
 from console.errors import EXCEPTION_HANDLERS, APIError
+from console.keys import KeyGate, LimitExceeded, retry_after_header
 from console.settings import ServerSettings
+from console.state import StateStore, restore_policy
 from runtime.async_engine import AsyncEngine
 from runtime.engine import LLMEngine
 from runtime.metrics import LATENCY_BUCKETS
 
 log = logging.getLogger("pagedjax.server")
 access_log = logging.getLogger("pagedjax.access")
-REPO = Path(console.__file__).resolve().parent.parent
 
 
 # --- the /v1 door: API key, then readiness (guards run before the body is read) ----------------
 
 def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    """Only the API key opens /v1 (the admin token does not; the API key opens nothing else)."""
-    key = connection.app.state.settings.api_key
-    if key is None:
-        return
+    """Only an API key opens /v1 (the admin token does not; a key opens nothing else): the
+    one --api-key, or a named key from the state file, counted against its limits."""
+    st = connection.app.state
+    shared, gate = st.settings.api_key, st.key_gate
+    if shared is None and not st.store.has_keys():
+        return  # no key of either kind: an open server (loopback by default)
     auth = connection.headers.get("authorization", "")
     scheme, _, given = auth.partition(" ")
     hdr = {"WWW-Authenticate": "Bearer"}
     if not auth:
         raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
                        headers=hdr)
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
-        raise APIError(401, "incorrect API key", code="invalid_api_key", headers=hdr)
+    key = gate.identify(given.strip(), shared) if scheme.lower() == "bearer" else None
+    if key is None:
+        raise APIError(401, "incorrect or revoked API key", code="invalid_api_key", headers=hdr)
+    rec = connection.scope.get(ACCESS_KEY)  # type: ignore[call-overload]
+    name = key if isinstance(key, str) else key.name
+    if rec is not None:
+        rec.key = name
+    try:
+        grant = gate.admit(key)
+    except LimitExceeded as exc:
+        raise APIError(429, str(exc), code="rate_limit_exceeded", param=exc.limit,
+                       headers={"Retry-After": retry_after_header(exc.retry_after)}) from None
+    if rec is not None:
+        rec.grant = grant
+    else:  # no middleware (a bare test app): nothing would settle it
+        gate.settle(grant, None, None)
 
 
 def require_ready(connection: ASGIConnection, _: BaseRouteHandler) -> None:
@@ -107,9 +123,10 @@ class AccessMiddleware(ASGIMiddleware):
 
     scopes = (ScopeType.HTTP,)
 
-    def __init__(self, metrics: HttpMetrics, enabled: bool) -> None:
+    def __init__(self, metrics: HttpMetrics, enabled: bool, gate: KeyGate) -> None:
         self.metrics = metrics
         self.enabled = enabled
+        self.gate = gate
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         headers = dict(scope.get("headers") or [])
@@ -134,11 +151,13 @@ class AccessMiddleware(ASGIMiddleware):
 
     def _finish(self, rec: AccessRecord) -> None:
         total = time.monotonic() - rec.start
+        if rec.grant is not None:
+            self.gate.settle(rec.grant, rec.prompt_tokens, rec.completion_tokens)
         self.metrics.requests.labels(rec.route, rec.method, str(rec.status)).inc()
         self.metrics.latency.labels(rec.route).observe(total)
         if self.enabled:
             access_log.info(json.dumps({
-                "id": rec.request_id, "method": rec.method, "route": rec.route, "status": rec.status,
+                "id": rec.request_id, "method": rec.method, "route": rec.route, "status": rec.status, "key": rec.key,
                 "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
                 "cached_tokens": rec.cached_tokens,
                 "ttft_s": None if rec.ttft_s is None else round(rec.ttft_s, 4), "total_s": round(total, 4)}))
@@ -188,6 +207,7 @@ def _load_and_warm(app: Litestar, factory: Callable[[], LLMEngine]) -> None:
     st = app.state
     try:
         llm = factory()
+        restore_policy(st.store, llm, reset=st.settings.reset_policy)
         engine = st.engine = AsyncEngine(llm)  # visible (not ready) to the console during warm-up
         if st.settings.warmup and not llm.warmup_seconds:
             log.info("warming up: compiling %d step shapes", len(llm.envelope.bucket_pairs()))
@@ -216,11 +236,27 @@ def drain(app: Litestar, grace_s: float) -> None:
     st.drained = True
 
 
-def _lifespan(factory: Callable[[], LLMEngine] | None):
+USAGE_FLUSH_S = 5.0  # API-key usage reaches the state file this often (and at shutdown)
+
+
+async def _flush_usage(gate: KeyGate) -> None:
+    while True:
+        await asyncio.sleep(USAGE_FLUSH_S)
+        try:
+            await asyncio.to_thread(gate.flush)
+        except Exception as exc:  # noqa: BLE001 -- kept in memory and retried next time
+            log.warning("API-key usage not stored this time: %s", exc)
+
+
+def _lifespan(factory: Callable[[], LLMEngine] | None, fleet: bool):
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         st = app.state
+        flusher = asyncio.create_task(_flush_usage(st.key_gate))
         if st.get("engine") is not None:
+            llm = getattr(st.engine, "engine", None)  # an AsyncEngine's LLMEngine (tests may pass stubs)
+            if not fleet and isinstance(llm, LLMEngine):
+                restore_policy(st.store, llm, reset=st.settings.reset_policy)
             st.engine.start()
             st.ready = True
         elif factory is not None:
@@ -233,22 +269,28 @@ def _lifespan(factory: Callable[[], LLMEngine] | None):
             # The HTTP side is done by now (uvicorn waited for it), so nobody listens to
             # what is left in the engine: no grace here; `drain` gave it already.
             st.stopping, st.ready = True, False
+            flusher.cancel()
             engine = st.get("engine")
             if engine is not None:
                 await asyncio.to_thread(engine.stop, 0.0)
+            await asyncio.to_thread(st.key_gate.flush)
 
     return lifespan
 
 
 def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
-               engine_factory: Callable[[], LLMEngine] | None = None, fleet: bool = False) -> Litestar:
+               engine_factory: Callable[[], LLMEngine] | None = None, fleet: bool = False,
+               store: StateStore | None = None) -> Litestar:
     """`engine`: already built (tests; ready at once). `engine_factory`: built and warmed
     up in the background by the lifespan. Neither: the API answers 503 (console-only tests).
-    `fleet`: `engine` is a FleetClient (runtime/fleet/gateway.py): the console is the fleet page."""
+    `fleet`: `engine` is a FleetClient (runtime/fleet/gateway.py): the console is the fleet page.
+    `store`: the operator state file (console/state.py); None keeps it in memory."""
     http_metrics = HttpMetrics()
-    handlers: list = [v1_router(with_security=settings.api_key is not None),
-                      root_router(with_security=settings.api_key is not None), health, metrics,
-                      create_static_files_router(path="/static", directories=[Path(console.__file__).parent / "static"],
+    store = store if store is not None else StateStore()
+    gate = KeyGate(store, http_metrics.registry)
+    keyed = settings.api_key is not None or store.has_keys()
+    handlers: list = [v1_router(with_security=keyed), root_router(with_security=keyed), health, metrics,
+                      create_static_files_router(path="/static", directories=[static_dir()],
                                                  include_in_schema=False)]
     if fleet:
         from console.fleet_admin import fleet_admin_router
@@ -258,22 +300,27 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
         from console.admin import admin_router
 
         handlers.append(admin_router())
-    security = {"bearer": SecurityScheme(type="http", scheme="bearer")} if settings.api_key else None
+    security = {"bearer": SecurityScheme(type="http", scheme="bearer")} if keyed else None
     openapi = OpenAPIConfig(title="pagedjax", version="0.1.0", path="/schema",
                             description="OpenAI-compatible API of the pagedjax serving runtime",
                             components=Components(security_schemes=security))
     return Litestar(
         route_handlers=handlers,
         on_startup=[_publish_schemas],
-        lifespan=[_lifespan(engine_factory)],
-        middleware=[AccessMiddleware(http_metrics, settings.access_log)],
+        lifespan=[_lifespan(engine_factory, fleet)],
+        middleware=[AccessMiddleware(http_metrics, settings.access_log, gate)],
         exception_handlers=EXCEPTION_HANDLERS,
         openapi_config=openapi,
-        template_config=TemplateConfig(directory=REPO / "templates", engine=JinjaTemplateEngine),
-        state=_initial_state(settings, engine, http_metrics),
+        template_config=TemplateConfig(directory=templates_dir(), engine=JinjaTemplateEngine,
+                                       engine_callback=_template_filters),
+        state=_initial_state(settings, engine, http_metrics, store, gate, fleet),
         logging_config=None,  # serve.py configures logging; Litestar must not replace it
         debug=False,
     )
+
+
+def _template_filters(engine: JinjaTemplateEngine) -> None:
+    engine.engine.filters["utc"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) if t else "—"
 
 
 def _publish_schemas(app: Litestar) -> None:
@@ -283,8 +330,10 @@ def _publish_schemas(app: Litestar) -> None:
     components.schemas = {**(components.schemas or {}), **S.openapi_components()}
 
 
-def _initial_state(settings: ServerSettings, engine: AsyncEngine | None, http_metrics: HttpMetrics):
+def _initial_state(settings: ServerSettings, engine: AsyncEngine | None, http_metrics: HttpMetrics,
+                   store: StateStore, gate: KeyGate, fleet: bool):
     from litestar.datastructures import State
 
     return State({"settings": settings, "engine": engine, "ready": False, "draining": False, "failed": None,
-                  "started_at": time.time(), "http_metrics": http_metrics})
+                  "started_at": time.time(), "http_metrics": http_metrics, "store": store, "key_gate": gate,
+                  "is_fleet": fleet})

@@ -1,10 +1,16 @@
-"""Operator login for /admin: admin-token check, signed server-side sessions, CSRF and a
-failed-login rate limit.
+"""Operator login for /admin: operator tokens, roles, signed server-side sessions, CSRF and
+a failed-login rate limit.
 
-The admin token and the REST API key are separate secrets: only a session cookie (made
-by logging in with the admin token) opens /admin, and that cookie is scoped to /admin so
-it is never even sent with /v1 calls. Sessions live in this process's memory, so logout
-and restarts really revoke them; the cookie only carries a signed session id.
+Who may log in: the --admin-token (the bootstrap operator "admin"), or a named operator's
+token from the state file (`pagedjax admin add-operator`; console/state.py). A viewer sees
+every page and can change nothing (every POST but logout is 403); an operator can change
+the policy, abort requests and flush the prefix cache.
+
+Operator tokens and API keys are separate secrets: only a session cookie (made by
+logging in) opens /admin, and that cookie is scoped to /admin so it is never even sent
+with /v1 calls. Sessions live in this process's memory, so logout and restarts really end
+them, and every request re-reads its operator's row, so a revoke ends their sessions at
+once (from the console or from `pagedjax admin revoke-operator` in another process).
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from litestar import Request, Response, get, post
 from litestar.datastructures import Cookie
 from litestar.response import Redirect, Template
 
+from console.render import is_htmx
+from console.state import BOOTSTRAP
+
 log = logging.getLogger("pagedjax.admin.auth")
 
 SESSION_COOKIE = "pagedjax_admin"
@@ -36,15 +45,22 @@ MAX_FAILURES = 5                  # failed logins per client per window before r
 FAILURE_WINDOW_S = 60.0
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 PUBLIC = "admin_public"           # route opt key: reachable without a session
+ANY_ROLE = "admin_any_role"       # route opt key: a POST viewers may make too (logout)
 
 
 @dataclass
 class Session:
     sid: str
     csrf: str
-    who: str
+    who: str                  # the operator's name: what the audit log records
     created: float
     expires: float
+    role: str = "operator"    # viewer | operator
+    client: str = ""
+
+    @property
+    def can_write(self) -> bool:
+        return self.role == "operator"
 
 
 @dataclass
@@ -106,12 +122,18 @@ class AdminAuth:
         return value if hmac.compare_digest(cls.sign(secret, value), signed) else None
 
     # --- sessions -----------------------------------------------------------------------
-    def create(self, who: str) -> Session:
+    def create(self, who: str, role: str = "operator", client: str = "") -> Session:
         now = time.time()
         self._expire(now)
-        s = Session(secrets.token_urlsafe(24), secrets.token_urlsafe(24), who, now, now + self.ttl_s)
+        s = Session(secrets.token_urlsafe(24), secrets.token_urlsafe(24), who, now, now + self.ttl_s, role, client)
         self.sessions[s.sid] = s
         return s
+
+    def end_sessions_of(self, who: str) -> int:
+        gone = [k for k, s in self.sessions.items() if s.who == who]
+        for k in gone:
+            del self.sessions[k]
+        return len(gone)
 
     def _expire(self, now: float) -> None:
         for sid in [k for k, s in self.sessions.items() if s.expires <= now]:
@@ -138,22 +160,27 @@ class AdminAuth:
         if request.route_handler.opt.get(PUBLIC):
             return None
         s = self.session_for(request)
+        if s is not None and s.who != BOOTSTRAP and request.app.state.store.operator(s.who) is None:
+            log.info("admin session of %s ended: the operator was revoked", s.who)
+            self.end_sessions_of(s.who)
+            s = None
         if s is None:
             return login_required(request)
         request.state.admin_session = s
-        if request.method not in SAFE_METHODS and not await csrf_ok(request, s.csrf):
-            log.warning("admin %s %s refused: missing or wrong CSRF token (%s)", request.method,
-                        request.url.path, client_of(request))
-            return Response("CSRF token missing or invalid", status_code=403, media_type="text/plain")
+        if request.method not in SAFE_METHODS:
+            if not await csrf_ok(request, s.csrf):
+                log.warning("admin %s %s refused: missing or wrong CSRF token (%s)", request.method,
+                            request.url.path, client_of(request))
+                return Response("CSRF token missing or invalid", status_code=403, media_type="text/plain")
+            if not s.can_write and not request.route_handler.opt.get(ANY_ROLE):
+                log.warning("admin %s %s refused: %s is a viewer", request.method, request.url.path, s.who)
+                return Response(f"{s.who} is a viewer: viewers can see every page but change nothing",
+                                status_code=403, media_type="text/plain")
         return None
 
 
 def client_of(request: Request) -> str:
     return request.client.host if request.client else "unknown"
-
-
-def is_htmx(request: Request) -> bool:
-    return request.headers.get("hx-request") == "true"
 
 
 def login_required(request: Request) -> Response:
@@ -209,6 +236,17 @@ def _nonce_ok(request: Request, form_nonce: Any) -> bool:
     return fresh and hmac.compare_digest(nonce.encode(), form_nonce.encode())
 
 
+def _operator_for(request: Request, token: str) -> tuple[str | None, str]:
+    """(name, role) of the operator whose token this is, else (None, "")."""
+    if not token:
+        return None, ""
+    expected: str = request.app.state.settings.admin_token
+    if hmac.compare_digest(token.encode(), expected.encode()):
+        return BOOTSTRAP, "operator"
+    op = request.app.state.store.verify_operator(token)
+    return (op.name, op.role) if op else (None, "")
+
+
 @get("/login", opt={PUBLIC: True}, name="admin_login_form", sync_to_thread=False)
 def login_form(request: Request, next: str | None = None) -> Response:  # noqa: A002 -- the query name
     if _auth(request).session_for(request) is not None:
@@ -230,22 +268,22 @@ async def login(request: Request) -> Response:
         log.warning("admin login from %s refused: stale or missing login form token", client)
         return _login_page(request, error="The login form expired. Please try again.", status=403, nxt=nxt)
     token = form.get("token")
-    expected: str = request.app.state.settings.admin_token
-    if not (isinstance(token, str) and token and hmac.compare_digest(token.encode(), expected.encode())):
+    who, role = _operator_for(request, token.strip() if isinstance(token, str) else "")
+    if who is None:
         n = auth.limiter.fail(client)
         log.warning("admin login failed from %s (%d failure(s) in the last %.0f s)", client, n,
                     auth.limiter.window_s)
-        return _login_page(request, error="Invalid admin token.", status=401, nxt=nxt)
+        return _login_page(request, error="Invalid or revoked token.", status=401, nxt=nxt)
     auth.limiter.reset(client)
-    s = auth.create(f"admin@{client}")
-    log.info("admin login from %s", client)
+    s = auth.create(who, role, client)
+    log.info("admin login: %s (%s) from %s", who, role, client)
     resp = Redirect(nxt, status_code=303)
     resp.set_cookie(auth.session_cookie(request, s))
     resp.set_cookie(Cookie(LOGIN_COOKIE, path="/admin/login", value="", max_age=0))
     return resp
 
 
-@post("/logout", name="admin_logout")
+@post("/logout", name="admin_logout", opt={ANY_ROLE: True})
 async def logout(request: Request) -> Response:
     auth = _auth(request)
     s: Session = request.state.admin_session

@@ -38,7 +38,8 @@ def _client(request: Request) -> Any:
 def _render(request: Request, ctx: dict[str, Any], status: int = 200) -> Template:
     s = request.state.admin_session
     name = "admin/_fleet_fragment.html" if is_htmx(request) else "admin/fleet.html"
-    ctx = {**ctx, "csrf": s.csrf, "who": s.who, "page": "fleet", "fleet": True, "clock": time.strftime("%H:%M:%S")}
+    ctx = {**ctx, "csrf": s.csrf, "who": s.who, "role": s.role, "can_write": s.can_write, "page": "fleet",
+           "fleet": True, "clock": time.strftime("%H:%M:%S")}
     return Template(name, context=ctx, status_code=status, headers=NO_STORE)
 
 
@@ -125,5 +126,5 @@ def fleet_json(request: Request) -> Response:
 def fleet_admin_router() -> Router:
     auth = AdminAuth()
     return Router(path="/admin", route_handlers=[login_form, login, logout, fleet_page, fleet_policy,
-                                                 fleet_autoscale, fleet_json],
+                                                 fleet_autoscale, fleet_json, *STATE_ROUTES],
                   before_request=auth.before_request, opt={"admin_auth": auth}, include_in_schema=False)

@@ -34,6 +34,7 @@ class ServerSettings:
     access_log: bool = True                 # one JSON line per request on `pagedjax.access`
     warmup: bool = True                     # compile every step shape before reporting ready
     retry_after_s: int = 1                  # Retry-After on 429 (the queue drains in about a step)
+    reset_policy: bool = False              # start from the flags' policy, not the stored one
 
     def __post_init__(self) -> None:
         if not self.admin_token:

@@ -57,7 +57,7 @@ def test_posts_without_session_are_refused(client, engine, path):
 def test_wrong_token_is_refused_and_logged(client, caplog):
     with caplog.at_level(logging.WARNING, logger="pagedjax.admin.auth"):
         r = login(client, token="not-the-token")
-    assert r.status_code == 401 and "Invalid admin token" in r.text
+    assert r.status_code == 401 and "Invalid or revoked token" in r.text
     assert "pagedjax_admin" not in r.headers.get("set-cookie", "")
     assert any("admin login failed" in rec.getMessage() for rec in caplog.records)
     assert client.get("/admin", follow_redirects=False).status_code == 303

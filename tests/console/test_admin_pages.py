@@ -66,12 +66,16 @@ def test_policy_change_applies_and_is_audited(client, engine):
     assert r.status_code == 303
     assert engine.policy.watermark == 0.2 and engine.policy.max_admissions_per_step == 3
     assert len(engine.audit) == audit + 1
-    assert engine.audit[-1].changes["watermark"][1] == 0.2 and engine.audit[-1].who == "admin@testclient"
+    assert engine.audit[-1].changes["watermark"][1] == 0.2 and engine.audit[-1].who == "admin"
+    stored = client.app.state.store.audit(limit=1)[0]  # the durable row: operator, diff, and the client
+    assert (stored.who, stored.action) == ("admin", "policy") and stored.detail["changes"]["watermark"][1] == 0.2
+    assert stored.detail["client"] == "testclient"
+    assert client.app.state.store.last_policy().policy["max_admissions_per_step"] == 3
     page = client.get("/admin/policy?saved=true").text
     assert text_of(page, "cur-watermark") == "0.2"
     assert "Policy updated" in page
     row = re.search(r'<table class="data" id="audit">.*?<tbody>\s*<tr>(.*?)</tr>', page, re.DOTALL).group(1)
-    assert "admin@testclient" in row and "watermark" in row and "0.2" in row
+    assert "admin" in row and "watermark" in row and "0.2" in row
     assert client.get("/admin/policy.json").json()["watermark"] == 0.2
 
 
