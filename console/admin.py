@@ -101,6 +101,8 @@ def abort(request: Request, request_id: str) -> Response:
     known = any(r.request_id == request_id for r in views.requests_view(engine)["requests"])
     if known:
         ae.abort(request_id)  # AsyncEngine.abort also wakes an idle engine loop
+        s = request.state.admin_session
+        request.app.state.store.record(s.who, "abort", request_id=request_id, client=s.client)
     flash = {"aborted": request_id} if known else {"missing": request_id}
     if not is_htmx(request):
         key, value = next(iter(flash.items()))
@@ -219,6 +221,8 @@ def flush(request: Request) -> Response:
     if engine is None:
         return _starting(request, "prefix_cache")
     dropped = engine.reset_prefix_cache()
+    s = request.state.admin_session
+    request.app.state.store.record(s.who, "flush_prefix_cache", blocks=dropped, client=s.client)
     if not is_htmx(request):
         return Redirect(f"/admin/prefix-cache?flushed={dropped}", status_code=303)
     return _render(request, "prefix_cache", {**views.prefix_cache(engine), "flushed": dropped})

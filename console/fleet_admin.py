@@ -70,10 +70,16 @@ def _apply(request: Request, client: Any, form: dict[str, Any]) -> Any:
     if replica is not None and replica not in {s.replica for s in client.view.live()}:
         errors["replica"] = f"unknown replica {replica!r}"
     if not errors and changes:
+        s = request.state.admin_session
         try:
-            client.apply_policy(request.state.admin_session.who, changes, replica)
+            client.apply_policy(s.who, changes, replica)
         except ValueError as exc:
             errors["policy"] = str(exc)
+        else:  # the state file's audit log has the fleet's changes too (with which replicas they hit)
+            old = target.policy
+            diff = {k: (getattr(old, k), v) for k, v in changes.items()}
+            request.app.state.store.record(s.who, "policy", changes={k: list(d) for k, d in diff.items()},
+                                           scope=replica or "all replicas", client=s.client)
     if errors:
         return _render(request, fleet_ctx(client, errors=errors, values=raw), 422)
     saved = f"Policy applied to {replica or 'all replicas'}" if changes else "No change"
