@@ -74,7 +74,7 @@ def _configure_access_log() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from console.app import create_app
-    from runtime.cli import resolve_checkpoint
+    from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.engine import LLMEngine
     from runtime.engine_args import engine_config_from_args
 

@@ -6,12 +6,15 @@ User errors print one line and exit 2; no tracebacks.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 from pathlib import Path
 
 from runtime.checkpoint.mapping import CheckpointError
+from runtime.jax_setup import enable_compilation_cache, quiet_libraries  # noqa: F401  (re-exported)
+from runtime.optional import MissingDependency, missing_optional, require
 
 EXIT_USAGE = 2
 
@@ -135,19 +138,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # --- generate ------------------------------------------------------------------------
 
-def resolve_checkpoint(arg: str | None) -> Path:
-    from runtime.checkpoint.pull import default_checkpoint, pull
-
-    if arg:
-        return Path(arg)
-    path = default_checkpoint()
-    if not (path / "config.json").is_file():
-        print(f"no --checkpoint given; pulling the default model into {path}", file=sys.stderr)
-        pull()
-    return path
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.engine import LLMEngine
     from runtime.engine_args import engine_config_from_args
     from runtime.sampling import SamplingParams
@@ -166,6 +158,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 # --- parser ----------------------------------------------------------------------------
+
+# Subcommands defined outside this module: (module, function(subparsers) that adds the
+# subcommand). Each is always registered; the function and its module import only required
+# dependencies, and a command that needs an optional one declares it with
+# `set_defaults(requires=("ray", ...))` (runtime/optional.py names the package and extra).
+# A new subcommand is one more line here.
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("console.serve", "add_serve_parser"),
+    ("runtime.fleet.serve", "add_fleet_parser"),
+    ("runtime.bench.cli", "add_bench_parser"),
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     from runtime.engine_args import add_engine_arguments
@@ -208,21 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(s, serving=False)
     s.set_defaults(func=cmd_generate)
 
-    try:
-        from console.serve import add_serve_parser
-        add_serve_parser(sub)
-    except ImportError:  # the web layer is optional for the engine-only install
-        pass
-    try:
-        from runtime.fleet.serve import add_fleet_parser
-        add_fleet_parser(sub)
-    except ImportError:
-        pass
-    try:
-        from runtime.bench.cli import add_bench_parser
-        add_bench_parser(sub)
-    except ImportError:
-        pass
+    for module, func in SUBCOMMANDS:
+        getattr(importlib.import_module(module), func)(sub)
 
     s = sub.add_parser("plan", help="capacity planning from the serving formulas")
     add_plan_arguments(s)
@@ -231,34 +222,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def quiet_libraries() -> None:
-    """orbax/absl and jax log chatty INFO lines; keep the terminal for our own."""
-    for name in ("absl", "jax", "jax._src.xla_bridge", "orbax"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    enable_compilation_cache()
-
-
-def enable_compilation_cache() -> None:
-    """JAX persistent compilation cache: a restart reuses compiled step programs."""
-    import jax
-
-    path = os.environ.get("PAGEDJAX_JAX_CACHE", str(Path.home() / ".cache" / "pagedjax" / "jax"))
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    quiet_libraries()
+    command = f"pagedjax {args.command}"
     try:
+        require(command, *getattr(args, "requires", ()))
+        quiet_libraries()
         return int(args.func(args) or 0)
-    except (CheckpointError, UserError, ValueError, FileNotFoundError) as exc:
+    except (CheckpointError, UserError, ValueError, FileNotFoundError, MissingDependency) as exc:
         return _fail(str(exc))
+    except ImportError as exc:
+        module = missing_optional(exc)
+        if module is None:
+            raise
+        return _fail(str(MissingDependency(command, module)))
     except KeyboardInterrupt:
         return 130
 

@@ -129,8 +129,8 @@ def greedy_agreement(ckpt: Path, prompts: list[list[int]], method: str, max_toke
 
 def run_accuracy(args: argparse.Namespace) -> int:
     from runtime.bench.benchmarks_md import machine_info
+    from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.checkpoint.store import load_checkpoint
-    from runtime.cli import resolve_checkpoint
 
     texts = [Path(args.text)] if args.text else [Path(t) for t in DEFAULT_TEXTS if Path(t).is_file()]
     if not texts:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.bench.report import _ms, _num, _pct, write_json  # noqa: F401  (shared formatting)
+from runtime.bench.report import _load, _ms, _num, _pct, _table, write_json  # noqa: F401  (shared formatting)
 
 
 # --- machine and BENCHMARKS.md -----------------------------------------------------------------------
@@ -81,22 +80,6 @@ def annotate_peer(path: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
     d["machine"] = machine
     write_json(d, p)
     return d
-
-
-def _load(d: Path, name: str) -> dict[str, Any] | None:
-    p = d / name
-    if not p.is_file():
-        return None
-    try:
-        return json.loads(p.read_text())
-    except ValueError:
-        return None
-
-
-def _table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return out
 
 
 def _serve_rows(label: str, r: dict[str, Any]) -> list[Any]:
@@ -179,7 +162,7 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
                      "CPU); pagedjax computes it once and serves it from the prefix cache, and keeps the "
                      "batch full as requests finish.")
         elif peer is None:
-            L.append("The transformers peer was not run (`pip install -e .[peer]`).")
+            L.append("The transformers peer was not run (`scripts/setup.sh peer`).")
     else:
         L.append("_not measured_ (run `pagedjax bench offline --part throughput`).")
     L.append("")

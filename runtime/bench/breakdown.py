@@ -63,7 +63,7 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
 
     from runtime.attention import write_kv
     from runtime.batch import build_step_input
-    from runtime.bench.offline import _noop_attention, decode_rows
+    from runtime.bench.step_rows import _noop_attention, decode_rows
     from runtime.model_runner import NUM_LOGPROBS, _step, allocate_kv
     from runtime.quant import linear
     from runtime.models.llama import lm_head

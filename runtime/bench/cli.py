@@ -16,11 +16,12 @@ def _err(msg: str) -> int:
 
 
 def _need_matplotlib(args: argparse.Namespace) -> bool:
-    from runtime.bench.report import MATPLOTLIB_MISSING, have_matplotlib
+    """--plot without matplotlib: one line naming the package (runtime/cli.py prints it), before the run."""
+    from runtime.bench.report import have_matplotlib
+    from runtime.optional import MissingDependency
 
     if getattr(args, "plot", None) and not have_matplotlib():
-        print(f"pagedjax bench: {MATPLOTLIB_MISSING}", file=sys.stderr)
-        return False
+        raise MissingDependency(f"pagedjax bench {args.bench_command} --plot", "matplotlib")
     return True
 
 

@@ -121,7 +121,7 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
             res["async_step_ms" if mode else "sync_step_ms"] = float(np.median(walls) * 1e3)
         # device time of the same decode step, alone
         from runtime.batch import build_step_input
-        from runtime.bench.offline import decode_rows
+        from runtime.bench.step_rows import decode_rows
 
         r_ = eng.runner
         seqs = decode_rows(r_, B, context_len)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.bench.report import summarize
+from runtime.bench.step_rows import _noop_attention, decode_rows  # noqa: F401  (re-exported)
 
 PARTS = ("host", "throughput", "decode", "breakdown", "overlap")
 ALL_PARTS = ("host", "throughput", "decode")  # breakdown/overlap want a 256-sequence envelope: asked by name
@@ -159,39 +160,6 @@ def format_throughput(r: dict[str, Any]) -> str:
 
 
 # --- (c) decode step split ----------------------------------------------------------------------
-def _noop_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale):
-    """Same signature and output shape as the paged attention; reads no KV."""
-    return q
-
-
-def decode_rows(runner: Any, batch: int, context_len: int, shared_len: int = 0) -> list:
-    """`batch` requests that have computed all but their last token, as decode step rows. The
-    first `shared_len` tokens (whole blocks) sit in the same blocks for all of them, as
-    prefix-cache hits on one system prompt put them; the rest are each request's own."""
-    from runtime.batch import step_row
-    from runtime.request import Request
-    from runtime.sampling import SamplingParams
-
-    bs = runner.cache_cfg.block_size
-    shared_blocks = min(shared_len, context_len) // bs
-    own = math.ceil(context_len / bs) - shared_blocks
-    if shared_blocks + batch * own > runner.cache_cfg.num_blocks:
-        raise ValueError(f"kv_cache_memory: {batch} sequences of {context_len} tokens need "
-                         f"{shared_blocks + batch * own} blocks, the cache has {runner.cache_cfg.num_blocks}")
-    if batch > runner.sched.max_num_seqs:
-        raise ValueError(f"max_num_seqs: batch {batch} exceeds the envelope ({runner.sched.max_num_seqs})")
-    vocab = runner.cfg.vocab_size
-    rows = []
-    for i in range(batch):
-        req = Request(f"decode-{i}", [3 + (13 * i + j) % (vocab - 3) for j in range(context_len)],
-                      SamplingParams(temperature=0.0, max_tokens=16))
-        start = shared_blocks + i * own
-        req.block_ids = list(range(shared_blocks)) + list(range(start, start + own))
-        req.state_row, req.num_computed_tokens = i, context_len - 1
-        rows.append(step_row(req, 1))
-    return rows
-
-
 def _decode_input(runner: Any, batch: int, context_len: int) -> Any:
     from runtime.batch import build_step_input
 
@@ -300,7 +268,7 @@ def run_offline(args: argparse.Namespace) -> int:
         result["host"] = {**bench_host(args.host_seqs, args.host_steps), "loadavg_1m": load}
         print(format_host(result["host"]), flush=True)
     if any(p in parts for p in ("throughput", "decode", "breakdown", "overlap")):
-        from runtime.cli import resolve_checkpoint
+        from runtime.checkpoint.pull import resolve_checkpoint
 
         result["checkpoint"] = Path(resolve_checkpoint(args.checkpoint)).resolve().name
         engine = build_engine(args, warmup="throughput" in parts)
@@ -338,7 +306,7 @@ def run_offline(args: argparse.Namespace) -> int:
 
 
 def build_engine(args: argparse.Namespace, warmup: bool) -> Any:
-    from runtime.cli import resolve_checkpoint
+    from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.engine import LLMEngine
     from runtime.engine_args import engine_config_from_args
 

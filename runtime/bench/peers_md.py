@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from runtime.bench.benchmarks_md import _load, _table, _ms, _num, _pct
+from runtime.bench.report import _load, _ms, _num, _pct, _table
 
 # --- side by side: pagedjax vs vLLM-CPU vs llama.cpp (scripts/bench_peers.sh) ---------------------
 PEER_LABELS = {"pagedjax": "pagedjax float32", "pagedjax-w8a8": "pagedjax w8a8 (int8; accuracy: see below)",

@@ -18,6 +18,23 @@ from runtime.metrics import percentile  # noqa: F401  (re-exported for the bench
 PERCENTILES = (50, 90, 99)
 
 
+# --- results files and markdown tables (BENCHMARKS.md renderers) -----------------------
+def _load(d: Path, name: str) -> dict[str, Any] | None:
+    p = d / name
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except ValueError:
+        return None
+
+
+def _table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
 # --- statistics --------------------------------------------------------------------------
 def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
     xs = [float(v) for v in values if v is not None]
@@ -174,10 +191,6 @@ def have_matplotlib() -> bool:
         return True
     except ImportError:
         return False
-
-
-MATPLOTLIB_MISSING = ("plots need matplotlib, which is not installed "
-                      "(pip install matplotlib, or pip install -e .[bench])")
 
 
 def _plt():

@@ -111,8 +111,8 @@ def _engine_steps(ckpt: Path, rows: int, steps: int) -> tuple[float, float]:
 
 def run_structured(args: argparse.Namespace) -> int:
     from runtime.bench.benchmarks_md import cpu_busy_pct, loadavg_1m, machine_info
+    from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.checkpoint.store import load_checkpoint
-    from runtime.cli import resolve_checkpoint
     from runtime.structured import GuideCompiler, TokenMasks
 
     ckpt = resolve_checkpoint(args.checkpoint)

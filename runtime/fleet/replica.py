@@ -84,7 +84,7 @@ class EngineReplica:
         self.node = ray.get_runtime_context().get_node_id()[:8]
         rank = getattr(getattr(ctx, "rank", None), "local_rank", 0) or 0
         self.cpus = pin_cpus(int(spec.get("threads", 0)), rank)
-        from runtime.cli import quiet_libraries
+        from runtime.jax_setup import quiet_libraries
 
         quiet_libraries()  # also enables the persistent compilation cache
         from pathlib import Path

@@ -64,7 +64,7 @@ def add_fleet_parser(sub: Any) -> None:
     g.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds a replica being scaled in gets to finish its requests")
     add_engine_arguments(s, serving=True)
-    s.set_defaults(func=cmd_fleet_serve)
+    s.set_defaults(func=cmd_fleet_serve, requires=("ray",))  # checked before the command runs (runtime/cli.py)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -249,11 +249,14 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
 
     from console.app import create_app
     from console.serve import GracefulServer, _configure_access_log, server_settings
+    from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.checkpoint.store import load_config
-    from runtime.cli import resolve_checkpoint
     from runtime.engine_args import engine_config_from_args
+    from runtime.optional import require
     from runtime.tokenizer import TextTokenizer
 
+    if args.kv_events_endpoint:
+        require("pagedjax fleet serve --kv-events-endpoint", "zmq")
     path = resolve_checkpoint(args.checkpoint)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a pagedjax checkpoint (no config.json); see `pagedjax pull`")

@@ -1,0 +1,82 @@
+"""`pagedjax --help` lists every command whatever is installed; a command whose optional
+dependency is missing says which package to install, in one line, exit 2."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from runtime.cli import build_parser, main
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("pull", "convert", "inspect", "generate", "serve", "fleet", "bench", "plan"):
+        assert command in out
+
+
+@pytest.mark.parametrize("module", ["ray", "zmq", "matplotlib"])
+def test_commands_stay_registered_without_optional_dependencies(monkeypatch, capsys, module):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ImportError
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    assert "fleet" in capsys.readouterr().out
+
+
+def test_fleet_without_ray_names_the_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert main(["fleet", "serve", "--checkpoint", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pagedjax: error: 'pagedjax fleet' needs ray[serve]: pip install 'pagedjax[fleet]'"]
+
+
+def test_kv_events_without_pyzmq_names_the_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "zmq", None)
+    assert main(["fleet", "serve", "--checkpoint", str(tmp_path / "missing"),
+                 "--kv-events-endpoint", "tcp://*:5557"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pagedjax: error: 'pagedjax fleet serve --kv-events-endpoint' needs pyzmq: "
+                   "pip install 'pagedjax[fleet]'"]
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pagedjax: error: 'pagedjax bench serve --plot' needs matplotlib: pip install 'pagedjax[bench]'"]
+
+
+def test_an_optional_import_failing_inside_a_command_is_one_line(monkeypatch, capsys):
+    """A command that imports an optional module without declaring it still gets the one line."""
+    import argparse
+
+    def needs_torch(args: argparse.Namespace) -> int:
+        import torch  # noqa: F401
+        return 0
+
+    parser = build_parser()
+    monkeypatch.setattr("runtime.cli.build_parser", lambda: parser)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub.choices["pull"].set_defaults(func=needs_torch)
+    assert main(["pull"]) == 2
+    assert capsys.readouterr().err.strip() == "pagedjax: error: 'pagedjax pull' needs torch: pip install 'pagedjax[peer]'"
+
+
+def test_a_broken_required_import_is_not_disguised(monkeypatch):
+    import argparse
+
+    def broken(args: argparse.Namespace) -> int:
+        import pagedjax_no_such_module  # noqa: F401
+        return 0
+
+    parser = build_parser()
+    monkeypatch.setattr("runtime.cli.build_parser", lambda: parser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub.choices["pull"].set_defaults(func=broken)
+    with pytest.raises(ModuleNotFoundError):
+        main(["pull"])
