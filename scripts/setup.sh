@@ -7,7 +7,13 @@ PY=${PYTHON:-python3}
 extras=$(IFS=,; echo "$*")
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
+# A regular install, not an editable one: .venv/bin/pagedjax runs the installed copy, which
+# carries templates/ and the static files the way a wheel does. pip reinstalls a local
+# directory on every run, so rerunning this script (scripts/serve.sh does) picks up changed
+# code; tests and `.venv/bin/python -m runtime.cli` from the repository root run the checkout.
+# build/ goes first: setuptools packs whatever an earlier build left in build/lib.
+rm -rf build
+.venv/bin/python -m pip install -q --disable-pip-version-check "$spec"
 # The C++ CPU kernels (decode attention, runtime/cpu_attention.cc; w8a8 products,
 # runtime/cpu_matmul.cc) are compiled on first use; without a C++ compiler the step runs as
 # plain XLA (same outputs, slower). Install one when this machine can (Debian/Ubuntu as

@@ -113,8 +113,9 @@ def free_port() -> int:
 
 
 def _command() -> list[str]:
-    script = Path(sys.executable).parent / "pagedjax"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "runtime.cli"]
+    """The checkout's CLI: run with cwd = the repository root, `-m` imports the code under
+    test, not the copy `pip install .` put in site-packages (which .venv/bin/pagedjax runs)."""
+    return [sys.executable, "-m", "runtime.cli"]
 
 
 def _args(checkpoint: Path | None, extra: tuple[str, ...], port: int, api_key: str | None,
