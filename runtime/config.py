@@ -225,7 +225,7 @@ class AdmissionPolicy:
     long_prefill_token_threshold: int = 512
     max_admissions_per_step: int = 32
     max_queue_len: int = 1024
-    max_queued_tokens: int = 1 << 20
+    max_queued_tokens: int = 1 << 22  # the one default: runtime/engine_args.py's flag takes it
 
     # (low, high) allowed ranges, shown by the console next to each field.
     @staticmethod

@@ -46,9 +46,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     a.add_argument("--watermark", type=float, default=0.05)
     a.add_argument("--admission-mode", choices=("reserve", "optimistic"), default="optimistic")
     a.add_argument("--long-prefill-token-threshold", type=int, default=None)
-    a.add_argument("--max-admissions-per-step", type=int, default=32)
-    a.add_argument("--max-queue-len", type=int, default=1024)
-    a.add_argument("--max-queued-tokens", type=int, default=1 << 22)
+    a.add_argument("--max-admissions-per-step", type=int, default=AdmissionPolicy.max_admissions_per_step)
+    a.add_argument("--max-queue-len", type=int, default=AdmissionPolicy.max_queue_len)
+    a.add_argument("--max-queued-tokens", type=int, default=AdmissionPolicy.max_queued_tokens)
 
 
 def _default_kv_memory(model: ModelConfig) -> int:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from tests.console.test_admin_helpers import (
+from tests.console.admin_util import (
     ADMIN_TOKEN,
     API_KEY,
     console_client,

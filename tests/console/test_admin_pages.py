@@ -8,7 +8,7 @@ import re
 import pytest
 
 from runtime.sampling import SamplingParams
-from tests.console.test_admin_helpers import console_client, logged_in
+from tests.console.admin_util import console_client, logged_in
 from tests.engine_util import make_engine
 
 PAGES = ["/admin", "/admin/requests", "/admin/policy", "/admin/prefix-cache", "/admin/model",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.console.test_admin_helpers import API_KEY, console_client
+from tests.console.admin_util import API_KEY, console_client
 from tests.engine_util import make_engine
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

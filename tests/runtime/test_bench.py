@@ -13,7 +13,7 @@ import pytest
 
 from runtime.bench import loadgen, report
 from runtime.bench.loadgen import LoadConfig, RequestRecord, build_workload
-from runtime.bench.offline import bench_host
+from runtime.bench.offline import bench_host, format_host
 from runtime.bench.benchmarks_md import render_benchmarks
 from runtime.bench.report import build_report, percentile, summarize
 
@@ -166,7 +166,10 @@ def test_offline_host_benchmark_fields():
         s = r[key]
         assert s["count"] == 6 and s["mean"] > 0 and s["p50"] <= s["p99"]
     assert r["prefix_cache_hit_rate"] > 0  # the shared 32-token prefix = 2 cached blocks
-    assert r["target_us"] == 1000.0
+    mean = r["schedule_commit_us"]["mean"]
+    assert "(target <= 1,000: " in format_host(r)
+    assert ": OK)" in format_host({**r, "target_us": mean * 2})
+    assert ": OVER TARGET)" in format_host({**r, "target_us": mean / 2})
 
 
 def test_offline_host_via_cli(tmp_path, capsys):
@@ -239,6 +242,8 @@ def test_bench_serve_against_pagedjax_serve(tiny_ckpt, tmp_path):
     assert r["total_input_tokens"] > 12 * 200  # the ~220-token shared prefix (byte-level tokens) + message
     srv_counters = r["server"]
     assert srv_counters is not None and srv_counters["prefix_cache_hit_rate"] > 0
-    assert srv_counters["preemptions"] >= 0
+    # 4 concurrent ~230-token sequences fit the 16 MiB pool: a preemption here is a scheduler or
+    # counter bug (and the key must be there: the delta of pagedjax:num_preemptions_total)
+    assert srv_counters["preemptions"] == 0
     if report.have_matplotlib():
         assert png.stat().st_size > 1000

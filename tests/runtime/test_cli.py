@@ -80,3 +80,12 @@ def test_a_broken_required_import_is_not_disguised(monkeypatch):
     sub.choices["pull"].set_defaults(func=broken)
     with pytest.raises(ModuleNotFoundError):
         main(["pull"])
+
+
+def test_admission_flags_default_to_the_policy_defaults():
+    from runtime.config import AdmissionPolicy
+
+    args = build_parser().parse_args(["serve"])
+    policy = AdmissionPolicy()
+    for name in ("max_queued_tokens", "max_queue_len", "max_admissions_per_step"):
+        assert getattr(args, name) == getattr(policy, name), name

@@ -65,6 +65,8 @@ def test_preemption_picks_batch_tier_then_least_work():
 
 
 def test_preempted_resume_before_new_arrivals():
+    """Optimistic admission over a 5-block pool: two 30-token prompts grow until one is
+    preempted; a request arriving after that is scheduled only after the victim resumes."""
     s = make(num_blocks=5, seqs=4)
     a, b = req("a", 30, max_tokens=40), req("b", 30, max_tokens=40, start=50)
     s.add(a)
@@ -74,13 +76,20 @@ def test_preempted_resume_before_new_arrivals():
         out = step(s)
         if out.preempted:
             break
+    assert out.preempted, "the pool never ran out: no preemption to resume from"
     victim = out.preempted[0]
-    late = req("late", 4, start=100)
+    assert victim.status is Status.PREEMPTED and victim.num_computed_tokens == 0
+    late = req("late", 4, start=100)  # one block: it would fit before the victim does
     s.add(late)
-    assert s.waiting_requests()[0] is victim
-    while victim.status is not Status.RUNNING:
-        step(s)
-    assert late.status is Status.WAITING or late.first_scheduled_time is None
+    order: list[str] = []  # request ids in the order the scheduler first gives them tokens
+    for _ in range(200):
+        for r, _n in step(s).scheduled:
+            if r in (victim, late) and r.request_id not in order:
+                order.append(r.request_id)
+        if len(order) == 2:
+            break
+    assert order == [victim.request_id, "late"]
+    assert victim.num_preemptions == 1
 
 
 def test_reserve_mode_admits_only_what_fits_and_never_preempts():
