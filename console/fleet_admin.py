@@ -18,6 +18,7 @@ from litestar import Request, Response, Router, get, post
 from litestar.response import Redirect, Template
 
 from console.admin import NO_STORE, POLICY_FIELDS, parse_number, parse_policy_form
+from console.admin_state import STATE_ROUTES
 from console.auth import AdminAuth, is_htmx, login, login_form, logout
 
 AUTOSCALE_FIELDS: list[tuple[str, str, type, str]] = [
