@@ -47,6 +47,11 @@ def add_server_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 30)")
     s.add_argument("--no-access-log", action="store_true", help="no JSON access line per request")
+    from console.admin_cli import add_state_dir_argument
+
+    add_state_dir_argument(s)
+    s.add_argument("--reset-policy", action="store_true",
+                   help="start from the policy flags, not the last policy an operator applied (recorded as a change)")
 
 
 def server_settings(args: argparse.Namespace, path: Any) -> Any:
@@ -56,7 +61,8 @@ def server_settings(args: argparse.Namespace, path: Any) -> Any:
     settings = ServerSettings(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         admin_token=token, model_name=args.served_model_name or path.resolve().name, checkpoint=path,
-        shutdown_grace_s=args.shutdown_grace, admin_token_generated=generated, access_log=not args.no_access_log)
+        shutdown_grace_s=args.shutdown_grace, admin_token_generated=generated, access_log=not args.no_access_log,
+        reset_policy=args.reset_policy)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without --api-key: anyone who can reach it can use /v1", settings.host)
     return settings
@@ -73,6 +79,7 @@ def _configure_access_log() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from console.admin_cli import open_store
     from console.app import create_app
     from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.engine import LLMEngine
@@ -81,10 +88,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.checkpoint)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a pagedjax checkpoint (no config.json); see `pagedjax pull`")
+    store = open_store(args)  # before loading: a bad state file is one line and exit 2, not a wasted load
     settings = server_settings(args, path)
     _configure_access_log()
     llm = LLMEngine.from_checkpoint(path, engine_config_from_args(args), warmup=False, progress=sys.stderr.isatty())
-    app = create_app(settings, engine_factory=lambda: llm)
+    app = create_app(settings, engine_factory=lambda: llm, store=store)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = GracefulServer(config, app, settings.shutdown_grace_s)

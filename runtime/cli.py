@@ -168,6 +168,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("console.serve", "add_serve_parser"),
     ("runtime.fleet.serve", "add_fleet_parser"),
     ("runtime.bench.cli", "add_bench_parser"),
+    ("console.admin_cli", "add_admin_parser"),
 )
 
 

@@ -247,6 +247,7 @@ def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
 def cmd_fleet_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from console.admin_cli import open_store
     from console.app import create_app
     from console.serve import GracefulServer, _configure_access_log, server_settings
     from runtime.checkpoint.pull import resolve_checkpoint
@@ -260,6 +261,7 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.checkpoint)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a pagedjax checkpoint (no config.json); see `pagedjax pull`")
+    store = open_store(args)  # the API keys and their limits apply in front of the fleet too
     if args.replicas < 1:
         raise ValueError("--replicas: must be at least 1")
     cfg = load_config(path)
@@ -279,7 +281,7 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
     if not client.wait_for_replicas(args.replicas, timeout_s=60):
         log.warning("only %d of %d replicas reported within 60 s; serving anyway", len(client.view.live()),
                     args.replicas)
-    app = create_app(settings, engine=client, fleet=True)
+    app = create_app(settings, engine=client, fleet=True, store=store)
     app.state.fleet = fleet
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)

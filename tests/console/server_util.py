@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ class ServerHandle:
     admin_token: str
     logs: list[str] = field(default_factory=list)  # stdout+stderr lines, appended live
     model: str = ""
+    state_dir: Path | None = None  # its --state-dir
 
     @property
     def headers(self) -> dict[str, str]:
@@ -119,7 +121,7 @@ def _command() -> list[str]:
 
 
 def _args(checkpoint: Path | None, extra: tuple[str, ...], port: int, api_key: str | None,
-          admin: str | None, subcommand: tuple[str, ...] = ("serve",)) -> list[str]:
+          admin: str | None, subcommand: tuple[str, ...] = ("serve",), state_dir: Path | None = None) -> list[str]:
     args = [*_command(), *subcommand, "--host", "127.0.0.1", "--port", str(port)]
     if checkpoint is not None:
         args += ["--checkpoint", str(checkpoint)]
@@ -131,6 +133,8 @@ def _args(checkpoint: Path | None, extra: tuple[str, ...], port: int, api_key: s
         args.append(f"--api-key={api_key}")  # "=": a random key may begin with "-"
     if admin and "--admin-token" not in given:
         args.append(f"--admin-token={admin}")
+    if state_dir is not None and "--state-dir" not in given:
+        args += ["--state-dir", str(state_dir)]
     return args + list(extra)
 
 
@@ -144,22 +148,27 @@ def _pump(proc: subprocess.Popen, logs: list[str]) -> None:
 def start_server(checkpoint: Path | None, *extra_args: str, env: dict[str, str] | None = None,
                  api_key: str | None = "auto", admin_token: str | None = "auto",
                  ready_timeout: float = READY_TIMEOUT_S, wait_ready: bool = True,
-                 subcommand: tuple[str, ...] = ("serve",)) -> Iterator[ServerHandle]:
+                 subcommand: tuple[str, ...] = ("serve",), state_dir: Path | None = None
+                 ) -> Iterator[ServerHandle]:
     """Run `pagedjax serve` until the block exits (SIGTERM, then kill). checkpoint None: no
     --checkpoint (the default model, resolved from the repository root). api_key: "auto" (a
     random key), a key, or None (no key). admin_token: the same, except None lets the server
     generate one (read back from its "admin token: ..." line). wait_ready=False returns as soon as the socket
-    answers (/health may still be 503). subcommand: ("fleet", "serve") runs the fleet gateway."""
+    answers (/health may still be 503). subcommand: ("fleet", "serve") runs the fleet gateway.
+    state_dir: the operator state (policy, audit, operators, keys); None gives each server a
+    fresh one, so no test inherits another's policy."""
+    state_dir = state_dir or Path(tempfile.mkdtemp(prefix="pagedjax-state-"))
     key = "k" + secrets.token_urlsafe(12) if api_key == "auto" else api_key  # (never a leading "-")
     admin = "t" + secrets.token_urlsafe(12) if admin_token == "auto" else admin_token
     for attempt in range(3):  # the free port can be taken between probe and bind
         port = free_port()
         full_env = {k: v for k, v in os.environ.items() if k not in ("PAGEDJAX_API_KEY", "PAGEDJAX_ADMIN_TOKEN")}
         full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-        proc = subprocess.Popen(_args(checkpoint, extra_args, port, key, admin, subcommand), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(_args(checkpoint, extra_args, port, key, admin, subcommand, state_dir),
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=full_env, cwd=Path(__file__).parents[2])
         handle = ServerHandle(f"http://127.0.0.1:{port}", proc, key, admin or "",
-                              model=_model_name(checkpoint, extra_args))
+                              model=_model_name(checkpoint, extra_args), state_dir=state_dir)
         threading.Thread(target=_pump, args=(proc, handle.logs), daemon=True).start()
         try:
             _wait(handle, ready_timeout, wait_ready)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -226,3 +227,69 @@ def test_screenshot_model_page(page, server):
     assert page.inner_text("#block-size") == "16 tokens"
     assert page.inner_text("#num-blocks").startswith("1,024")
     shot(page, "model")
+
+
+def test_a_viewer_sees_every_page_read_only(page, server):
+    from console.state import StateStore
+
+    token = StateStore.open(server.state_dir).add_operator(f"viewer{secrets.token_hex(3)}", "viewer")
+    log_in(page, server, token=token)
+    page.wait_for_url(server.url + "/admin")
+    assert "(viewer: read-only)" in page.inner_text("#who")
+    page.goto(server.url + "/admin/policy")
+    assert page.locator("#read-only").is_visible()
+    assert page.locator("#f-watermark").is_disabled() and page.locator("text=Apply changes").is_disabled()
+    for path in ("/admin/keys", "/admin/operators"):
+        page.goto(server.url + path)
+        assert page.locator("#read-only").is_visible(), path
+        assert page.locator("form.policy button[type=submit]").is_disabled(), path
+    shot(page, "viewer-keys")
+    # Even a hand-made POST from this session is refused.
+    csrf = page.evaluate("JSON.parse(document.body.getAttribute('hx-headers'))['X-CSRF-Token']")
+    r = page.request.post(server.url + "/admin/policy", form={"watermark": "0.5", "_csrf": csrf})
+    assert r.status == 403
+    assert page.request.get(server.url + "/admin/policy.json").json()["watermark"] != 0.5
+
+
+def test_an_operator_adds_a_key_sees_it_once_uses_it_and_revokes_it(page, server):
+    log_in(page, server)
+    page.goto(server.url + "/admin/keys")
+    name = f"k{secrets.token_hex(3)}"
+    page.fill("#key-name", name)
+    page.fill("#key-rpm", "100")
+    page.click("#key-add")
+    key = page.wait_for_selector("#key-value").inner_text().strip()
+    assert key.startswith("pjk_")
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    page.goto(server.url + "/admin/keys")                       # shown once: not on a reload
+    assert page.locator("#key-value").count() == 0 and key not in page.content()
+    row = page.locator(f"#key-{name}")
+    assert row.locator("[data-col=requests]").inner_text() == "1"
+    shot(page, "keys")
+    page.on("dialog", lambda d: d.accept())                     # hx-confirm
+    row.locator("button", has_text="Revoke").click()
+    page.locator(f"#key-{name}.revoked").wait_for(timeout=5000)
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert r.status_code == 401
+
+
+def test_audit_log_pages_filters_and_exports(page, server):
+    log_in(page, server)
+    page.goto(server.url + "/admin/policy")
+    page.fill("#f-max_queue_len", "777")
+    page.click("text=Apply changes")
+    page.wait_for_selector("#policy-saved")
+    page.goto(server.url + "/admin/audit")
+    first = page.inner_text("#audit-log tbody tr >> nth=0")
+    assert "policy" in first and "777" in first and "admin" in first
+    page.select_option("#f-action", "policy")
+    page.click("text=Show")
+    page.wait_for_url(re.compile(r".*action=policy.*"))
+    assert all("policy" in t for t in page.locator("#audit-log tbody tr td:nth-child(4)").all_inner_texts())
+    shot(page, "audit")
+    with page.expect_download() as dl:
+        page.click("#export-csv")
+    text = Path(dl.value.path()).read_text()
+    assert text.splitlines()[0] == "id,time_utc,who,action,detail" and "777" in text

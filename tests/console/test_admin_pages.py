@@ -127,6 +127,8 @@ def test_requests_table_and_abort(client, engine):
     r = client.post(f"/admin/requests/{req.request_id}/abort", headers={"X-CSRF-Token": client.csrf,
                                                                         "HX-Request": "true"})
     assert r.status_code == 200 and "Abort requested" in r.text
+    row = client.app.state.store.audit(limit=1)[0]
+    assert (row.who, row.action, row.detail["request_id"]) == ("admin", "abort", req.request_id)
     engine.step()
     assert req.is_finished and done[-1].finish_reason == "abort"
     assert req.request_id not in client.get("/admin/requests").text
@@ -151,6 +153,8 @@ def test_prefix_cache_hits_and_flush(client, engine):
     r = client.post("/admin/prefix-cache/flush", data={"_csrf": client.csrf}, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == f"/admin/prefix-cache?flushed={snap.cached_blocks}"
     assert engine.snapshot().cached_blocks == 0
+    row = client.app.state.store.audit(limit=1)[0]
+    assert (row.action, row.detail["blocks"]) == ("flush_prefix_cache", snap.cached_blocks)
     assert f"Flushed {snap.cached_blocks} cached block" in client.get(r.headers["location"]).text
 
 

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +50,13 @@ def log_in(client: TestClient, token: str) -> str:
     return re.search(r'"X-CSRF-Token": "([^"]+)"', client.get("/admin/policy").text).group(1)
 
 
+def eventually(get, ok, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while not ok(value := get()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
 def complete(client: TestClient, key: str | None, max_tokens: int = 4):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return client.post("/v1/completions", headers=headers,
@@ -74,7 +82,8 @@ def test_a_key_over_its_rpm_gets_429_naming_the_limit_while_another_key_is_serve
         assert err["code"] == "rate_limit_exceeded" and err["param"] == "rpm" and "2 requests per minute" in err["message"]
         assert 1 <= int(r.headers["retry-after"]) <= 60
         assert complete(c, fast).status_code == 200          # the other key is not held back
-        metrics = c.get("/metrics").text
+        # A request settles (tokens counted, access line written) just after its last byte is sent.
+        metrics = eventually(lambda: c.get("/metrics").text, lambda t: 'key="fast",kind="completion"' in t)
         assert 'pagedjax:api_key_requests_total{key="slow",outcome="rate_limited"} 1.0' in metrics
         assert 'pagedjax:api_key_requests_total{key="slow",outcome="admitted"} 2.0' in metrics
         assert re.search(r'pagedjax:api_key_tokens_total\{key="fast",kind="completion"\} [1-9]', metrics)

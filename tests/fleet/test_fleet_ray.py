@@ -18,6 +18,7 @@ import httpx
 import msgspec
 import pytest
 
+from console.state import StateStore
 from tests.console.server_util import free_port, start_server
 
 pytest.importorskip("ray.serve")
@@ -231,9 +232,23 @@ def test_policy_change_for_one_replica_from_the_console(fleet, console):
     wait_for(lambda: modes() == {a: "optimistic", b: "reserve"}, 10, "the change to reach one replica only")
     audit = state(console)["audit"][0]
     assert audit["scope"] == a and audit["changes"] == {"admission_mode": "optimistic"}
+    stored = StateStore.open(fleet.state_dir).audit(limit=1, action="policy")[0]   # the durable audit log too
+    assert stored.detail["scope"] == a and stored.detail["changes"] == {"admission_mode": ["reserve", "optimistic"]}
     # Back to the fleet-wide setting for the tests that follow.
     console.post("/admin/fleet/policy", data={"_csrf": csrf, "admission_mode": "reserve", "replica": a})
     wait_for(lambda: set(modes().values()) == {"reserve"}, 10, "reserve mode on both")
+
+
+def test_api_key_limits_apply_in_front_of_the_fleet(fleet):
+    """A key made with `pagedjax admin add-key` while the fleet runs: its rpm holds at the
+    gateway (429 naming the limit) while the shared key is still served."""
+    key = StateStore.open(fleet.state_dir).add_key("fleet-rpm1", rpm=1)
+    body = {"model": fleet.model, "prompt": "hello", "max_tokens": 2}
+    auth = {"Authorization": f"Bearer {key}"}
+    assert httpx.post(fleet.url + "/v1/completions", json=body, headers=auth, timeout=60).status_code == 200
+    r = httpx.post(fleet.url + "/v1/completions", json=body, headers=auth, timeout=60)
+    assert r.status_code == 429 and r.json()["error"]["param"] == "rpm" and int(r.headers["retry-after"]) >= 1
+    assert httpx.post(fleet.url + "/v1/completions", json=body, headers=fleet.headers, timeout=60).status_code == 200
 
 
 def test_killed_replica_ends_its_streams_with_an_error_and_others_keep_serving(fleet, console):
