@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from litestar import Request, Response, get, post
 
@@ -19,14 +19,23 @@ from console.errors import APIError, error_body
 from runtime.sampling import SamplingParams
 
 
+T = TypeVar("T")
+
+
 # --- tokenizer endpoints (vLLM's shapes, at the root as vLLM serves them) -----------------------------
+
+async def _body(request: Request, struct: type[T]) -> T:
+    """The decoded body; its optional `model` must be the served one."""
+    body = S.decode_body(await request.body(), struct)
+    if body.model is not None:  # type: ignore[attr-defined]
+        _check_model(request, body.model)  # type: ignore[attr-defined]
+    return body
+
 
 @post("/tokenize", status_code=200, operation_class=S.operation(S.TokenizeRequest, S.TokenizeResponse),
       summary="Tokenize a prompt, or chat messages with the chat template")
 async def tokenize(request: Request) -> Response:
-    body = S.decode_body(await request.body(), S.TokenizeRequest)
-    if body.model is not None:
-        _check_model(request, body.model)
+    body = await _body(request, S.TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "prompt: send exactly one of prompt or messages", param="prompt")
     engine = request.app.state.engine
@@ -45,9 +54,7 @@ async def tokenize(request: Request) -> Response:
 @post("/detokenize", status_code=200, operation_class=S.operation(S.DetokenizeRequest, S.DetokenizeResponse),
       summary="Token ids back to text")
 async def detokenize(request: Request) -> Response:
-    body = S.decode_body(await request.body(), S.DetokenizeRequest)
-    if body.model is not None:
-        _check_model(request, body.model)
+    body = await _body(request, S.DetokenizeRequest)
     engine = request.app.state.engine
     bad = next((t for t in body.tokens if t >= engine.vocab_size), None)
     if bad is not None:
