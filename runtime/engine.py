@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from runtime.batch import step_row
+from runtime import disagg
 from runtime.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
 from runtime.metrics import EngineMetrics, StepSample
@@ -163,10 +164,13 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: str = "interactive", cache_salt: str | None = None,
-                    on_output: Callable[[RequestOutput], None] | None = None, matcher: Any = None) -> Request:
+                    on_output: Callable[[RequestOutput], None] | None = None, matcher: Any = None,
+                    reservation: disagg.Reservation | None = None) -> Request:
         """Queue a request. Raises ValueError (bad input) or Overloaded (queue limits).
         A structured output (params.guide) compiles here unless `matcher` is given
-        (compile_guide, which callers on an event loop run off it)."""
+        (compile_guide, which callers on an event loop run off it). `reservation`: blocks
+        `reserve` pinned for this prompt (disaggregated decode), which it takes over; if
+        adding fails the caller still owns them (`release`)."""
         if not prompt_ids:
             raise ValueError("prompt: must contain at least one token")
         vocab = self.config.model.vocab_size
@@ -184,6 +188,8 @@ class LLMEngine:
         with self.lock:
             if req.request_id in self._tracked:
                 raise ValueError(f"request_id: {req.request_id!r} is already in use")
+            if reservation is not None:
+                req.pinned_blocks = disagg.attach(self, reservation, req)
             try:
                 self.scheduler.add(req)
             except Overloaded as exc:
@@ -193,6 +199,8 @@ class LLMEngine:
                 self.metrics.admission_rejections.labels("too_long").inc()
                 raise
             self._tracked[req.request_id] = _Tracked(req, self.tokenizer.detokenizer(req.prompt_ids))
+            if reservation is not None:
+                reservation.block_ids, reservation.state = [], "admitted"  # the request holds them now
             if on_output is not None:
                 self._callbacks[req.request_id] = on_output
         return req
@@ -233,6 +241,25 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         with self.lock:
             return self.pool.reset_prefix_cache()
+
+    # --- disaggregated prefill/decode (runtime/disagg.py: reserve, then transfer) -------------
+    def reserve(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+                cache_salt: str | None = None) -> disagg.Reservation:
+        """Decode side: pin the blocks a transferred prompt needs, or raise disagg.NoRoom."""
+        return disagg.reserve(self, prompt_ids, params, cache_salt)
+
+    def import_kv(self, reservation: disagg.Reservation, blocks: "disagg.KVBlocks") -> None:
+        """Decode side: write transferred blocks into the reservation and cache them."""
+        disagg.import_kv(self, reservation, blocks)
+
+    def release(self, reservation: disagg.Reservation) -> None:
+        """Decode side: free a reservation that will not be used (idempotent)."""
+        disagg.release(self, reservation)
+
+    def export_kv(self, prompt_ids: Sequence[int], skip_blocks: int = 0, *,
+                  cache_salt: str | None = None) -> "disagg.KVBlocks":
+        """Prefill side: a prefilled prompt's blocks from skip_blocks on, as host arrays."""
+        return disagg.export_kv(self, prompt_ids, skip_blocks, cache_salt)
 
     # --- the loop body -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -58,6 +58,17 @@ class EngineMetrics:
                                    registry=r)
         self.step_tokens = Histogram(P + "step_tokens", "Tokens per step",
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), registry=r)
+        # Disaggregated prefill/decode (runtime/disagg.py): bytes out of a prefill replica and
+        # into a decode one; seconds per stage (export: device -> host, transfer: the
+        # connector, import: host -> device and prefix-cache registration).
+        self.kv_transfer_bytes = Counter(P + "kv_transfer_bytes", "KV bytes transferred between replicas",
+                                         ["direction"], registry=r)
+        self.kv_transfer_seconds = Histogram(P + "kv_transfer_seconds", "KV transfer time by stage", ["stage"],
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_transfer_failures = Counter(P + "kv_transfer_failures", "KV transfers that failed or timed out",
+                                            registry=r)
+        self.kv_reservations = Counter(P + "kv_reservations", "Decode-side KV reservations by outcome",
+                                       ["outcome"], registry=r)
         # The model-server protocol series llm-d's endpoint picker scrapes (vLLM's names),
         # beside our own; LLMEngine keeps them equal to the pagedjax: gauges.
         V = "vllm:"

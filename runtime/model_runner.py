@@ -327,3 +327,54 @@ class ModelRunner:
                 seqs.append(step_row(req, n))
             self.run(seqs, s, t)
         return time.perf_counter() - t0
+
+
+# --- KV block transfer (disaggregated prefill/decode; runtime/disagg.py) ---------------------
+# Separate programs from the step, used only by disaggregation: ordinary serving compiles
+# nothing new. Block counts are bucketed to powers of two so a replica builds a handful.
+
+def transfer_bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@partial(jax.jit, static_argnums=(1,))
+def _gather_blocks(kv: tuple, num_layers: int, block_ids: jax.Array) -> tuple:
+    """Every leaf [L*NB, BS, ...] -> [L, n, BS, ...]: the blocks' rows of each layer."""
+    def take(a):
+        nb = a.shape[0] // num_layers
+        rows = jnp.arange(num_layers)[:, None] * nb + block_ids[None, :]
+        return a[rows]
+    return jax.tree.map(take, kv)
+
+
+@partial(jax.jit, static_argnums=(1,), donate_argnums=(0,))
+def _scatter_blocks(kv: tuple, num_layers: int, block_ids: jax.Array, data: tuple) -> tuple:
+    """The inverse of _gather_blocks, in place (donated). A padding id of -1 maps past the
+    end and mode="drop" discards its write, so padding never touches a real block."""
+    def put(a, d):
+        nb = a.shape[0] // num_layers
+        rows = jnp.where(block_ids >= 0, jnp.arange(num_layers)[:, None] * nb + block_ids[None, :], a.shape[0])
+        return a.at[rows].set(d.astype(a.dtype), mode="drop")
+    return jax.tree.map(put, kv, data)
+
+
+def read_blocks(runner: ModelRunner, block_ids: list[int]) -> list[np.ndarray]:
+    """Host copies of the blocks' KV: the leaves of runner.kv (K, V; values and scales for a
+    quantized cache), each [L, n, BS, Hkv(, D)]. Padding reads block 0 and is cut off."""
+    n = len(block_ids)
+    ids = np.zeros(transfer_bucket(n), np.int32)
+    ids[:n] = block_ids
+    out = _gather_blocks(runner.kv, runner.cfg.num_layers, jnp.asarray(ids))
+    return [np.asarray(a)[:, :n] for a in jax.device_get(jax.tree.leaves(out))]
+
+
+def write_blocks(runner: ModelRunner, block_ids: list[int], leaves: list[np.ndarray]) -> None:
+    """Write host arrays laid out as read_blocks returns them into the blocks (in order)."""
+    n = len(block_ids)
+    b = transfer_bucket(n)
+    ids = np.full(b, -1, np.int32)
+    ids[:n] = block_ids
+    padded = [np.concatenate([x, np.zeros((x.shape[0], b - n, *x.shape[2:]), x.dtype)], 1) if b > n else x
+              for x in leaves]
+    data = jax.tree.unflatten(jax.tree.structure(runner.kv), padded)
+    runner.kv = _scatter_blocks(runner.kv, runner.cfg.num_layers, jnp.asarray(ids), data)

@@ -47,6 +47,9 @@ class Request:
     needs_row_reset: bool = False
     row_counted_upto: int = 0        # tokens [0, this) are in the penalty state of state_row
     num_registered_blocks: int = 0   # leading full blocks already offered to the prefix cache
+    # Blocks a disaggregated decode reserved for it (runtime/disagg.py), held while it waits
+    # and released at admission once its prefix hits hold the imported ones.
+    pinned_blocks: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: Any = None

@@ -89,7 +89,16 @@ class Scheduler:
             self._reject("queued_tokens")
             raise Overloaded("queued_tokens", f"queued prompt tokens would exceed {p.max_queued_tokens}")
         self.queued_tokens += req.num_prompt_tokens
-        self.waiting[req.priority].append(req)
+        q = self.waiting[req.priority]
+        if req.pinned_blocks:
+            # Its blocks are reserved already: ahead of the requests without (which could
+            # otherwise wait on the very blocks it pins), behind earlier reserved ones.
+            i = 0
+            while i < len(q) and q[i].pinned_blocks:
+                i += 1
+            q.insert(i, req)
+        else:
+            q.append(req)
 
     def _pop_waiting(self, req: Request) -> None:
         q = self.resumed if req.status is Status.PREEMPTED else self.waiting[req.priority]
@@ -112,12 +121,18 @@ class Scheduler:
             self.free_rows.append(req.state_row)
             req.state_row = -1
 
+    def _unpin(self, req: Request) -> None:
+        if req.pinned_blocks:
+            self.pool.free(req.pinned_blocks)
+            req.pinned_blocks = []
+
     def finish(self, req: Request, reason: str) -> None:
         if req.status is Status.RUNNING:
             self.running.remove(req)
             self._release(req)
         elif req.status in (Status.WAITING, Status.PREEMPTED):
             self._pop_waiting(req)
+            self._unpin(req)
         req.status, req.finish_reason = Status.FINISHED, reason
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -133,10 +148,13 @@ class Scheduler:
         out.preempted.append(req)
 
     def preempt_all(self) -> None:
-        """The device lost the KV cache: every running request recomputes."""
+        """The device lost the KV cache: every running request recomputes, and waiting ones
+        drop the blocks reserved for them (their imported KV is gone too)."""
         out = SchedulerOutput()
         for req in list(self.running):
             self._preempt(req, out)
+        for req in self.waiting_requests():
+            self._unpin(req)
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         """Batch tier first, then the one whose preemption loses the least work."""
@@ -217,14 +235,16 @@ class Scheduler:
             cached = len(hits) * self.bs
             n = self._chunk(req, cached, budget)
             revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
-            free_after = self.pool.num_free_blocks - revived
+            free_after = self.pool.num_free_blocks - revived + self._freed_by_unpin(req, hits)
             target = req.max_total_tokens() if p.admission_mode == "reserve" else req.num_tokens
             need = self.blocks_for(target) - len(hits) + outstanding
-            reserve = watermark_blocks if self.running else 0  # never starve an idle engine
+            # Never starve an idle engine; a reserved request passed the watermark when reserved.
+            reserve = watermark_blocks if self.running and not req.pinned_blocks else 0
             if free_after - need < reserve:
                 return  # head of line waits: FCFS within its tier
             self._pop_waiting(req)
             self.pool.touch(hits)
+            self._unpin(req)  # (its hits now hold the imported blocks; the rest become free)
             req.block_ids = list(hits)
             if not self._grow(req, cached + n):
                 self.pool.free(req.block_ids)
@@ -238,6 +258,12 @@ class Scheduler:
             out.scheduled.append((req, n))
             out.num_admitted += 1
             budget -= n
+
+    def _freed_by_unpin(self, req: Request, hits: list[int]) -> int:
+        """Pinned blocks of `req` that become allocatable when it is admitted: all but the
+        ones its hits take over (or that someone else shares)."""
+        hit = set(hits)
+        return sum(1 for b in req.pinned_blocks if b not in hit and self.pool.ref_count(b) == 1)
 
     def _pending_prefix_blocks(self) -> set:
         """Hashes of full prompt blocks that running requests are still prefilling. A waiting
