@@ -7,5 +7,7 @@ bash scripts/install_browser.sh || echo "warning: chromium could not be installe
 export PAGEDJAX_JAX_CACHE=${PAGEDJAX_JAX_CACHE:-$PWD/.cache/jax}
 # Two workers, one test file each at a time (module fixtures -- servers, the Ray fleet -- start
 # once): most of the suite waits on subprocess start-up and compiles, which overlap well.
+# Files go out longest first (tests/conftest.py LONGEST_FIRST; xdist's own reorder, by test
+# count, would hand out the 5-minute fleet file late). The 20 slowest steps are printed.
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 -n "${PAGEDJAX_TEST_WORKERS:-2}" \
-  --dist loadfile "$@"
+  --dist loadfile --no-loadscope-reorder --durations=20 "$@"

@@ -29,3 +29,34 @@ def smollm2_ckpt() -> Path:
     if not (path / "config.json").is_file():
         pull(out=path, progress=False)
     return path
+
+
+# Under `--dist loadfile` each worker takes the next whole file as it frees up, in collection
+# order. Starting the longest files first (longest-processing-time-first) keeps one worker
+# from picking up a 5-minute file at the end while the other sits idle. Approximate order,
+# from fresh-clone runs on the 2-core machine (the slowest start servers or Ray fleets).
+LONGEST_FIRST = (
+    "tests/fleet/test_fleet_ray.py",
+    "tests/fleet/test_fleet_disagg.py",
+    "tests/runtime/test_real_model.py",
+    "tests/console/test_api_real_model.py",
+    "tests/fleet/test_fleet_smollm2.py",
+    "tests/console/test_admin_browser.py",
+    "tests/runtime/test_kv_quant.py",
+    "tests/runtime/test_quant.py",
+    "tests/pallas_kernels/test_paged_attention.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = Path(str(config.rootpath))
+
+    def key(item) -> int:
+        try:
+            rel = Path(str(item.path)).relative_to(root).as_posix()
+        except ValueError:
+            return len(rank)
+        return rank.get(rel, len(rank))
+
+    items.sort(key=key)  # stable: within a file, and among the rest, collection order stays

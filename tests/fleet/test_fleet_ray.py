@@ -304,30 +304,3 @@ def test_scale_in_drains_then_scale_out_under_load(fleet, console):
     wait_for(lambda: any(e["to"] > e["from"] and e["reason"].startswith("scale out")
                          for e in state(console)["scale_history"]), 60, "a scale-out decision")
     wait_for(lambda: len(state(console)["replicas"]) == 2, 240, "the second replica back")
-
-
-@pytest.mark.real_model
-def test_smollm2_through_the_fleet_with_the_openai_client(smollm2_ckpt):
-    """The default model behind the fleet (gateway -> router -> Ray Serve replica), the
-    official client, streaming and not; the second chat with the same system prompt hits
-    the cache. One replica on both cores with test_api_real_model's envelope, so its step
-    programs come from the compilation cache (routing between replicas: the tests above)."""
-    with start_server(None, "--replicas", "1", "--threads-per-replica", "2", "--kv-cache-memory", "64MiB",
-                      subcommand=("fleet", "serve"), env={"RAY_ADDRESS": ""}, ready_timeout=600) as srv:
-        client = srv.openai(timeout=300)
-        msgs = [{"role": "system", "content": "You are a geography teacher. Answer in one short sentence. " * 4},
-                {"role": "user", "content": "What is the capital of France?"}]
-        r = client.chat.completions.create(model=srv.model, messages=msgs, max_tokens=24, temperature=0)
-        assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
-        chunks = list(client.chat.completions.create(model=srv.model, messages=msgs, max_tokens=24, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True}))
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
-        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16 * 4
-        assert [m.id for m in client.models.list().data] == [srv.model]
-        # Structured outputs compile on the replica: a constrained answer, and a bad regex as a 400.
-        r = client.chat.completions.create(model=srv.model, messages=msgs, max_tokens=8, temperature=0,
-                                           extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
-        assert r.choices[0].message.content == "Paris"
-        bad = srv.client().post("/v1/chat/completions", json={"model": srv.model, "messages": msgs, "max_tokens": 4,
-                                                              "structured_outputs": {"regex": "a(b"}})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs.regex", bad.text
