@@ -3,6 +3,8 @@
 import argparse
 import dataclasses
 import json
+import math
+import re
 import sys
 
 import pytest
@@ -195,3 +197,42 @@ def test_cli_plot_with_matplotlib(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert run_plan(_args("--model", "llama-2-7b", "--plot", str(tmp_path / "p.png"))) == 0
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_disaggregated_split_from_the_latency_targets():
+    """Prefill sized by FLOP/s, decode by the largest batch whose step meets the ITL target."""
+    from runtime.planner import plan_disagg
+
+    model, dev = MODELS["llama-3-8b"], DEVICES["h200"]
+    p = plan(model, dev, context_len=2200, target_rps=20, output_tokens=200)
+    d = plan_disagg(model, dev, p, prompt_tokens=2000, ttft_target_s=0.5, itl_target_s=0.02, mfu=0.5)
+    flops = 2 * p.param_count * 2000
+    assert d.prefill_flops_per_request == flops and d.prefill_flops_for_ttft == flops / 0.5
+    assert d.prefill_time_s == pytest.approx(flops / (dev.peak_flops * 0.5)) and d.ttft_feasible
+    # step(B) <= 20 ms at the largest B, and B + 1 would miss it
+    assert (p.weight_bytes + d.decode_batch_for_itl * p.kv_bytes_per_seq) / dev.bandwidth_bytes_per_s <= 0.02
+    assert (p.weight_bytes + (d.decode_batch_for_itl + 1) * p.kv_bytes_per_seq) / dev.bandwidth_bytes_per_s > 0.02
+    assert d.prefill_devices == -(-20 * flops // (dev.peak_flops * 0.5))
+    assert d.decode_devices == math.ceil(20 * 200 / d.decode_tps) == 1
+    assert d.kv_transfer_bytes_per_request == p.kv_bytes_per_token * 2000
+    assert d.kv_transfer_bytes_per_s == pytest.approx(20 * d.kv_transfer_bytes_per_request)
+    tight = plan_disagg(model, dev, p, prompt_tokens=2000, ttft_target_s=0.01, itl_target_s=0.001)
+    assert not tight.ttft_feasible and tight.decode_batch_for_itl == 0 and tight.decode_devices is None
+    with pytest.raises(ValueError, match="mfu"):
+        plan_disagg(model, dev, p, prompt_tokens=10, ttft_target_s=1, itl_target_s=1, mfu=1.5)
+
+
+def test_cli_disagg_table_and_json(capsys):
+    from runtime.planner import run_plan
+
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    args = parser.parse_args(["--model", "llama-3-8b", "--device", "h200", "--context-len", "2200", "--rps", "20",
+                              "--disagg", "--prompt-tokens", "2000", "--itl-ms", "20"])
+    assert run_plan(args) == 0
+    out = capsys.readouterr().out
+    assert "Disaggregated: TTFT <= 500 ms for 2,000-token prompts, ITL <= 20 ms" in out
+    assert re.search(r"split\s+2 x h200 prefill \+ 1 x h200 decode", out)
+    args.json = True
+    assert run_plan(args) == 0
+    assert json.loads(capsys.readouterr().out)["disagg"]["prefill_devices"] == 2
