@@ -23,6 +23,7 @@ from litestar.response import Stream
 
 from console import schemas as S
 from console.errors import APIError, ClientDisconnected, error_body
+from console.format import Formatter
 from console.structured import ToolPlan, guide_from_body, plan_tools, render_messages
 from runtime.async_engine import AsyncEngine
 from runtime.engine import RequestOutput
@@ -294,6 +295,8 @@ def _failure(job: Job) -> APIError:
     if (job.error or "").startswith("replica_failed"):  # a fleet replica died under this request
         return APIError(503, "the replica serving this request failed; retry the request", code="replica_failed",
                         headers={"Retry-After": "1"})
+    if (job.error or "").startswith("kv_transfer_failed"):  # disaggregated fleet: the message names the stage
+        return APIError(503, job.error, code="kv_transfer_failed", headers={"Retry-After": "1"})
     # The engine's own message (job.error) is for the server log, not for clients.
     return APIError(500, f"generation failed in the engine; the server log has the details "
                          f"(request {job.request_id})", code="engine_error")
@@ -359,7 +362,7 @@ async def completions(request: Request) -> Response:
                                             body.logprobs, vocab), prompt_logprobs=plp) for p in prompts]
     gen = await _submit(request, prompts, params, body.n, body.priority)
     rid, created, model = f"cmpl-{gen.record.request_id}", int(time.time()), body.model
-    fmt = S.Formatter(tok, body.logprobs is not None, echo=body.echo, prompt_top=body.prompt_logprobs)
+    fmt = Formatter(tok, body.logprobs is not None, echo=body.echo, prompt_top=body.prompt_logprobs)
 
     def resp(choices: list[S.CompletionChoice], usage: S.Usage | None = None) -> S.CompletionResponse:
         return S.CompletionResponse(rid, created, model, choices, usage)
@@ -394,7 +397,7 @@ async def chat_completions(request: Request) -> Response:
     vocab = request.app.state.engine.vocab_size
     gen = await _submit(request, [ids], [_sampling(body, mt, lp, vocab, plan.guide)], body.n, body.priority)
     rid, created, model = f"chatcmpl-{gen.record.request_id}", int(time.time()), body.model
-    fmt = S.Formatter(tok, lp is not None, tools=plan if plan.active else None)
+    fmt = Formatter(tok, lp is not None, tools=plan if plan.active else None)
 
     def chunk(choices: list[S.ChatChunkChoice], usage: S.Usage | None = None) -> S.ChatCompletionChunk:
         return S.ChatCompletionChunk(rid, created, model, choices, usage)

@@ -20,7 +20,6 @@ PACKAGES = ("runtime", "console", "pallas_kernels")
 ALLOWED_CYCLES: tuple[frozenset[str], ...] = (
     frozenset({"runtime.attention", "runtime.cpu_attention"}),
     frozenset({"runtime.models.llama", "runtime.quant"}),
-    frozenset({"console.schemas", "console.structured"}),
 )
 
 
