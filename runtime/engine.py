@@ -113,7 +113,6 @@ class LLMEngine:
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
                                   config.attention_backend, dtype, config.quantization)
         self.guides = GuideCompiler(tokenizer, config.model.vocab_size)
-        self.masks = self.runner.masks
         self.metrics = EngineMetrics()
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
         self.lock = threading.RLock()
@@ -303,7 +302,7 @@ class LLMEngine:
         banned = [(i, (*eos, *b)) for i, (req, _) in enumerate(plan.scheduled)
                   if seqs[i].sample and (b := req.banned_tokens) is not None]
         try:
-            mask = self.masks.build(num_seqs, guided, banned, self.guides.executor)
+            mask = self.runner.masks.build(num_seqs, guided, banned, self.guides.executor)
             handle = self.runner.launch(seqs, num_seqs, num_tokens, token_mask=mask)
         except Exception as exc:  # noqa: BLE001 -- one bad step must not kill the loop
             self._fail([req for req, _ in plan.scheduled], exc, outputs)

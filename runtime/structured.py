@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ import numpy as np
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 COMPILE_TIMEOUT_S = 5.0
+# Threads that fill constrained rows' masks each step. More than a few fight the engine's
+# own host thread for cores; 64 constrained rows take ~4 ms on two (runtime/bench/structured.py).
+MASK_THREADS = min(4, max(2, (os.cpu_count() or 2) // 2))
 # Compact JSON (no free whitespace between tokens): a small model given free whitespace can
 # spend its whole budget on newlines. A schema's own "x-guidance" options still win.
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -119,7 +123,7 @@ class GuideCompiler:
                 tok = self.tokenizer
                 self._lltok = llguidance.LLTokenizer(tok.tok.to_str(), n_vocab=self.vocab_size,
                                                      eos_token=list(tok.eos_token_ids) or None)
-                self.executor = llguidance.LLExecutor(2)
+                self.executor = llguidance.LLExecutor(MASK_THREADS)
             return self._lltok
 
     def compile(self, guide: Guide) -> Any:
