@@ -177,3 +177,65 @@ class SharedMemoryConnector:
     @property
     def num_buffers(self) -> int:
         return len(self._segments)
+
+
+@dataclass(frozen=True)
+class RayHandle:
+    ref: Any                                       # ray.ObjectRef of one uint8 buffer (picklable; borrowed)
+    header: KVBlocks                               # the record without arrays
+    layout: tuple[tuple[tuple[int, ...], str, int], ...]  # (shape, dtype name, byte offset) per array
+    nbytes: int
+
+
+class RayConnector:
+    """Replicas of a Ray cluster (the fleet): `send` packs the record's arrays into one
+    buffer and `ray.put`s it (one object, so one transfer, not one per layer or leaf);
+    the handle carries the ObjectRef with the header and layout. The sender keeps its
+    reference until `drop`, so the object lives until the receiver has it even if the
+    orchestrator lets go early; the receiver `ray.get`s it (the object store moves it
+    between nodes) within the timeout."""
+
+    def __init__(self) -> None:
+        self._refs: dict[Any, Any] = {}  # ObjectRef -> ObjectRef: what keeps each object alive
+
+    def send(self, request_id: str, blocks: KVBlocks) -> RayHandle:
+        import ray
+
+        layout, offset = [], 0
+        for a in blocks.arrays:
+            layout.append((tuple(a.shape), a.dtype.name, offset))
+            offset += -(-int(a.nbytes) // 64) * 64  # 64-byte aligned, as in shared memory
+        buf = np.zeros(max(offset, 1), np.uint8)
+        for a, (_, _, off) in zip(blocks.arrays, layout):
+            buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        ref = ray.put(buf)
+        self._refs[ref] = ref
+        return RayHandle(ref, blocks.header(), tuple(layout), blocks.nbytes)
+
+    def recv(self, handle: RayHandle, timeout_s: float) -> KVBlocks:
+        import jax.numpy as jnp  # resolves the fp8 dtype name (ml_dtypes)
+        import ray
+        import ray.exceptions as rex
+
+        try:
+            buf = ray.get(handle.ref, timeout=timeout_s)
+        except rex.GetTimeoutError:
+            raise TransferTimeout(f"KV transfer: object not received within {timeout_s:g} s") from None
+        except rex.RayError as exc:  # lost, owner died, ...
+            raise TransferError(f"KV transfer: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                                ) from None
+        arrays = []
+        for shape, dtype, off in handle.layout:
+            dt = jnp.dtype(dtype)
+            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            # copy: the object store's buffer is read-only and freed with the object
+            arrays.append(np.frombuffer(buf, np.uint8, n, off).view(dt).reshape(shape).copy())
+        return replace(handle.header, arrays=arrays)
+
+    def drop(self, handle: RayHandle) -> None:
+        # The last reference going frees the object (a receiver's borrow ends when it does).
+        self._refs.pop(handle.ref, None)
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self._refs)

@@ -2,11 +2,14 @@
 reserve on the decode engine, prefill + export on the prefill engine, a connector in
 between, import + generate on the decode engine -- the same tokens as one engine."""
 
+import time
+
 import numpy as np
 import pytest
 
 from runtime.disagg import NoRoom, prefill_then_decode
-from runtime.kv_transfer import InProcessConnector, SharedMemoryConnector, TransferError, TransferTimeout
+from runtime.kv_transfer import (InProcessConnector, RayHandle, SharedMemoryConnector, TransferError,
+                                 TransferTimeout)
 from runtime.model_runner import read_blocks
 from runtime.sampling import SamplingParams
 from tests.engine_util import make_engine
@@ -223,3 +226,45 @@ def test_reserved_requests_go_ahead_of_unreserved(f32):
     assert reqs[0].first_scheduled_time <= reqs[1].first_scheduled_time < big.first_scheduled_time
     assert dec.pool.num_used_blocks == 0
     dec.pool.check_invariants()
+
+
+def test_ray_connector(f32):
+    """The fleet's connector over a local Ray object store: one packed object per record,
+    the arrays back bit for bit, Ray's timeout as TransferTimeout, drop frees the ref;
+    and a whole prefill -> decode through it gives the colocated tokens."""
+    ray = pytest.importorskip("ray")
+    from runtime.kv_transfer import KVBlocks, RayConnector
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        arrays = [np.arange(2 * 3 * 4, dtype=np.int8).reshape(2, 3, 4), np.linspace(0, 1, 6, dtype=np.float32)]
+        blocks = KVBlocks(16, "int8", 2, 1, [b"h1"], list(range(32)), arrays)
+        conn = RayConnector()
+        handle = conn.send("r1", blocks)
+        got = conn.recv(handle, timeout_s=5.0)
+        assert got.header() == blocks.header() and all(
+            a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(got.arrays, arrays))
+        assert handle.nbytes == blocks.nbytes and conn.num_buffers == 1
+        conn.drop(handle)
+        conn.drop(handle)  # idempotent
+        assert conn.num_buffers == 0
+
+        @ray.remote(num_cpus=0)
+        def never() -> None:
+            time.sleep(30)
+
+        slow = RayHandle(never.remote(), blocks.header(), (), 0)
+        with pytest.raises(TransferTimeout, match="not received within"):
+            conn.recv(slow, timeout_s=0.2)
+        ray.cancel(slow.ref, force=True)
+
+        pre, dec = f32
+        ids = prompt(61, 50)
+        want = colocated(pre, ids, GREEDY)
+        assert same_output(prefill_then_decode(pre, dec, conn, ids, GREEDY), want)
+        assert conn.num_buffers == 0 and dec.pool.num_used_blocks == 0
+    finally:
+        if started:
+            ray.shutdown()
