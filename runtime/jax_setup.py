@@ -9,7 +9,7 @@ from pathlib import Path
 
 def quiet_libraries() -> None:
     """orbax/absl and jax log chatty INFO lines; keep the terminal for our own."""
-    for name in ("absl", "jax", "jax._src.xla_bridge", "orbax"):
+    for name in ("absl", "jax", "jax._src.xla_bridge", "orbax", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
     enable_compilation_cache()
 

@@ -189,6 +189,10 @@ def add_bench_parser(subparsers: Any) -> None:
     add_structured_arguments(s)
     s.set_defaults(func=run_structured)
 
+    from runtime.bench.interference import add_interference_parser
+
+    add_interference_parser(sub)
+
     s = sub.add_parser("render", help="render BENCHMARKS.md from a results directory")
     s.add_argument("--results", default="bench-results")
     s.add_argument("--commands", help="file with the commands to list in the page")

@@ -271,8 +271,12 @@ def _error_text(status: int, body: bytes) -> str:
 
 
 async def send_one(client: httpx.AsyncClient, root: str, model: str, spec: RequestSpec, t0: float,
-                   timeout_s: float, extra: dict[str, Any] | None = None) -> RequestRecord:
-    rec = RequestRecord(spec.index, start=time.perf_counter() - t0)
+                   timeout_s: float, extra: dict[str, Any] | None = None,
+                   rec: RequestRecord | None = None) -> RequestRecord:
+    """One streaming request; `rec` (optional) is filled as chunks arrive, for callers that
+    watch progress while it runs."""
+    rec = rec or RequestRecord(spec.index)
+    rec.start = time.perf_counter() - t0
     body: dict[str, Any] = {"model": model, "max_tokens": spec.max_tokens, "temperature": 0.0, "stream": True,
                             "stream_options": {"include_usage": True}, **(extra or {})}
     if spec.messages is not None:

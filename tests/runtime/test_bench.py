@@ -230,6 +230,17 @@ def test_bench_serve_against_pagedjax_serve(tiny_ckpt, tmp_path):
         if report.have_matplotlib():
             argv += ["--plot", str(png)]
         assert main(argv) == 0
+        # The same server: streams decoding while longer prompts arrive (bench interference).
+        inter = tmp_path / "interference.json"
+        argv = ["bench", "interference", "--url", srv.url, "--streams", "4", "--stream-tokens", "80",
+                "--long-prompt-words", "40", "--long-max-tokens", "4", "--num-long", "2", "--long-interval", "0.3",
+                "--out", str(inter)] + ([f"--api-key={srv.api_key}"] if srv.api_key else [])
+        assert main(argv) == 0
+    i = json.loads(inter.read_text())
+    assert (i["streams_ok"], i["long_ok"], i["errors"]) == (4, 2, [])
+    assert i["long_prompt_tokens"] > 100 and i["long_ttft_ms"]["n"] == 2
+    assert i["itl_ms"]["n"] > 0 and 0 < i["itl_ms"]["p50"] <= i["itl_ms"]["p99"] <= i["itl_ms"]["max"]
+    assert i["machine"]["cpu_model"] and i["load_avg_1m"] >= 0
     r = json.loads(out.read_text())
     assert r["successful_requests"] == 12 and r["failed_requests"] == 0, r["errors"]
     assert r["config"]["model"] and r["total_output_tokens"] > 0
