@@ -64,12 +64,14 @@ class DeviceProfile:
     memory_bytes: int
     bandwidth_bytes_per_s: float
     peak_flops: float
+    link_bytes_per_s: float = 0.0     # device-to-device, one direction (NVLink); 0: none
+    allreduce_latency_s: float = 10e-6  # fixed cost of one small all-reduce (NCCL ballpark)
 
 
 DEVICES: dict[str, DeviceProfile] = {d.name: d for d in (
-    DeviceProfile("h100", 80 * GiB, 3.35e12, 989e12),   # SXM5, dense bf16
-    DeviceProfile("h200", 141 * GiB, 4.8e12, 989e12),
-    DeviceProfile("a100", 80 * GiB, 2.0e12, 312e12),    # 80 GB SXM
+    DeviceProfile("h100", 80 * GiB, 3.35e12, 989e12, 450e9),   # SXM5, dense bf16; NVLink 4: 900 GB/s both ways
+    DeviceProfile("h200", 141 * GiB, 4.8e12, 989e12, 450e9),
+    DeviceProfile("a100", 80 * GiB, 2.0e12, 312e12, 300e9),    # 80 GB SXM; NVLink 3
 )}
 DEVICE_NAMES = (*DEVICES, "cpu")
 
@@ -225,6 +227,68 @@ def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_
         tps_asymptote=bw / c_seq, prefill_time_s=2 * params * context_len / device.peak_flops,
         min_devices_for_weights=math.ceil((weights + overhead_bytes) / device.memory_bytes),
         fleet=fleet, fleet_with_headroom=fleet_h)
+
+
+@dataclass(frozen=True)
+class TPRow:
+    """One tensor-parallel size: what each device holds and a decode step's cost, the
+    memory-bound sweep of its share plus 2 all-reduces per layer (attention out, MLP out)."""
+    tensor_parallel: int
+    shards: bool                      # heads (and KV heads, or their replication) split evenly
+    kv_heads_per_device: int          # KV heads replicated when N > N_kv (as vLLM does)
+    weight_bytes_per_device: float
+    kv_bytes_per_token_per_device: float
+    b_max: int
+    step_b1_s: float                  # memory sweep + all-reduces at batch 1
+    allreduce_b1_s: float             # of which all-reduces
+    tps_at_b_max: float
+
+
+def allreduce_s(nbytes: float, n: int, device: DeviceProfile) -> float:
+    """Ring all-reduce: each device sends and receives 2(N-1)/N of the buffer, plus a fixed cost."""
+    if n <= 1:
+        return 0.0
+    if device.link_bytes_per_s <= 0:
+        raise ValueError(f"tensor_parallel_size: {device.name} has no device-to-device link in this planner")
+    return device.allreduce_latency_s + 2 * (n - 1) / n * nbytes / device.link_bytes_per_s
+
+
+def plan_tp(model: ModelConfig, device: DeviceProfile, p: CapacityPlan, sizes: tuple[int, ...]) -> list[TPRow]:
+    """`p` (its context, dtypes and overhead) at each tensor-parallel size in `sizes`."""
+    act_bytes = 4 if p.weight_dtype == "float32" else 2   # activations travel in the compute dtype
+    rows = []
+    for n in sizes:
+        if n < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {n}")
+        kvh = model.num_kv_heads
+        shards = model.num_heads % n == 0 and (kvh % n == 0 if n <= kvh else n % kvh == 0)
+        heads_dev = max(1, kvh // n) if n <= kvh else 1
+        w_dev = p.weight_bytes / n
+        kv_tok = p.kv_bytes_per_token * heads_dev / kvh
+        c_seq = kv_tok * p.context_len
+        b_max = max(0, int((device.memory_bytes - w_dev - p.overhead_bytes) // c_seq))
+
+        def step(b: int) -> tuple[float, float]:
+            ar = 2 * model.num_layers * allreduce_s(b * model.hidden_size * act_bytes, n, device)
+            return (w_dev + b * c_seq) / device.bandwidth_bytes_per_s + ar, ar
+
+        s1, ar1 = step(1)
+        tps = b_max / step(b_max)[0] if b_max else 0.0
+        rows.append(TPRow(n, shards, heads_dev, w_dev, kv_tok, b_max, s1, ar1, tps))
+    return rows
+
+
+def format_tp(rows: list[TPRow], device: DeviceProfile) -> str:
+    lines = [f"Tensor parallel on {device.name} (all-reduce: {device.link_bytes_per_s / 1e9:.0f} GB/s per direction, "
+             f"{device.allreduce_latency_s * 1e6:.0f} us each, 2 per layer per step; TPS is the TP group's)",
+             f"  {'TP':>3} {'weights/dev':>12} {'KV/tok/dev':>11} {'B_max':>6} {'step B=1':>9} {'all-reduce':>11} "
+             f"{'TPS at B_max':>13} {'per device':>11}"]
+    for r in rows:
+        note = "" if r.shards else "  (heads do not split evenly: not servable)"
+        lines.append(f"  {r.tensor_parallel:>3} {r.weight_bytes_per_device / GB:>9.2f} GB {_bin(r.kv_bytes_per_token_per_device):>11} "
+                     f"{r.b_max:>6} {r.step_b1_s * 1e3:>6.2f} ms {r.allreduce_b1_s * 1e3:>8.3f} ms "
+                     f"{r.tps_at_b_max:>13,.0f} {r.tps_at_b_max / r.tensor_parallel:>11,.0f}{note}")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -395,6 +459,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead", type=float, default=None,
                         help="GB (1e9 B) held back besides weights; default 3 for GPUs, 1 for cpu")
     parser.add_argument("--headroom", type=float, default=0.2, help="fleet burst headroom (0.2 = 20%%)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="also a table at TP 1, 2, 4, ... up to N: per-device weights, KV and B_max, and the "
+                             "step with its all-reduces")
     parser.add_argument("--disagg", action="store_true",
                         help="also size separate prefill and decode pools from --ttft-ms and --itl-ms")
     parser.add_argument("--prompt-tokens", type=int, default=None,
@@ -441,13 +508,20 @@ def run_plan(args: argparse.Namespace) -> int:
         d = plan_disagg(model, device, p, prompt_tokens=args.prompt_tokens or args.context_len,
                         ttft_target_s=args.ttft_ms / 1e3, itl_target_s=args.itl_ms / 1e3,
                         mfu=args.mfu) if args.disagg else None
+        tp = None
+        if args.tensor_parallel_size is not None:
+            n = args.tensor_parallel_size
+            sizes = tuple(sorted({1, n} | {k for k in (2, 4, 8, 16, 32) if k < n}))
+            tp = plan_tp(model, device, p, sizes)
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({**p.to_json(), **({"disagg": d.to_json()} if d else {})}, indent=2))
+        extra = {**({"disagg": d.to_json()} if d else {}),
+                 **({"tensor_parallel": [dataclasses.asdict(r) for r in tp]} if tp else {})}
+        print(json.dumps({**p.to_json(), **extra}, indent=2))
     else:
-        print(format_plan(p) + (f"\n{format_disagg(d, device)}" if d else ""))
+        print(format_plan(p) + (f"\n{format_disagg(d, device)}" if d else "") + (f"\n{format_tp(tp, device)}" if tp else ""))
     if args.plot:
         try:
             plot_plan(p, args.plot)

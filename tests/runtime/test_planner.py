@@ -236,3 +236,35 @@ def test_cli_disagg_table_and_json(capsys):
     args.json = True
     assert run_plan(args) == 0
     assert json.loads(capsys.readouterr().out)["disagg"]["prefill_devices"] == 2
+
+
+def test_tensor_parallel_table_splits_weights_and_kv_and_adds_allreduces():
+    from runtime.planner import allreduce_s, plan_tp
+
+    model, dev = MODELS["llama-3-70b"], DEVICES["h100"]
+    p = plan(model, dev, context_len=1000)
+    rows = {r.tensor_parallel: r for r in plan_tp(model, dev, p, (1, 2, 4, 8, 16, 3))}
+    assert rows[1].b_max == 0 and rows[1].allreduce_b1_s == 0          # 141 GB of bf16 weights: not on one H100
+    assert rows[2].weight_bytes_per_device == p.weight_bytes / 2 and rows[2].b_max > 0
+    assert rows[8].kv_bytes_per_token_per_device == p.kv_bytes_per_token / 8 and rows[8].kv_heads_per_device == 1
+    assert rows[16].kv_heads_per_device == 1 and rows[16].shards      # 8 KV heads replicated twice
+    assert rows[16].kv_bytes_per_token_per_device == rows[8].kv_bytes_per_token_per_device
+    assert not rows[3].shards                                          # 64 heads do not split in 3
+    # one all-reduce of a batch-1 bf16 hidden vector over 8 devices, 2 per layer
+    one = dev.allreduce_latency_s + 2 * 7 / 8 * (model.hidden_size * 2) / dev.link_bytes_per_s
+    assert allreduce_s(model.hidden_size * 2, 8, dev) == pytest.approx(one)
+    assert rows[8].allreduce_b1_s == pytest.approx(2 * model.num_layers * one)
+    assert rows[8].step_b1_s == pytest.approx(p.weight_bytes / 8 / dev.bandwidth_bytes_per_s
+                                              + p.kv_bytes_per_seq / 8 / dev.bandwidth_bytes_per_s + rows[8].allreduce_b1_s)
+    assert rows[4].step_b1_s < rows[2].step_b1_s and rows[4].b_max > rows[2].b_max
+
+
+def test_cli_tensor_parallel_table(capsys):
+    from runtime.planner import run_plan
+
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    assert run_plan(parser.parse_args(["--model", "llama-3-70b", "--device", "h200", "--tensor-parallel-size", "8"])) == 0
+    out = capsys.readouterr().out
+    assert "Tensor parallel on h200" in out
+    assert [line.split()[0] for line in out.splitlines()[-4:]] == ["1", "2", "4", "8"]
