@@ -236,6 +236,29 @@ class StateStore:
                          (time.time(), who, action, json.dumps(detail, sort_keys=True)))
         return int(cur.lastrowid)
 
+    def _add_secret(self, table: str, kind: str, name: str, prefix: str, secret_bytes: int,
+                    columns: dict[str, Any], who: str, why_unique: str) -> str:
+        """A new row holding only the salted hash of a fresh `<prefix>_<id>_<secret>` token,
+        audited in the same transaction; returns the token."""
+        pid, salt = secrets.token_hex(6), secrets.token_bytes(16)
+        token = f"{prefix}_{pid}_{secrets.token_urlsafe(secret_bytes)}"
+        cols = {"name": name, "public_id": pid, "salt": salt, "hash": _hash(token, salt), **columns,
+                "created": time.time()}
+        with self._write() as db:
+            if db.execute(f"SELECT 1 FROM {table} WHERE name = ?", (name,)).fetchone():
+                raise StateError(f"{kind} {name!r} already exists (names are never reused: {why_unique})")
+            db.execute(f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                       tuple(cols.values()))
+            self._audit(db, who, f"add_{kind}", {"name": name, **columns})
+        return token
+
+    def _revoke(self, table: str, kind: str, name: str, who: str) -> None:
+        with self._write() as db:
+            cur = db.execute(f"UPDATE {table} SET revoked = ? WHERE name = ? AND revoked IS NULL", (time.time(), name))
+            if cur.rowcount != 1:
+                raise StateError(f"{kind} {name!r}: no such active {kind}")
+            self._audit(db, who, f"revoke_{kind}", {"name": name})
+
     # --- audit log ----------------------------------------------------------------------------
     def record(self, who: str, action: str, **detail: Any) -> int:
         with self._write() as db:
@@ -292,16 +315,8 @@ class StateStore:
             raise StateError(f"operator name {BOOTSTRAP!r} is reserved for the --admin-token operator")
         if role not in ROLES:
             raise StateError(f"--role: must be one of {', '.join(ROLES)}, got {role!r}")
-        pid, salt = secrets.token_hex(6), secrets.token_bytes(16)
-        token = f"pjo_{pid}_{secrets.token_urlsafe(24)}"
-        with self._write() as db:
-            if db.execute("SELECT 1 FROM operators WHERE name = ?", (name,)).fetchone():
-                raise StateError(f"operator {name!r} already exists (names are never reused: the audit log "
-                                 "refers to them)")
-            db.execute("INSERT INTO operators (name, public_id, role, salt, hash, created) VALUES (?, ?, ?, ?, ?, ?)",
-                       (name, pid, role, salt, _hash(token, salt), time.time()))
-            self._audit(db, who, "add_operator", {"name": name, "role": role})
-        return token
+        return self._add_secret("operators", "operator", name, "pjo", 24, {"role": role}, who,
+                                "the audit log refers to them")
 
     def operators(self) -> list[Operator]:
         return [Operator(*r) for r in self._read("SELECT name, role, created, revoked FROM operators ORDER BY created")]
@@ -324,11 +339,7 @@ class StateStore:
     def revoke_operator(self, name: str, who: str = "cli") -> None:
         if name == BOOTSTRAP:
             raise StateError(f"{BOOTSTRAP!r} is the --admin-token operator: restart without that token to end it")
-        with self._write() as db:
-            cur = db.execute("UPDATE operators SET revoked = ? WHERE name = ? AND revoked IS NULL", (time.time(), name))
-            if cur.rowcount != 1:
-                raise StateError(f"operator {name!r}: no such active operator")
-            self._audit(db, who, "revoke_operator", {"name": name})
+        self._revoke("operators", "operator", name, who)
 
     # --- API keys -------------------------------------------------------------------------------------
     def add_key(self, name: str, *, rpm: int | None = None, tpm: int | None = None,
@@ -337,17 +348,8 @@ class StateStore:
         check_name("key", name)
         limits = {"rpm": check_limit("--rpm", rpm), "tpm": check_limit("--tpm", tpm),
                   "max_concurrent": check_limit("--max-concurrent", max_concurrent)}
-        pid, salt = secrets.token_hex(6), secrets.token_bytes(16)
-        key = f"pjk_{pid}_{secrets.token_urlsafe(32)}"
-        with self._write() as db:
-            if db.execute("SELECT 1 FROM api_keys WHERE name = ?", (name,)).fetchone():
-                raise StateError(f"key {name!r} already exists (names are never reused: usage and the audit log "
-                                 "refer to them)")
-            db.execute("INSERT INTO api_keys (name, public_id, salt, hash, rpm, tpm, max_concurrent, created) "
-                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (name, pid, salt, _hash(key, salt), rpm, tpm,
-                                                           max_concurrent, time.time()))
-            self._audit(db, who, "add_key", {"name": name, **limits})
-        return key
+        return self._add_secret("api_keys", "key", name, "pjk", 32, limits, who,
+                                "usage and the audit log refer to them")
 
     _KEY_COLS = ("name, public_id, rpm, tpm, max_concurrent, created, revoked, requests, rejected, "
                  "prompt_tokens, completion_tokens")
@@ -377,11 +379,7 @@ class StateStore:
         return ApiKey(*row[:-2])
 
     def revoke_key(self, name: str, who: str = "cli") -> None:
-        with self._write() as db:
-            cur = db.execute("UPDATE api_keys SET revoked = ? WHERE name = ? AND revoked IS NULL", (time.time(), name))
-            if cur.rowcount != 1:
-                raise StateError(f"key {name!r}: no such active key")
-            self._audit(db, who, "revoke_key", {"name": name})
+        self._revoke("api_keys", "key", name, who)
 
     def add_usage(self, usage: dict[str, tuple[int, int, int, int]]) -> None:
         """Per key: (requests, rejected, prompt tokens, completion tokens) to add, in one transaction."""
