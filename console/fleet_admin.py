@@ -54,7 +54,9 @@ def fleet_ctx(client: Any, **extra: Any) -> dict[str, Any]:
                      "cached_pct": st.cached_blocks / st.num_blocks if st.num_blocks else 0.0,
                      "resident": snap.resident_blocks.get(st.replica, 0)})
     when = lambda t: time.strftime("%H:%M:%S", time.localtime(t))  # noqa: E731
-    return {"snap": snap, "rows": rows, "when": when, "policy_fields": POLICY_FIELDS,
+    # Disaggregated prefill/decode: each replica's pool and its KV transfers in the table.
+    disagg = any(st.role != "engine" for st in snap.replicas)
+    return {"snap": snap, "rows": rows, "when": when, "disagg": disagg, "policy_fields": POLICY_FIELDS,
             "autoscale_fields": AUTOSCALE_FIELDS, "errors": {}, "values": {}, "saved": None, **extra}
 
 

@@ -30,6 +30,7 @@ from runtime.scheduler import Overloaded
 log = logging.getLogger("pagedjax.fleet")
 
 REPLICA_FAILED = "replica_failed"
+KV_TRANSFER_FAILED = "kv_transfer_failed"  # disaggregated: a transfer failed twice (console/api.py: 503)
 
 
 def _is_replica_death(exc: BaseException) -> bool:
@@ -98,13 +99,23 @@ class FleetSnapshot:
     autoscale: dict[str, Any] | None       # knobs, or None when the replica count is fixed
 
 
+class _StageFailed(Exception):
+    """One stage of a disaggregated request's transfer failed (the message names it)."""
+
+
 class FleetClient:
     def __init__(self, handle: Any, hub: Any, tokenizer: Any, vocab_size: int, max_model_len: int,
                  context_limit: int, block_size: int, *, queue_cap: int = 256, queue_timeout_s: float = 30.0,
                  pull_s: float = 0.1, view: FleetView = VIEW, policy: Any = None, envelope: Any = None,
                  autoscale: dict[str, Any] | None = None,
-                 rescale: Callable[[dict[str, Any]], None] | None = None, route_at_gateway: bool = True) -> None:
+                 rescale: Callable[[dict[str, Any]], None] | None = None, route_at_gateway: bool = True,
+                 pools: dict[str, Any] | None = None) -> None:
         self.handle, self.hub, self.view = handle, hub, view
+        # Disaggregated prefill/decode: {"prefill": handle, "decode": handle} (else None:
+        # colocated, every request goes through `handle`).
+        self.pools = pools
+        self.kv_transfer_retries = 0   # transfers that failed and were tried again
+        self.kv_transfer_failed = 0    # requests failed after the retry
         self.policy, self.envelope = policy, envelope  # the fleet-wide admission policy (console form)
         self.autoscale, self._rescale = autoscale, rescale
         # False with Ray's default router (benchmark baseline): no routing or fleet
@@ -247,6 +258,8 @@ class FleetClient:
         if not prompt_ids:
             raise ValueError("prompt: must contain at least one token")
         req = self.route_request(prompt_ids, params, cache_salt)
+        if self.pools is not None:
+            return await self._asubmit_disagg(prompt_ids, params, request_id, priority, cache_salt, req)
         hint = await self._admit(request_id, req)
         payload = {"prompt_ids": [int(t) for t in prompt_ids], "params": params, "request_id": request_id,
                    "priority": priority, "cache_salt": cache_salt, "replica_hint": hint,
@@ -280,6 +293,146 @@ class FleetClient:
         task = asyncio.ensure_future(self._forward(request_id, first["accepted"], gen, queue))
         self._streams[request_id] = (gen, task)
         return request_id, queue
+
+    # --- disaggregated prefill/decode ----------------------------------------------------------
+    def _pool(self, role: str) -> list[ReplicaStats]:
+        return [s for s in self.view.live() if s.role == role and not s.draining]
+
+    async def _reserve(self, request_id: str, req: RouteRequest, payload: dict[str, Any]) -> dict[str, Any]:
+        """A reservation on some decode replica, most free blocks first; while none has
+        room the request waits in the fleet queue (nothing is prefilled meanwhile)."""
+        async def attempt() -> tuple[dict[str, Any] | None, str]:
+            why = []
+            pending = self.view.pending()
+            for st in sorted(self._pool("decode"), key=lambda s: (-(s.headroom_blocks - pending.get(s.replica,
+                                                                                                   (0, 0))[0]),
+                                                                  s.replica)):
+                ans = await self.pools["decode"].reserve.remote({**payload, "replica_hint": st.replica})
+                if "invalid" in ans:
+                    raise ValueError(ans["invalid"])
+                if "reservation_id" in ans:
+                    return ans, ""
+                why.append(f"{st.replica}: {ans['no_room']}")
+            return None, "; ".join(why) or "no decode replica is reporting"
+
+        got, why = await attempt()
+        if got is not None:
+            return got
+        if self.queued >= self.queue_cap:
+            self.rejected += 1
+            raise Overloaded("fleet_full", f"no decode replica can reserve the request's blocks ({why}) and the "
+                                           f"fleet queue is full ({self.queued} waiting)")
+        self.queued += 1
+        self.queued_tokens += req.prompt_tokens + req.max_tokens
+        try:
+            deadline = time.monotonic() + self.queue_timeout_s
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                if not self.accepting:
+                    raise Overloaded("draining", "the fleet is draining")
+                got, why = await attempt()
+                if got is not None:
+                    return got
+            self.rejected += 1
+            raise Overloaded("fleet_full", f"no decode replica could reserve the request's blocks within "
+                                           f"{self.queue_timeout_s:.0f} s ({why})")
+        finally:
+            self.queued -= 1
+            self.queued_tokens -= req.prompt_tokens + req.max_tokens
+
+    def _pick_prefill(self, request_id: str, req: RouteRequest) -> str | None:
+        """The prefill replica by the fleet policy (longest cached prefix, then most free
+        blocks); one with no room still takes it (its own queue), most headroom first."""
+        names = {s.replica for s in self._pool("prefill")}
+        if not names:
+            return None
+        pre = RouteRequest(req.block_hashes, req.prompt_tokens, 1)  # it computes the prompt and one token
+        d = self.view.decide(pre, names)
+        if d.replica is None:
+            from runtime.fleet.policy import Decision
+
+            best = max(self._pool("prefill"), key=lambda s: (s.headroom_blocks, s.replica))
+            d = Decision(best.replica, "tie", 0, d.skipped)
+        self.view.note_routed(request_id, pre, d)
+        return d.replica
+
+    async def _asubmit_disagg(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
+                              priority: str, cache_salt: str | None, req: RouteRequest
+                              ) -> tuple[str, asyncio.Queue]:
+        """Reserve on a decode replica, then prefill + export on a prefill replica, then
+        receive + import + generate on the reserved decode replica, streamed like a
+        colocated request. A failed or timed-out transfer frees both sides and is tried
+        once more (a new reservation); then the request ends with kv_transfer_failed."""
+        base = {"prompt_ids": [int(t) for t in prompt_ids], "params": params, "request_id": request_id,
+                "priority": priority, "cache_salt": cache_salt}
+        errors: list[str] = []
+        for attempt in (1, 2):
+            res = await self._reserve(request_id, req, base)  # Overloaded / ValueError: nothing held anywhere
+            dec, pre, sent, gen = res["replica"], None, None, None
+            try:
+                if res["num_transfer"]:
+                    pre = self._pick_prefill(f"{request_id}/prefill{attempt}", req)
+                    if pre is None:
+                        raise _StageFailed("prefill: no prefill replica is reporting")
+                    try:
+                        out = await self.pools["prefill"].prefill_export.remote(
+                            {**base, "request_id": f"{request_id}/prefill{attempt}", "replica_hint": pre,
+                             "skip_blocks": res["skip_blocks"]})
+                    except Exception as exc:  # noqa: BLE001 -- the replica died or Ray failed the call
+                        raise _StageFailed(f"prefill on replica {pre}: {type(exc).__name__}") from None
+                    if "error" in out:
+                        raise _StageFailed(out["error"])
+                    sent = out["handle"]
+                gen = self.pools["decode"].options(stream=True).import_and_generate.remote(
+                    {**base, "replica_hint": dec, "reservation_id": res["reservation_id"], "handle": sent})
+                try:
+                    first = await gen.__anext__()
+                except asyncio.CancelledError:
+                    gen.cancel()
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    raise _StageFailed(f"import on decode replica {dec}: {type(exc).__name__}") from None
+                res = None  # the decode replica owns (or released) the reservation now
+            except _StageFailed as exc:
+                errors.append(str(exc))
+                log.warning("request %s: KV transfer attempt %d failed: %s", request_id, attempt, exc)
+                if attempt == 1:
+                    self.kv_transfer_retries += 1
+                continue
+            finally:
+                if res is not None:  # released on every path that did not hand it over
+                    asyncio.ensure_future(self._quiet(self.pools["decode"].release.remote(
+                        {"replica_hint": dec, "reservation_id": res["reservation_id"]})))
+                if sent is not None:
+                    asyncio.ensure_future(self._quiet(self.pools["prefill"].drop.remote(
+                        {"replica_hint": pre, "handle": sent})))
+            if first.get("rejected") == "transfer":
+                errors.append(first["message"])
+                log.warning("request %s: KV transfer attempt %d failed: %s", request_id, attempt, first["message"])
+                if attempt == 1:
+                    self.kv_transfer_retries += 1
+                continue
+            if "rejected" in first:
+                if first["rejected"] == "overloaded":
+                    raise Overloaded(first.get("reason", "overloaded"), first["message"])
+                raise ValueError(first["message"])
+            queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            task = asyncio.ensure_future(self._forward(request_id, first["accepted"], gen, queue))
+            self._streams[request_id] = (gen, task)
+            return request_id, queue
+        self.kv_transfer_failed += 1
+        queue = asyncio.Queue()
+        queue.put_nowait(RequestOutput(request_id, [], "", finished=True, finish_reason="error",
+                                       error=f"{KV_TRANSFER_FAILED}: the KV transfer failed twice "
+                                             f"({' / then: '.join(errors)})"))
+        return request_id, queue
+
+    @staticmethod
+    async def _quiet(ref: Any) -> None:
+        try:
+            await ref
+        except Exception as exc:  # noqa: BLE001 -- the replica is gone; its TTL covers the rest
+            log.warning("disaggregated clean-up call failed: %s", type(exc).__name__)
 
     async def _forward(self, rid: str, replica: str, gen: Any, queue: asyncio.Queue) -> None:
         finished = False
@@ -383,4 +536,15 @@ class FleetClient:
             *(f'pagedjax:fleet_routing_decisions_total{{reason="{r}"}} {n}'
               for r, n in sorted(self.view.reasons.items())),
         ]
+        if self.pools is not None:
+            lines += [
+                "# HELP pagedjax:fleet_replica_role Each replica's pool (disaggregated prefill/decode)",
+                "# TYPE pagedjax:fleet_replica_role gauge",
+                *(f'pagedjax:fleet_replica_role{{replica="{s.replica}",role="{s.role}"}} 1' for s in live),
+                "# HELP pagedjax:fleet_kv_transfer_retries KV transfers that failed and were tried again",
+                "# TYPE pagedjax:fleet_kv_transfer_retries counter",
+                f"pagedjax:fleet_kv_transfer_retries_total {self.kv_transfer_retries}",
+                "# HELP pagedjax:fleet_kv_transfer_failed Requests failed because their KV transfer failed twice",
+                "# TYPE pagedjax:fleet_kv_transfer_failed counter",
+                f"pagedjax:fleet_kv_transfer_failed_total {self.kv_transfer_failed}"]
         return relabel_metrics(self._metrics) + ("\n".join(lines) + "\n").encode()

@@ -45,6 +45,13 @@ class ReplicaStats:
     # Requests the engine took in the last seconds: the router stops counting its own note
     # of a routed request once the replica's stats include it (then it is in free_blocks).
     recent_requests: tuple[str, ...] = ()
+    # Disaggregated serving (--prefill-replicas/--decode-replicas): the pool, and the KV
+    # transfers this replica exported (prefill) or imported (decode).
+    role: str = "engine"        # engine (colocated) | prefill | decode
+    kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_ms: float = 0.0  # mean per transfer: export, or receive + import
+    kv_transfer_failures: int = 0
 
     @property
     def headroom_blocks(self) -> int:

@@ -29,6 +29,14 @@ log = logging.getLogger("pagedjax.fleet.replica")
 HUB_NAME = "pagedjax-fleet-hub"
 RECENT_S = 10.0  # how long a taken request id stays in the stats
 NAMESPACE = "pagedjax"
+# Disaggregated mode: a decode replica releases a reservation never imported after this
+# long, a prefill replica drops a sent KV object never dropped by the gateway (a gateway
+# that crashed between the steps must not leak blocks or object-store memory).
+RESERVATION_TTL_S = 30.0
+TRANSFER_TIMEOUT_S = 10.0
+# Test hook: a file holding a number N makes the prefill replica's next N sends fail
+# (tests/fleet/test_fleet_disagg.py plants a transfer failure this way).
+FAULT_FILE_ENV = "PAGEDJAX_FAULT_KV_SEND_FILE"
 
 
 def pin_cpus(threads: int, rank: int) -> list[int] | None:
@@ -42,8 +50,21 @@ def pin_cpus(threads: int, rank: int) -> list[int] | None:
     return mine
 
 
+def _transfer_totals(engine: Any, role: str) -> dict[str, Any]:
+    """A disaggregated replica's transfers for the fleet page: prefill replicas count what
+    they exported, decode replicas what they imported (receive + import time)."""
+    get = engine.metrics.registry.get_sample_value
+    direction, stages = ("out", ("export",)) if role == "prefill" else ("in", ("transfer", "import"))
+    count = get("pagedjax:kv_transfer_seconds_count", {"stage": stages[-1]}) or 0.0
+    secs = sum(get("pagedjax:kv_transfer_seconds_sum", {"stage": st}) or 0.0 for st in stages)
+    return {"role": role, "kv_transfers": int(count),
+            "kv_transfer_bytes": int(get("pagedjax:kv_transfer_bytes_total", {"direction": direction}) or 0),
+            "kv_transfer_ms": 1000.0 * secs / count if count else 0.0,
+            "kv_transfer_failures": int(get("pagedjax:kv_transfer_failures_total", {}) or 0)}
+
+
 def replica_stats(engine: Any, name: str, draining: bool = False, window_s: float = 10.0,
-                  node: str = "", recent: tuple[str, ...] = ()) -> ReplicaStats:
+                  node: str = "", recent: tuple[str, ...] = (), role: str = "engine") -> ReplicaStats:
     """The routing view of one engine (caller need not hold the lock). `free_blocks` is what
     a new request could still get: allocatable blocks less what is already promised, i.e.
     the growth reserved for running requests (reserve mode) and what the waiting ones need,
@@ -68,7 +89,7 @@ def replica_stats(engine: Any, name: str, draining: bool = False, window_s: floa
             cached_blocks=pool.num_cached_blocks, used_blocks=pool.num_used_blocks,
             prefix_hit_rate=c.prefix_hits / c.prefix_queries if c.prefix_queries else 0.0,
             queued_tokens=queued, time=time.time(), draining=draining, pid=os.getpid(), node=node,
-            recent_requests=recent)
+            recent_requests=recent, **(_transfer_totals(engine, role) if role != "engine" else {}))
 
 
 class EngineReplica:
@@ -83,6 +104,10 @@ class EngineReplica:
 
         self.node = ray.get_runtime_context().get_node_id()[:8]
         rank = getattr(getattr(ctx, "rank", None), "local_rank", 0) or 0
+        # Disaggregated: "prefill" or "decode" (each its own deployment; the decode pool's
+        # ranks start after the prefill pool's, so the two do not pin the same cores).
+        self.role = spec.get("role", "engine")
+        rank += int(spec.get("rank_offset", 0))
         self.cpus = pin_cpus(int(spec.get("threads", 0)), rank)
         from runtime.jax_setup import quiet_libraries
 
@@ -112,6 +137,13 @@ class EngineReplica:
         self.zmq_pub, self.zmq_seq, self.zmq_endpoint = None, 0, None
         if spec.get("kv_events_endpoint"):
             self._bind_zmq(spec["kv_events_endpoint"], rank, spec.get("kv_events_topic", ""))
+        if self.role != "engine":
+            from runtime.kv_transfer import RayConnector
+
+            self.connector = RayConnector()
+            self.reservations: dict[str, tuple[Any, float]] = {}  # id -> (Reservation, expiry)
+            self.sent: dict[Any, tuple[Any, float]] = {}          # ObjectRef -> (handle, expiry)
+            self.transfer_timeout_s = float(spec.get("transfer_timeout_s", TRANSFER_TIMEOUT_S))
         self._pump = asyncio.get_event_loop().create_task(self._report_loop())
         log.info("replica %s ready on cpus %s in %.1f s", self.name, self.cpus, time.monotonic() - t0)
 
@@ -160,6 +192,10 @@ class EngineReplica:
             return
         self.recent.append((time.monotonic(), rid))
         yield {"accepted": self.name}
+        async for outs in self._outputs(rid, queue):
+            yield outs
+
+    async def _outputs(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[Any]:
         finished = False
         try:
             while not finished:
@@ -172,13 +208,160 @@ class EngineReplica:
             if not finished:
                 self.engine.abort(rid)
 
+    # --- disaggregated prefill/decode (runtime/disagg.py: reserve, then transfer) -------------
+    # Every call carries {"replica_hint": <this replica>}: the router pins it here (the
+    # reservation or the KV object lives on this replica only).
+    async def reserve(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Decode side: pin the request's blocks -> {"reservation_id", "skip_blocks",
+        "num_transfer"}, or {"no_room": why} (nothing changed), or {"invalid": why}."""
+        import uuid
+
+        from runtime.disagg import NoRoom
+
+        if self.draining:
+            return {"no_room": f"decode replica {self.name} is draining"}
+        try:
+            res = await asyncio.to_thread(self.llm.reserve, req["prompt_ids"], req["params"],
+                                          cache_salt=req.get("cache_salt"))
+        except NoRoom as exc:
+            return {"no_room": str(exc)}
+        except ValueError as exc:
+            return {"invalid": str(exc)}
+        rid = uuid.uuid4().hex
+        self.reservations[rid] = (res, time.monotonic() + RESERVATION_TTL_S)
+        return {"replica": self.name, "reservation_id": rid, "skip_blocks": res.skip_blocks,
+                "num_transfer": res.num_transfer}
+
+    async def release(self, req: dict[str, Any]) -> bool:
+        """Decode side: free a reservation that will not be used (unknown ids: a no-op)."""
+        entry = self.reservations.pop(req["reservation_id"], None)
+        if entry is not None:
+            await asyncio.to_thread(self.llm.release, entry[0])
+        return entry is not None
+
+    async def import_and_generate(self, req: dict[str, Any]) -> AsyncIterator[Any]:
+        """Decode side: receive the KV (req["handle"]: [RayHandle] or None when nothing
+        travels), import it into the reservation, add the request with it and stream as
+        `generate` does. A failed transfer releases the reservation and answers
+        {"rejected": "transfer", ...} (the gateway retries with a new one)."""
+        from runtime.kv_transfer import TransferError
+        from runtime.scheduler import Overloaded
+
+        entry = self.reservations.pop(req["reservation_id"], None)
+        if entry is None:
+            yield {"rejected": "transfer", "message": f"decode replica {self.name}: reservation expired or unknown"}
+            return
+        res = entry[0]
+        try:
+            if req.get("handle"):
+                t0 = time.perf_counter()
+                blocks = await asyncio.to_thread(self.connector.recv, req["handle"][0], self.transfer_timeout_s)
+                self.llm.metrics.kv_transfer_seconds.labels("transfer").observe(time.perf_counter() - t0)
+                await asyncio.to_thread(self.llm.import_kv, res, blocks)
+            rid, queue = await self.engine.asubmit(req["prompt_ids"], req["params"], request_id=req["request_id"],
+                                                   priority=req.get("priority", "interactive"),
+                                                   cache_salt=req.get("cache_salt"), reservation=res)
+        except TransferError as exc:
+            self.llm.metrics.kv_transfer_failures.inc()
+            await asyncio.to_thread(self.llm.release, res)
+            yield {"rejected": "transfer", "message": f"receive/import on decode replica {self.name}: {exc}"}
+            return
+        except Overloaded as exc:
+            await asyncio.to_thread(self.llm.release, res)
+            yield {"rejected": "overloaded", "reason": exc.reason, "message": str(exc)}
+            return
+        except ValueError as exc:
+            await asyncio.to_thread(self.llm.release, res)
+            yield {"rejected": "invalid", "message": str(exc)}
+            return
+        self.recent.append((time.monotonic(), rid))
+        yield {"accepted": self.name}
+        async for outs in self._outputs(rid, queue):
+            yield outs
+
+    async def prefill_export(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Prefill side: run the prompt (max_tokens=1) through this engine's loop, copy its
+        blocks from skip_blocks on out of the prefix cache, send them -> {"handle":
+        [RayHandle], "nbytes"} or {"error": why}. The export runs in the output callback,
+        on the engine thread right after the step that finished the prompt: no later step
+        can have evicted its blocks yet."""
+        from runtime.sampling import SamplingParams
+
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        ids, skip, salt = req["prompt_ids"], int(req["skip_blocks"]), req.get("cache_salt")
+
+        def on_output(out: Any) -> None:  # the engine thread
+            if not out.finished:
+                return
+            try:
+                if out.finish_reason == "error":
+                    raise RuntimeError(out.error or "the prefill step failed")
+                result: Any = self.llm.export_kv(ids, skip, cache_salt=salt)
+            except Exception as exc:  # noqa: BLE001 -- answered to the gateway, which retries
+                result = exc
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        try:
+            pre = self.llm.add_request(ids, params, request_id=req["request_id"], cache_salt=salt,
+                                       priority=req.get("priority", "interactive"), on_output=on_output)
+        except Exception as exc:  # noqa: BLE001 -- Overloaded / ValueError
+            return {"error": f"prefill replica {self.name}: {exc}"}
+        self.engine._wake.set()  # (AsyncEngine.submit's wake-up; its own callback is not wanted here)
+        self.recent.append((time.monotonic(), pre.request_id))
+        try:
+            blocks = await done
+        except asyncio.CancelledError:
+            self.engine.abort(pre.request_id)
+            raise
+        if isinstance(blocks, Exception):
+            return {"error": f"prefill/export on prefill replica {self.name}: {blocks}"}
+        try:
+            self._planted_fault()
+            handle = await asyncio.to_thread(self.connector.send, req["request_id"], blocks)
+        except Exception as exc:  # noqa: BLE001
+            return {"error": f"send from prefill replica {self.name}: {exc}"}
+        self.sent[handle.ref] = (handle, time.monotonic() + RESERVATION_TTL_S)
+        return {"handle": [handle], "nbytes": blocks.nbytes, "replica": self.name}
+
+    async def drop(self, req: dict[str, Any]) -> None:
+        """Prefill side: the gateway is done with a sent KV object (imported or failed)."""
+        for h in req.get("handle") or ():
+            self.sent.pop(h.ref, None)
+            self.connector.drop(h)
+
+    def _planted_fault(self) -> None:
+        path = os.environ.get(FAULT_FILE_ENV)
+        if not path or not os.path.exists(path):
+            return
+        with open(path) as f:
+            n = int(f.read().strip() or 0)
+        if n > 0:
+            with open(path, "w") as f:
+                f.write(str(n - 1))
+            from runtime.kv_transfer import TransferError
+
+            raise TransferError(f"planted fault ({FAULT_FILE_ENV})")
+
+    def _expire(self) -> None:
+        """Reservations never imported and KV objects never dropped, past their TTL."""
+        now = time.monotonic()
+        for rid in [r for r, (_, t) in self.reservations.items() if t < now]:
+            res, _ = self.reservations.pop(rid)
+            log.warning("reservation %s expired unused: releasing its %d blocks", rid, len(res.block_ids))
+            self.llm.release(res)
+        for ref in [r for r, (_, t) in self.sent.items() if t < now]:
+            handle, _ = self.sent.pop(ref)
+            self.connector.drop(handle)
+
     # --- what the router, the autoscaler and the hub read -------------------------------------
     def stats(self) -> ReplicaStats:
         cutoff = time.monotonic() - RECENT_S
         while self.recent and self.recent[0][0] < cutoff:
             self.recent.popleft()
         return replica_stats(self.llm, self.name, self.draining, node=self.node,
-                             recent=tuple(r for _, r in self.recent))
+                             recent=tuple(r for _, r in self.recent), role=self.role)
 
     def record_routing_stats(self) -> dict[str, Any]:
         return self.stats().to_dict()
@@ -216,6 +399,8 @@ class EngineReplica:
         n, backlog = 0, []  # raw events the hub has not acknowledged yet
         while True:
             try:
+                if self.role != "engine":
+                    self._expire()
                 with self.llm.lock:
                     raw = self.llm.pool.take_events()
                 if raw and self.zmq_pub is not None:

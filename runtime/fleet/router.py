@@ -150,6 +150,11 @@ def _route_request(pending_request: Any) -> tuple[str, RouteRequest, str | None]
                                                          r["max_tokens"]), payload.get("replica_hint"))
 
 
+def _pinned(pending_request: Any) -> str | None:
+    args = getattr(pending_request, "args", None) or ()
+    return args[0].get("replica_hint") if args and isinstance(args[0], dict) else None
+
+
 def choose(candidate_replicas: list, pending_request: Any = None) -> list[list]:
     """The body of PrefixAwareRouter.choose_replicas: ranks of Ray's RunningReplica."""
     if not candidate_replicas:
@@ -160,8 +165,13 @@ def choose(candidate_replicas: list, pending_request: Any = None) -> list[list]:
         if st and "replica" in st:
             VIEW.update_stats(ReplicaStats.from_dict(st))
     parsed = _route_request(pending_request)
-    if parsed is None:  # not a generate call: any replica will do
-        return [candidate_replicas]
+    if parsed is None:
+        # Disaggregated calls (reserve, prefill_export, import_and_generate, ...) name the
+        # replica the gateway chose: a reservation or a KV object lives on that one only.
+        hint = _pinned(pending_request)
+        if hint in by_name:
+            return [[by_name[hint]]]
+        return [candidate_replicas]  # not a generate call: any replica will do
     request_id, req, hint = parsed
     if hint in by_name:  # the gateway's admission check already decided (and reserved) it
         rest = [r for n, r in by_name.items() if n != hint]

@@ -24,6 +24,8 @@ log = logging.getLogger("pagedjax.fleet")
 
 APP_NAME = "pagedjax"
 DEPLOYMENT = "engine"
+# Disaggregated mode: one application (and deployment) per pool, same replica class.
+POOLS = ("prefill", "decode")
 
 
 def add_fleet_parser(sub: Any) -> None:
@@ -37,7 +39,14 @@ def add_fleet_parser(sub: Any) -> None:
                                     "replicas on Ray Serve, routed by longest cached prefix, then most free blocks.")
     add_server_arguments(s)
     g = s.add_argument_group("fleet")
-    g.add_argument("--replicas", type=int, default=2, help="replicas at start (default 2)")
+    g.add_argument("--replicas", type=int, default=None, help="replicas at start (default 2)")
+    g.add_argument("--prefill-replicas", type=int, default=0,
+                   help="disaggregated prefill/decode: replicas that only run prompts and ship their KV "
+                        "(with --decode-replicas; default 0: colocated)")
+    g.add_argument("--decode-replicas", type=int, default=0,
+                   help="disaggregated prefill/decode: replicas that reserve blocks, receive the KV and generate")
+    g.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                   help="disaggregated: seconds a decode replica waits for a prompt's KV before the transfer fails")
     g.add_argument("--address", default=None,
                    help="join this Ray cluster (default: $RAY_ADDRESS, else start a local Ray instance)")
     g.add_argument("--threads-per-replica", type=int, default=0,
@@ -75,11 +84,15 @@ def _one_line(exc: BaseException) -> str:
     return (errs[-1] if errs else (lines[-1] if lines else type(exc).__name__))[:400]
 
 
-def deployment_options(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+def disaggregated(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "prefill_replicas", 0) or getattr(args, "decode_replicas", 0))
+
+
+def deployment_options(args: argparse.Namespace, threads: int, pool: str | None = None) -> dict[str, Any]:
     from ray.serve.config import RequestRouterConfig
 
     opts: dict[str, Any] = {
-        "name": DEPLOYMENT,
+        "name": pool or DEPLOYMENT,
         "max_ongoing_requests": 100_000,    # the engine queues and admits; Ray must not hold requests back
         "ray_actor_options": {"num_cpus": threads or 1},
         "graceful_shutdown_timeout_s": args.drain_timeout,
@@ -94,6 +107,9 @@ def deployment_options(args: argparse.Namespace, threads: int) -> dict[str, Any]
             request_router_class=PrefixAwareRouter,
             request_router_kwargs={"imbalance": args.imbalance},
             request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5.0)
+    if pool is not None:  # a disaggregated pool: fixed size
+        opts["num_replicas"] = args.prefill_replicas if pool == "prefill" else args.decode_replicas
+        return opts
     lo = args.min_replicas or args.replicas
     hi = args.max_replicas or args.replicas
     if hi > lo:
@@ -120,6 +136,7 @@ class Fleet:
         self.args, self.checkpoint = args, checkpoint
         self.hub: Any = None
         self.handle: Any = None
+        self.pools: dict[str, Any] = {}  # disaggregated: pool -> its deployment handle
         self.spec: dict[str, Any] = {}
         self.threads = 0
         self.joined = False
@@ -134,8 +151,8 @@ class Fleet:
         a = self.args
         address = a.address or os.environ.get("RAY_ADDRESS") or None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = a.threads_per_replica or (max(1, cores // max(1, a.max_replicas or a.replicas)) if not address
-                                            else 0)
+        total = a.prefill_replicas + a.decode_replicas if disaggregated(a) else (a.max_replicas or a.replicas)
+        threads = a.threads_per_replica or (max(1, cores // max(1, total)) if not address else 0)
         env = {k: v for k, v in os.environ.items() if k.startswith(("PAGEDJAX_", "XLA_", "JAX_"))}
         self.joined = bool(address)
         if address:
@@ -146,7 +163,7 @@ class Fleet:
                                    f"authentication set RAY_AUTH_TOKEN to the cluster's token, or use --address auto "
                                    f"on one of its nodes") from None
         else:
-            ray.init(num_cpus=max(cores, (a.max_replicas or a.replicas) * max(threads, 1)), namespace=NAMESPACE,
+            ray.init(num_cpus=max(cores, total * max(threads, 1)), namespace=NAMESPACE,
                      include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env} if env else None)
         self.hub = ray.remote(num_cpus=0)(FleetHub).options(name=HUB_NAME, namespace=NAMESPACE,
                                                              get_if_exists=True).remote()
@@ -155,6 +172,9 @@ class Fleet:
                      "threads": threads, "warmup": True, "kv_events_endpoint": a.kv_events_endpoint,
                      "kv_events_topic": a.kv_events_topic}
         self.threads = threads
+        if disaggregated(a):
+            self._start_pools(progress)
+            return
         app = serve.deployment(EngineReplica, **deployment_options(a, threads)).bind(self.spec)
         log.info("starting %d replica(s) of %s (%s cores each)%s", a.replicas, self.checkpoint.name,
                  threads or "all", f" on {address}" if address else " on a local Ray instance")
@@ -162,14 +182,34 @@ class Fleet:
         self._wait_running(progress)
         self.handle = serve.get_deployment_handle(DEPLOYMENT, app_name=APP_NAME)
 
-    def _wait_running(self, progress: bool, timeout_s: float = 1800.0) -> None:
+    def _start_pools(self, progress: bool) -> None:
+        """Disaggregated: the prefill and decode pools, each its own application of the same
+        replica class with its role in the spec (both start at once)."""
+        from ray import serve
+
+        from runtime.fleet.replica import EngineReplica
+
+        a = self.args
+        for pool in POOLS:
+            spec = {**self.spec, "role": pool, "rank_offset": a.prefill_replicas if pool == "decode" else 0,
+                    "transfer_timeout_s": a.kv_transfer_timeout}
+            app = serve.deployment(EngineReplica, **deployment_options(a, self.threads, pool)).bind(spec)
+            serve._run(app, _blocking=False, name=f"{APP_NAME}-{pool}", route_prefix=None)
+        log.info("starting %d prefill and %d decode replica(s) of %s (%s cores each)", a.prefill_replicas,
+                 a.decode_replicas, self.checkpoint.name, self.threads or "all")
+        for pool in POOLS:
+            self._wait_running(progress, app_name=f"{APP_NAME}-{pool}", deployment=pool)
+            self.pools[pool] = serve.get_deployment_handle(pool, app_name=f"{APP_NAME}-{pool}")
+
+    def _wait_running(self, progress: bool, timeout_s: float = 1800.0, app_name: str = APP_NAME,
+                      deployment: str = DEPLOYMENT) -> None:
         from ray import serve
 
         t0, last = time.monotonic(), None
         while time.monotonic() - t0 < timeout_s:
-            app = serve.status().applications.get(APP_NAME)
+            app = serve.status().applications.get(app_name)
             if app is not None:
-                dep = app.deployments.get(DEPLOYMENT)
+                dep = app.deployments.get(deployment)
                 states = dict(dep.replica_states) if dep else {}
                 line = ", ".join(f"{n} {str(k).lower()}" for k, n in sorted(states.items(), key=str))
                 if line != last and line:
@@ -185,6 +225,8 @@ class Fleet:
         raise RuntimeError(f"replicas not running after {timeout_s:.0f} s")
 
     def autoscale_knobs(self) -> dict[str, Any] | None:
+        if disaggregated(self.args):
+            return None
         opts = deployment_options(self.args, self.threads)
         auto = opts.get("autoscaling_config")
         return dict(auto["policy"]["policy_kwargs"]) if auto else None
@@ -217,7 +259,7 @@ class Fleet:
                            min(sc.max_model_len, ecfg.cache.num_tokens), ecfg.cache.block_size,
                            queue_cap=a.fleet_queue_cap, queue_timeout_s=a.fleet_queue_timeout, policy=ecfg.policy,
                            envelope=sc, autoscale=self.autoscale_knobs(), rescale=self.rescale,
-                           route_at_gateway=a.router == "prefix")
+                           route_at_gateway=a.router == "prefix", pools=self.pools or None)
 
     def shutdown(self) -> None:
         """A local instance goes entirely; on a cluster we joined only our application and hub
@@ -229,7 +271,8 @@ class Fleet:
             return
         try:
             if self.joined:
-                serve.delete(APP_NAME)
+                for name in ([f"{APP_NAME}-{p}" for p in POOLS] if disaggregated(self.args) else [APP_NAME]):
+                    serve.delete(name)
                 if self.hub is not None:
                     ray.kill(self.hub)
             else:
@@ -262,6 +305,21 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a pagedjax checkpoint (no config.json); see `pagedjax pull`")
     store = open_store(args)  # the API keys and their limits apply in front of the fleet too
+    if disaggregated(args):
+        # Fixed pools: the autoscaler sizes one colocated deployment, and the gateway pins
+        # each disaggregated call to a replica through the prefix-aware router.
+        if args.prefill_replicas < 1 or args.decode_replicas < 1:
+            raise ValueError("--prefill-replicas/--decode-replicas: both must be at least 1 to disaggregate")
+        if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None:
+            raise ValueError("--prefill-replicas/--decode-replicas: fixed pools; leave out --replicas, "
+                             "--min-replicas and --max-replicas")
+        if args.router != "prefix":
+            raise ValueError("--prefill-replicas/--decode-replicas: need --router prefix")
+        if getattr(args, "no_prefix_cache", False):
+            raise ValueError("--prefill-replicas/--decode-replicas: need the prefix cache")
+        args.replicas = args.prefill_replicas + args.decode_replicas
+    elif args.replicas is None:
+        args.replicas = 2
     if args.replicas < 1:
         raise ValueError("--replicas: must be at least 1")
     cfg = load_config(path)
@@ -286,8 +344,9 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = GracefulServer(config, app, settings.shutdown_grace_s)
-    log.info("fleet serving %r on http://%s:%d with %d replica(s)", settings.model_name, settings.host,
-             settings.port, args.replicas)
+    log.info("fleet serving %r on http://%s:%d with %s", settings.model_name, settings.host, settings.port,
+             f"{args.prefill_replicas} prefill + {args.decode_replicas} decode replica(s)" if disaggregated(args)
+             else f"{args.replicas} replica(s)")
     try:
         server.run()
     finally:

@@ -1,0 +1,199 @@
+"""`pagedjax fleet serve --prefill-replicas 1 --decode-replicas 1` for real: a local Ray
+instance, one prefill and one decode replica of the tiny model (one core each), the KV
+moving through Ray's object store. One fleet for the module; the tests run in order.
+
+Replica KV: 512 KiB = 64 blocks of 16 tokens, watermark 4 blocks, reserve mode: a request
+with prompt + max_tokens of 910 reserves 57 blocks, so the decode replica then has no room
+for a 50 + 400 token one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.console.server_util import start_server
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.fleet
+
+ENGINE_FLAGS = ("--admission-mode", "reserve", "--kv-cache-memory", "512KiB", "--max-num-seqs", "4")
+FLEET = ("--prefill-replicas", "1", "--decode-replicas", "1", "--threads-per-replica", "1", *ENGINE_FLAGS,
+         "--fleet-queue-cap", "4", "--fleet-queue-timeout", "120", "--kv-transfer-timeout", "10")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 260, size=n)]
+
+
+@pytest.fixture(scope="module")
+def fault_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fault") / "kv_send_failures"
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_ckpt, fault_file):
+    with start_server(tiny_ckpt, *FLEET, subcommand=("fleet", "serve"), ready_timeout=420,
+                      env={"RAY_ADDRESS": "", "PAGEDJAX_FAULT_KV_SEND_FILE": str(fault_file)}) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def console(fleet):
+    c = httpx.Client(base_url=fleet.url, timeout=60, follow_redirects=True)
+    nonce = re.search(r'name="_csrf" value="([^"]+)"', c.get("/admin/login").text).group(1)
+    r = c.post("/admin/login", data={"token": fleet.admin_token, "_csrf": nonce})
+    assert r.status_code == 200 and "Fleet" in r.text
+    yield c
+    c.close()
+
+
+def state(console: httpx.Client) -> dict:
+    r = console.get("/admin/fleet.json")
+    assert r.status_code == 200
+    return r.json()
+
+
+def roles(console: httpx.Client) -> dict[str, dict]:
+    return {r["role"]: r for r in state(console)["replicas"]}
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def settle(console: httpx.Client) -> None:
+    """Both replicas idle and holding no blocks (no reservation left anywhere)."""
+    wait_for(lambda: len(s := state(console)["replicas"]) == 2 and all(
+        r["running"] == r["waiting"] == r["used_blocks"] == 0 for r in s), 30, "idle replicas with no used blocks")
+
+
+def prefill_prompt_tokens(fleet, console) -> float:
+    rid = roles(console)["prefill"]["replica"]
+    text = fleet.client().get(f"/replicas/{rid}/metrics").text
+    return float(re.search(r"^pagedjax:prompt_tokens_total (\S+)", text, re.M).group(1))
+
+
+def completion(fleet, ids: list[int], **params) -> httpx.Response:
+    return fleet.client(timeout=120).post("/v1/completions", json={"model": fleet.model, "prompt": ids,
+                                                                   "ignore_eos": True, **params})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    """One in-process engine built from the same engine flags the replicas get."""
+    from runtime.engine import LLMEngine
+    from runtime.engine_args import add_engine_arguments, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p, serving=True)
+    return LLMEngine.from_checkpoint(tiny_ckpt, engine_config_from_args(p.parse_args(list(ENGINE_FLAGS))),
+                                     warmup=False, progress=False)
+
+
+def test_cli_refuses_disaggregation_with_replica_flags(tiny_ckpt):
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "fleet", "serve", "--checkpoint", str(tiny_ckpt),
+                        "--prefill-replicas", "1", "--decode-replicas", "1", "--max-replicas", "3"],
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert r.returncode == 2, r.stderr
+    assert "--prefill-replicas/--decode-replicas: fixed pools" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_same_tokens_as_one_engine_and_transfers_reported(fleet, console, reference):
+    from runtime.sampling import SamplingParams
+
+    s = state(console)
+    assert sorted(r["role"] for r in s["replicas"]) == ["decode", "prefill"]
+    for i, params in enumerate([dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=1234)]):
+        ids = prompt(100 + i, 50)  # 3 full blocks travel (the last token is computed on the decode side)
+        r = completion(fleet, ids, max_tokens=12, **params)
+        assert r.status_code == 200, r.text
+        want = "".join(reference.generate_text(ids, SamplingParams(max_tokens=12, ignore_eos=True, **params)))
+        assert r.json()["choices"][0]["text"] == want, params
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # imported, not recomputed
+    settle(console)
+    rs = wait_for(lambda: (x := roles(console))["decode"]["kv_transfers"] == 2 and x, 10, "the transfers in the stats")
+    assert rs["prefill"]["kv_transfers"] == 2
+    assert rs["prefill"]["kv_transfer_bytes"] == rs["decode"]["kv_transfer_bytes"] > 0
+    assert rs["prefill"]["kv_transfer_ms"] > 0 and rs["decode"]["kv_transfer_ms"] > 0
+
+    def exported() -> bool:  # each replica's exposition reaches the gateway about every second
+        text = fleet.client().get("/metrics").text
+        ok = re.search(r'^pagedjax:kv_transfer_seconds_count\{replica="[^"]+",stage="transfer"\} 2\.0', text, re.M)
+        for direction, role in (("out", "prefill"), ("in", "decode")):
+            m = re.search(rf'^pagedjax:kv_transfer_bytes_total\{{replica="{rs[role]["replica"]}",'
+                          rf'direction="{direction}"\}} (\S+)', text, re.M)
+            ok = ok and m and float(m.group(1)) == rs[role]["kv_transfer_bytes"]
+        return bool(ok and f'pagedjax:fleet_replica_role{{replica="{rs["prefill"]["replica"]}",role="prefill"}} 1'
+                    in text)
+
+    wait_for(exported, 15, "the transfer bytes and times at /metrics")
+    page = console.get("/admin").text
+    assert re.search(r'<span class="pill role-prefill">prefill</span>', page)
+    assert re.search(r'<span class="pill role-decode">decode</span>', page)
+    assert "KV transfers" in page and page.count('class="num kv-transfers"') == 2
+
+
+def test_no_room_on_decode_waits_without_prefilling(fleet, console):
+    settle(console)
+    client = fleet.openai(timeout=120)
+    # 32 of the decode replica's 64 blocks reserved for this one (10-token prompt: nothing to transfer)
+    long = client.completions.create(model=fleet.model, prompt=prompt(200, 10), max_tokens=490,
+                                     extra_body={"ignore_eos": True}, stream=True)
+    assert next(iter(long)).choices
+    before = prefill_prompt_tokens(fleet, console)
+    result: dict = {}
+
+    def waiting() -> None:  # 50 + 460 tokens: 32 blocks, which the decode replica cannot promise now
+        result["r"] = fleet.client(timeout=120).post(
+            "/v1/completions", headers={"X-Request-Id": "noroom"},
+            json={"model": fleet.model, "prompt": prompt(201, 50), "max_tokens": 460, "ignore_eos": True})
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    wait_for(lambda: state(console)["queued"] == 1, 20, "the request to wait in the fleet queue")
+    time.sleep(0.5)  # (a few replica reports)
+    s = state(console)
+    dec, pre = (next(r for r in s["replicas"] if r["role"] == role) for role in ("decode", "prefill"))
+    assert s["queued"] == 1 and dec["running"] == 1, s  # the long one still holds its blocks
+    assert not [x for x in pre["recent_requests"] if x.startswith("noroom")] and pre["running"] == 0  # not prefilled
+    long.close()  # the long request is aborted: its blocks return, the waiting one gets its reservation
+    t.join(timeout=120)
+    assert result["r"].status_code == 200, result["r"].text
+    wait_for(lambda: "noroom-0/prefill1" in roles(console)["prefill"]["recent_requests"], 10,
+             "the prefill replica to run it once reserved")
+    wait_for(lambda: prefill_prompt_tokens(fleet, console) >= before + 50, 10, "its prompt tokens on the prefill side")
+
+
+def test_failed_transfer_retried_once_then_clear_error_and_nothing_leaked(fleet, console, fault_file):
+    settle(console)
+    fault_file.write_text("1")  # one failure: the retry carries it
+    r = completion(fleet, prompt(300, 50), max_tokens=4)
+    assert r.status_code == 200, r.text
+    fault_file.write_text("2")  # both attempts fail
+    r = completion(fleet, prompt(301, 50), max_tokens=4)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "kv_transfer_failed"
+    assert "failed twice" in err["message"] and "send from prefill replica" in err["message"]
+    assert "planted fault" in err["message"]
+    settle(console)  # both reservations released, nothing pinned on either replica
+    assert fault_file.read_text() == "0"
+    assert fleet.metric("pagedjax:fleet_kv_transfer_retries_total") == 2
+    assert fleet.metric("pagedjax:fleet_kv_transfer_failed_total") == 1
+    assert completion(fleet, prompt(301, 50), max_tokens=4).status_code == 200  # and it serves again
