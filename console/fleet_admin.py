@@ -79,10 +79,13 @@ def _apply(request: Request, client: Any, form: dict[str, Any]) -> Any:
         except ValueError as exc:
             errors["policy"] = str(exc)
         else:  # the state file's audit log has the fleet's changes too (with which replicas they hit)
-            old = target.policy
+            old, store = target.policy, request.app.state.store
             diff = {k: (getattr(old, k), v) for k, v in changes.items()}
-            request.app.state.store.record(s.who, "policy", changes={k: list(d) for k, d in diff.items()},
-                                           scope=replica or "all replicas", client=s.client)
+            if replica is None:  # the fleet-wide policy: what the next start restores
+                store.record_policy(s.who, diff, client.policy.to_json(), scope="all replicas", client=s.client)
+            else:
+                store.record(s.who, "policy", changes={k: list(d) for k, d in diff.items()}, scope=replica,
+                             client=s.client)
     if errors:
         return _render(request, fleet_ctx(client, errors=errors, values=raw), 422)
     saved = f"Policy applied to {replica or 'all replicas'}" if changes else "No change"

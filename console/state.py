@@ -26,7 +26,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -421,12 +421,16 @@ def clamp_policy(stored: dict[str, Any], base: Any, envelope: Any) -> tuple[Any,
     return base.replace(envelope, **values), notes
 
 
-def restore_policy(store: StateStore, engine: Any, reset: bool = False) -> None:
-    """At start, before the first step: the last applied policy, or (reset) the flags'."""
+def restore_policy(store: StateStore, engine: Any, reset: bool = False,
+                   apply: Callable[[str, dict[str, Any]], Any] | None = None) -> None:
+    """At start, before the first step: the last applied policy, or (reset) the flags'.
+    `engine` has `.policy` and `.envelope`; `apply(who, changes)` sets it (default: the
+    LLMEngine's update_policy; the fleet passes its apply-to-every-replica)."""
     where = store.path
     flags = engine.policy
+    apply = apply or (lambda who, changes: engine.update_policy(who, **changes))
     if reset:
-        store.record_policy("--reset-policy", {}, flags.to_json(), reason="started with --reset-policy")
+        store.record_policy("startup", {}, flags.to_json(), reason="started with --reset-policy")
         log.info("admission policy: --reset-policy: starting from the flags (recorded in %s)", where)
         return
     stored = store.last_policy()
@@ -436,7 +440,7 @@ def restore_policy(store: StateStore, engine: Any, reset: bool = False) -> None:
     policy, notes = clamp_policy(stored.policy, flags, engine.envelope)
     changes = {k: v for k, v in policy.to_json().items() if getattr(flags, k) != v}
     if changes:
-        engine.update_policy("restore", **changes)
+        apply("restore", changes)
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(stored.time))
     what = ", ".join(f"{k}={v}" for k, v in changes.items()) or "same as the flags"
     log.info("admission policy restored from %s: set by %s at %s (%s)%s", where, stored.who, when, what,

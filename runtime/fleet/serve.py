@@ -292,6 +292,7 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
 
     from console.admin_cli import open_store
     from console.app import create_app
+    from console.state import restore_policy
     from console.serve import GracefulServer, _configure_access_log, server_settings
     from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.checkpoint.store import load_config
@@ -339,6 +340,9 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
     if not client.wait_for_replicas(args.replicas, timeout_s=60):
         log.warning("only %d of %d replicas reported within 60 s; serving anyway", len(client.view.live()),
                     args.replicas)
+    # The fleet-wide policy an operator last applied, on every replica before the first request.
+    restore_policy(store, client, reset=settings.reset_policy,
+                   apply=lambda who, changes: client.apply_policy(who, changes, None))
     app = create_app(settings, engine=client, fleet=True, store=store)
     app.state.fleet = fleet
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,

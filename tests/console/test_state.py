@@ -154,3 +154,29 @@ def test_kill_9_mid_change_leaves_the_old_or_the_new_policy_never_half(tmp_path)
         assert store.audit_count() == store.audit(limit=1)[0].id - store.audit(offset=store.audit_count() - 1,
                                                                                limit=1)[0].id + 1
         store.close()
+
+
+def test_restore_goes_through_the_given_apply_as_the_fleet_uses_it(tmp_path, caplog):
+    """The fleet restores through its apply-to-every-replica; the stored policy is clamped to
+    this start's envelope first, and only fields that differ from the flags are applied."""
+    import logging
+    from types import SimpleNamespace
+
+    from console.state import restore_policy
+
+    store = StateStore.open(tmp_path)
+    store.record_policy("ann", {"watermark": (0.05, 0.3)}, {**AdmissionPolicy().to_json(), "watermark": 0.3,
+                                                           "max_num_seqs": 64})
+    applied = []
+    fleet = SimpleNamespace(policy=AdmissionPolicy(max_num_seqs=8, max_num_batched_tokens=64,
+                                                   long_prefill_token_threshold=64),
+                            envelope=SchedulerConfig(8, 64, 512))
+    with caplog.at_level(logging.INFO, logger="pagedjax.state"):
+        restore_policy(store, fleet, apply=lambda who, changes: applied.append((who, changes)))
+    assert len(applied) == 1 and applied[0][0] == "restore"
+    changes = applied[0][1]
+    assert changes["watermark"] == 0.3 and "max_num_seqs" not in changes   # clamped 64 -> 8 = the flags' value
+    assert any("set by ann" in m and "max_num_seqs clamped 64 -> 8" in m for m in caplog.messages)
+    applied.clear()
+    restore_policy(store, fleet, reset=True, apply=lambda who, changes: applied.append(changes))
+    assert applied == [] and store.last_policy().policy == fleet.policy.to_json()
