@@ -278,3 +278,4 @@ class EngineConfig:
     async_scheduling: bool = True    # plan and launch step N+1 while step N runs on the device
     quantization: str = "auto"       # auto (as the checkpoint stores it) | none | w8a8 | w8a16 (runtime/quant.py)
     quantize_lm_head: bool = False   # w8a8: an int8 LM head too (faster, less accurate: runtime/quant.py)
+    tensor_parallel_size: int = 1    # devices the model is sharded over (runtime/tp.py); 1: one device

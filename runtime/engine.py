@@ -111,7 +111,8 @@ class LLMEngine:
                                                        quantize_lm_head=config.quantize_lm_head or "head" in params)
         params = prepare(params, config.quantization, config.model, tokenizer, lm_head=config.quantize_lm_head)
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
-                                  config.attention_backend, dtype, config.quantization)
+                                  config.attention_backend, dtype, config.quantization,
+                                  tensor_parallel_size=config.tensor_parallel_size)
         self.guides = GuideCompiler(tokenizer, config.model.vocab_size)
         self.metrics = EngineMetrics()
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
@@ -142,9 +143,33 @@ class LLMEngine:
         """`config` is an EngineConfig or a callable building one from the ModelConfig."""
         from runtime.checkpoint.store import load_checkpoint
 
-        model_cfg, params, tok = load_checkpoint(Path(path))
+        n = config.tensor_parallel_size if isinstance(config, EngineConfig) else getattr(
+            config, "tensor_parallel_size", 1)
+        if n == 1:
+            model_cfg, params, tok = load_checkpoint(Path(path))
+            cfg = config(model_cfg) if callable(config) else config
+            return cls(cfg, params, tok, **kw)
+        return cls._from_checkpoint_tp(Path(path), config, **kw)
+
+    @classmethod
+    def _from_checkpoint_tp(cls, path: Path, config: "EngineConfig | Callable", **kw: Any) -> "LLMEngine":
+        """Tensor parallel: validate before reading any weight, then restore each parameter
+        straight into its shards (orbax with sharding targets; runtime/tp.py)."""
+        from runtime import tp
+        from runtime.checkpoint.store import load_config, load_params, load_tokenizer, read_meta
+
+        model_cfg = load_config(path)
         cfg = config(model_cfg) if callable(config) else config
-        return cls(cfg, params, tok, **kw)
+        stored = read_meta(path)["quantization"]
+        tp.validate(cfg.model, cfg.tensor_parallel_size, attention_backend=cfg.attention_backend,
+                    quantization=stored if stored != "none" or cfg.quantization == "auto" else cfg.quantization)
+        mesh = tp.make_mesh(cfg.tensor_parallel_size)
+        n = mesh.size
+        params = load_params(path, cfg.model,
+                             shardings=lambda tree: tp.param_shardings(cfg.model, tree, mesh, stored=True),
+                             check=lambda tree: tp.check_shards(
+                                 tree, tp.param_specs(cfg.model, tree, n, stored=True), n))
+        return cls(cfg, params, load_tokenizer(path, cfg.model), **kw)
 
     def _log_capacity(self) -> None:
         c, m = self.config.cache, self.config.model

@@ -40,6 +40,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before planning the next (for comparison; slower)")
     g.add_argument("--attention-backend", choices=("auto", "xla", "pallas"), default="auto")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many devices (attention by heads, MLP Megatron-style, "
+                        "embeddings by vocabulary, the KV cache by KV head). On CPU set "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N first. Float weights and the XLA "
+                        "attention path only (the C++ CPU kernels are off under TP)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype (auto: float32 on CPU, bfloat16 on GPU)")
     a = p.add_argument_group("admission policy (live-tunable from the console)")
@@ -101,6 +106,9 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
         return EngineConfig(model, cache, envelope, policy, args.attention_backend, dtype,
                             async_scheduling=not getattr(args, "no_async_scheduling", False),
                             quantization=getattr(args, "quantization", "auto"),
-                            quantize_lm_head=getattr(args, "quantize_lm_head", False))
+                            quantize_lm_head=getattr(args, "quantize_lm_head", False),
+                            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
+    # LLMEngine.from_checkpoint reads it before the weights (TP restores them into their shards).
+    build.tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)  # type: ignore[attr-defined]
     return build

@@ -153,10 +153,28 @@ def _no_prompt_logprobs(T: int) -> PromptLogprobs:
                           jnp.zeros((T, NUM_LOGPROBS), jnp.float32))
 
 
-def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params, kv: tuple,
+def _paged_attention(cfg: ModelConfig, attention: Callable, num_blocks: int, inp: StepInput, q, k, v, layer, cache):
+    """One layer's KV write (slot mapping) + paged attention over the cache. Under tensor
+    parallelism it runs per shard (runtime/tp.shard_attention) on the local heads."""
+    k_cache, v_cache = cache
+    bs = k_cache.shape[1]
+    slots = jnp.where(inp.slot_mapping >= 0, inp.slot_mapping + layer * num_blocks * bs, -1)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots)
+    base = layer * num_blocks
+    kw = {}
+    if getattr(attention, "func", attention) is xla_ragged_paged_attention:  # Pallas: per-sequence reads
+        sh = inp.shared
+        kw["shared"] = SharedPrefix(sh.blocks + base, sh.length, sh.suffix_start, sh.suffix_tables + base)
+    out = attention(q, k_cache, v_cache, inp.kv_lens, inp.block_tables + base,
+                    inp.query_start_loc, inp.num_seqs, sm_scale=1.0 / math.sqrt(cfg.head_dim), **kw)
+    return out, (k_cache, v_cache)
+
+
+def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, mesh: Any, params: Params, kv: tuple,
           rows: tuple, inp: StepInput) -> tuple[tuple, tuple, SampleOutput, PromptLogprobs]:
     """rows = (counts [R, V] i32, prompt_mask [R, V] bool, last_token [R] i32): per-request
-    device state, row R-1 being scratch for padding."""
+    device state, row R-1 being scratch for padding. mesh: None, or the tensor-parallel mesh
+    (attention then runs per shard on its heads; runtime/tp.py)."""
     counts, prompt_mask, last_token = rows
     scratch = counts.shape[0] - 1
     # A decode row whose input is the token the previous (still unread) step sampled reads
@@ -173,21 +191,13 @@ def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params
     out_rows = jnp.where(inp.token_kind == TOKEN_OUTPUT, inp.token_row, scratch)
     counts = counts.at[out_rows, token_ids].add(1)
 
-    bs = kv[0].shape[1]
-    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    local = partial(_paged_attention, cfg, attention, num_blocks)
+    if mesh is None:
+        paged_attention = partial(local, inp)
+    else:
+        from runtime.tp import shard_attention
 
-    def paged_attention(q, k, v, layer, cache):
-        k_cache, v_cache = cache
-        slots = jnp.where(inp.slot_mapping >= 0, inp.slot_mapping + layer * num_blocks * bs, -1)
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots)
-        base = layer * num_blocks
-        kw = {}
-        if getattr(attention, "func", attention) is xla_ragged_paged_attention:  # Pallas: per-sequence reads
-            sh = inp.shared
-            kw["shared"] = SharedPrefix(sh.blocks + base, sh.length, sh.suffix_start, sh.suffix_tables + base)
-        out = attention(q, k_cache, v_cache, inp.kv_lens, inp.block_tables + base,
-                        inp.query_start_loc, inp.num_seqs, sm_scale=sm_scale, **kw)
-        return out, (k_cache, v_cache)
+        paged_attention = partial(shard_attention(local, mesh), inp)
 
     hidden, kv = forward_hidden(cfg, params, token_ids, inp.positions, paged_attention, kv)
     T = token_ids.shape[0]
@@ -195,6 +205,11 @@ def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, params: Params
                        lambda: prompt_logprobs(cfg, params, hidden, inp.prompt_targets),
                        lambda: _no_prompt_logprobs(T))
     logits = lm_head(cfg, params, hidden[inp.logits_indices])
+    if mesh is not None:  # vocab-sharded products, then one all-gather of the [S, V] logits (not of the
+        # head's weights); sampling then runs whole on every device
+        from runtime.tp import gather_logits
+
+        logits = gather_logits(cfg, mesh, logits)
     # The [S, V] penalty state is gathered only when some row uses penalties.
     out = jax.lax.cond(
         penalties_on(inp.sampling),
@@ -231,9 +246,22 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, cache: CacheConfig, sched: SchedulerConfig,
-                 attention_backend: str = "auto", dtype: Any = jnp.float32, quantization: str = "none"):
+                 attention_backend: str = "auto", dtype: Any = jnp.float32, quantization: str = "none",
+                 tensor_parallel_size: int = 1):
         """With a quantization, `params` come quantized (runtime.quant.prepare calibrates and
-        quantizes them once, in the engine)."""
+        quantizes them once, in the engine). tensor_parallel_size > 1: params and KV cache
+        sharded over a mesh of that many devices (runtime/tp.py); 1 is the single-device path."""
+        self.tp = tensor_parallel_size
+        self.mesh = None
+        if self.tp > 1:
+            from runtime import tp
+
+            tp.validate(cfg, self.tp, attention_backend=attention_backend, quantization=quantization)
+            self.mesh = tp.make_mesh(self.tp)
+            params = tp.shard_params(cfg, params, self.mesh)  # no-op for leaves loaded into their shards
+            cfg = tp.runner_config(cfg, self.tp)  # KV heads as replicated for N > Hkv
+            if attention_backend == "auto":
+                attention_backend = "xla"
         self.cfg, self.cache_cfg, self.sched = cfg, cache, sched
         if jax.default_backend() == "cpu":
             tune_cpu_allocator()
@@ -241,7 +269,7 @@ class ModelRunner:
         # w8a8 on a CPU with AVX512-VNNI: the C++ int8 kernel, weights packed for it once here.
         from runtime import cpu_matmul
 
-        self.matmul_kernel = quantization == "w8a8" and cpu_matmul.vectorized()
+        self.matmul_kernel = quantization == "w8a8" and cpu_matmul.vectorized() and self.tp == 1
         if self.matmul_kernel:
             params = cpu_matmul.pack_params(params)
         self.params = cast_params(params, dtype)
@@ -250,10 +278,16 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype: {cache.kv_dtype!r} is not supported by the runner "
                              f"(supported: {', '.join(KV_DTYPES)})")
         shape = (cfg.num_layers * cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = allocate_kv(shape, cache.kv_dtype)
+        if self.mesh is None:
+            self.kv = allocate_kv(shape, cache.kv_dtype)
         rows = sched.max_num_seqs + 1  # last row is scratch for padding
         self.penalty = (jnp.zeros((rows, cfg.vocab_size), jnp.int32), jnp.zeros((rows, cfg.vocab_size), bool),
                         jnp.zeros((rows,), jnp.int32))
+        if self.mesh is not None:  # each device allocates its KV heads' slice only (no whole cache anywhere)
+            alloc = partial(allocate_kv, shape, cache.kv_dtype)
+            self.kv_shardings = tp.kv_sharding(self.mesh, jax.eval_shape(alloc))
+            self.kv = jax.jit(alloc, out_shardings=self.kv_shardings)()
+            self.penalty = jax.device_put(self.penalty, tp.replicated(self.mesh))
         self.scratch_row = rows - 1
         self.attention_backend = resolve_attention_backend(attention_backend, cache.kv_dtype)
         attention = select_attention(self.attention_backend)
@@ -262,11 +296,26 @@ class ModelRunner:
         if attention is xla_ragged_paged_attention:
             from runtime import cpu_attention
 
-            self.attention_kernel = cache.kv_dtype in ("float32", "int8") and cpu_attention.enabled()
+            # Under TP the plain XLA path (the C++ custom call is not shard-safe yet).
+            self.attention_kernel = (cache.kv_dtype in ("float32", "int8") and cpu_attention.enabled()
+                                     and self.tp == 1)
             attention = partial(attention, cpu_kernel=self.attention_kernel)
-        fn = partial(_step, cfg, attention, cache.num_blocks)
+        fn = partial(_step, cfg, attention, cache.num_blocks, self.mesh)
         fn.__name__ = STEP_FN_NAME  # type: ignore[attr-defined]
-        self._step = jax.jit(fn, donate_argnums=(1, 2))
+        if self.mesh is None:
+            self._step = jax.jit(fn, donate_argnums=(1, 2))
+        else:  # explicit shardings: nothing reshards per step; the cache is donated per shard
+            rep = tp.replicated(self.mesh)
+            pshard = tp.param_shardings(cfg, self.params, self.mesh)
+            self.params = jax.device_put(self.params, pshard)  # (a cast to the compute dtype keeps them)
+            self._step = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(pshard, self.kv_shardings, rep, rep),
+                                 out_shardings=(self.kv_shardings, rep, rep, rep))
+            log.info("tensor parallel: %d devices (%s), %d query / %d KV heads per device, embeddings/LM head %s; "
+                     "attention on the XLA path (C++ CPU kernels off under TP)", self.tp,
+                     ", ".join(str(d) for d in self.mesh.devices.flat), cfg.num_heads // self.tp,
+                     cfg.num_kv_heads // self.tp,
+                     "by vocabulary" if tp.vocab_sharded(cfg, self.tp) else
+                     f"replicated (vocabulary {cfg.vocab_size} does not divide by {self.tp})")
         self.fail_next_step: Exception | None = None  # test hook: the next step raises this
         from runtime.structured import TokenMasks
 
@@ -278,6 +327,12 @@ class ModelRunner:
         arrays = jax.tree.leaves((self.kv, self.penalty))
         if not any(a.is_deleted() for a in arrays):
             return False
+        if self.mesh is not None:  # rebuilt in its shards
+            from runtime import tp
+
+            self.kv = jax.tree.map(lambda a, sh: jnp.zeros(a.shape, a.dtype, device=sh), self.kv, self.kv_shardings)
+            self.penalty = tuple(jnp.zeros(a.shape, a.dtype, device=tp.replicated(self.mesh)) for a in self.penalty)
+            return True
         self.kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.kv)
         self.penalty = tuple(jnp.zeros(a.shape, a.dtype) for a in self.penalty)
         return True
@@ -378,3 +433,5 @@ def write_blocks(runner: ModelRunner, block_ids: list[int], leaves: list[np.ndar
               for x in leaves]
     data = jax.tree.unflatten(jax.tree.structure(runner.kv), padded)
     runner.kv = _scatter_blocks(runner.kv, runner.cfg.num_layers, jnp.asarray(ids), data)
+    if runner.mesh is not None:  # keep the step's cache sharding (a no-op when XLA kept it)
+        runner.kv = jax.device_put(runner.kv, runner.kv_shardings)

@@ -181,9 +181,13 @@ def load_config(path: Path) -> ModelConfig:
         raise CheckpointError(f"{path / 'config.json'}: invalid ({exc})") from None
 
 
-def load_params(path: Path, cfg: ModelConfig, dtype: Any = None, as_numpy: bool = False) -> dict[str, Any]:
+def load_params(path: Path, cfg: ModelConfig, dtype: Any = None, as_numpy: bool = False, *,
+                shardings: Any = None, check: Any = None) -> dict[str, Any]:
     """Restore parameters as jax arrays, float ones cast to `dtype` (e.g. jnp.bfloat16 on
-    GPU); int8 weights and their scales of a quantized checkpoint keep their dtype."""
+    GPU); int8 weights and their scales of a quantized checkpoint keep their dtype.
+    shardings(tree) -> a NamedSharding per leaf of the stored tree (tensor parallelism):
+    orbax then restores each array straight into its shards, no whole copy on one device
+    first; check(tree), given the stored shapes, raises first when they do not shard."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -196,13 +200,42 @@ def load_params(path: Path, cfg: ModelConfig, dtype: Any = None, as_numpy: bool 
         raise CheckpointError(f"{path}: unknown quantization {method!r} in pagedjax.json")
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            raw = ckptr.restore((path / "params").resolve())
+            if shardings is None:
+                raw = ckptr.restore((path / "params").resolve())
+            else:
+                raw = _restore_sharded(ckptr, (path / "params").resolve(), cfg, method, meta, shardings, check)
+    except ValueError as exc:
+        if isinstance(exc, CheckpointError) or str(exc).startswith("tensor_parallel_size:"):
+            raise
+        raise CheckpointError(f"{path}: cannot restore parameters ({type(exc).__name__}: {exc})") from None
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot restore parameters ({type(exc).__name__}: {exc})") from None
     check_shapes(raw, quantized_shapes(param_shapes(cfg), method, meta["lm_head_int8"]))
     if as_numpy:
         return jax.tree.map(np.asarray, raw)
     return jax.tree.map(jax.numpy.asarray, raw) if dtype is None else cast_params(raw, dtype)
+
+
+def _restore_sharded(ckptr: Any, directory: Path, cfg: ModelConfig, method: str, meta: dict[str, Any],
+                     shardings: Any, check: Any) -> dict[str, Any]:
+    import jax
+
+    from runtime.checkpoint.mapping import check_shapes
+    from runtime.quant import quantized_shapes
+
+    stored = ckptr.metadata(directory).item_metadata.tree
+    stored = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), stored)
+    check_shapes(stored, quantized_shapes(param_shapes(cfg), method, meta["lm_head_int8"]))
+    if check is not None:
+        check(stored)
+    target = jax.tree.map(lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh), stored, shardings(stored))
+    return ckptr.restore(directory, target)
+
+
+def load_tokenizer(path: Path, cfg: ModelConfig):
+    from runtime.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_checkpoint(path, cfg.bos_token_id, cfg.eos_token_ids, cfg.add_bos_token)
 
 
 def load_checkpoint(path: Path, dtype: Any = None):

@@ -1,0 +1,202 @@
+"""Tensor parallelism (--tensor-parallel-size N): the sharding rules, in one place.
+
+One mesh axis "tp" over the first N devices; the engine step stays one jitted program
+(GSPMD) with explicit in/out shardings:
+
+* attention by heads: wq/wk/wv (and their biases) column-sharded, so device i holds query
+  heads [i*Hq/N, (i+1)*Hq/N) and the KV heads of exactly those GQA groups; wo row-sharded.
+  The paged attention (KV write + read) runs per shard under shard_map on the local heads,
+  with the block table replicated: blocks are logical and the same on every shard.
+* When N exceeds the KV head count, each KV head is replicated N/Hkv times (as vLLM does):
+  wk/wv gain the copies and the runner's config says Hkv*r heads, one group per device.
+* MLP Megatron-style: w_gate/w_up column-sharded, w_down row-sharded (XLA inserts the one
+  all-reduce per block, as after wo).
+* embeddings / LM head by vocabulary (replicated, and logged, when the vocabulary does not
+  divide); norms replicated; the KV cache [L*NB, BS, Hkv, D] sharded on its KV-head axis.
+
+The C++ CPU kernels (runtime/cpu_attention.py, runtime/cpu_matmul.py) are not used under TP:
+attention takes the plain XLA path; quantized weights (w8a8 / w8a16) and the Pallas backend
+are rejected for now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from runtime.config import ModelConfig
+
+log = logging.getLogger(__name__)
+AXIS = "tp"
+
+
+def kv_replication(cfg: ModelConfig, n: int) -> int:
+    """Copies of each KV head so every device holds whole GQA groups (1: none)."""
+    return n // cfg.num_kv_heads if n > cfg.num_kv_heads else 1
+
+
+def validate(cfg: ModelConfig, n: int, *, attention_backend: str = "auto", quantization: str = "none",
+             num_devices: int | None = None) -> None:
+    """ValueError("tensor_parallel_size: ...") when the model or the machine cannot run at N."""
+    if n < 1:
+        raise ValueError(f"tensor_parallel_size: must be at least 1, got {n}")
+    if n == 1:
+        return
+    k = jax.device_count() if num_devices is None else num_devices
+    if n > k:
+        raise ValueError(f"tensor_parallel_size: {n} needs {n} devices, only {k} "
+                         f"{'device' if k == 1 else 'devices'}; on CPU set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    if hq % n:
+        raise ValueError(f"tensor_parallel_size: {n} does not divide the model's {hq} query heads")
+    if n > hkv and n % hkv:
+        raise ValueError(f"tensor_parallel_size: {n} is more than the model's {hkv} KV heads and not a multiple "
+                         f"of them (KV heads can only be replicated a whole number of times)")
+    if n <= hkv and hkv % n:
+        raise ValueError(f"tensor_parallel_size: {n} does not divide the model's {hkv} KV heads")
+    if cfg.intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size: {n} does not divide the model's MLP size "
+                         f"{cfg.intermediate_size}")
+    if attention_backend == "pallas":
+        raise ValueError("tensor_parallel_size: the Pallas attention backend is not supported under tensor "
+                         "parallelism yet (use --attention-backend xla or auto)")
+    if quantization in ("w8a8", "w8a16"):
+        raise ValueError(f"tensor_parallel_size: {quantization} weights are not supported under tensor "
+                         f"parallelism yet (serve a float checkpoint, --quantization none)")
+
+
+def make_mesh(n: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), (AXIS,))
+
+
+def runner_config(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The config the sharded step runs: KV heads as replicated for N > Hkv."""
+    r = kv_replication(cfg, n)
+    return cfg if r == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
+
+
+def vocab_sharded(cfg: ModelConfig, n: int) -> bool:
+    return cfg.vocab_size % n == 0
+
+
+def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int, *, stored: bool = False) -> dict[str, Any]:
+    """A PartitionSpec per parameter leaf. `stored`: the checkpoint's tree before KV-head
+    replication (wk/wv/bk/bv then stay whole when they are replicated after loading)."""
+    rep_kv = stored and kv_replication(cfg, n) > 1
+    vocab = AXIS if vocab_sharded(cfg, n) else None
+    layer = {"wq": P(None, None, AXIS), "wk": P(None, None, AXIS), "wv": P(None, None, AXIS),
+             "bq": P(None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS), "wo": P(None, AXIS, None),
+             "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
+             "attn_norm": P(), "mlp_norm": P()}
+    if rep_kv:
+        layer.update(wk=P(), wv=P(), bk=P(), bv=P())
+    specs: dict[str, Any] = {}
+    for name, value in params.items():
+        if name == "layers":
+            unknown = set(value) - set(layer)
+            if unknown:
+                raise ValueError(f"tensor_parallel_size: no sharding rule for parameters {sorted(unknown)} "
+                                 "(quantized weights are not supported under tensor parallelism)")
+            specs[name] = {k: layer[k] for k in value}
+        elif name == "embed":
+            specs[name] = P(vocab, None)
+        elif name == "lm_head":
+            specs[name] = P(None, vocab)
+        elif name == "final_norm":
+            specs[name] = P()
+        else:
+            raise ValueError(f"tensor_parallel_size: no sharding rule for parameter {name!r} "
+                             "(quantized weights are not supported under tensor parallelism)")
+    return specs
+
+
+def param_shardings(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh, *, stored: bool = False) -> dict[str, Any]:
+    specs = param_specs(cfg, params, mesh.size, stored=stored)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def check_shards(params: dict[str, Any], specs: dict[str, Any], n: int) -> None:
+    """A checkpoint whose shapes do not shard: one clear ValueError."""
+    def check(path, a, spec):
+        for dim, ax in zip(a.shape, tuple(spec)):
+            if ax is not None and dim % n:
+                name = jax.tree_util.keystr(path, simple=True, separator="/")
+                raise ValueError(f"tensor_parallel_size: parameter {name} of shape {tuple(a.shape)} does not "
+                                 f"shard {n} ways")
+    jax.tree_util.tree_map_with_path(check, params, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _repeat_heads(w: jax.Array, heads: int, r: int) -> jax.Array:
+    """[..., heads*D] -> [..., heads*r*D]: each head's columns r times, in place of the head."""
+    lead, cols = w.shape[:-1], w.shape[-1]
+    x = w.reshape(*lead, heads, 1, cols // heads)
+    return jnp.broadcast_to(x, (*lead, heads, r, cols // heads)).reshape(*lead, heads * r * (cols // heads))
+
+
+def replicate_kv_heads(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """wk/wv (bk/bv) with each KV head copied N/Hkv times, written straight into their
+    shards (one jitted program with the sharded outputs); others unchanged."""
+    r = kv_replication(cfg, mesh.size)
+    if r == 1:
+        return params
+    layers = dict(params["layers"])
+    names = [k for k in ("wk", "wv", "bk", "bv") if k in layers]
+    spec = {"wk": P(None, None, AXIS), "wv": P(None, None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS)}
+    out = {k: NamedSharding(mesh, spec[k]) for k in names}
+    fn = jax.jit(lambda d: {k: _repeat_heads(v, cfg.num_kv_heads, r) for k, v in d.items()}, out_shardings=out)
+    layers.update(fn({k: layers[k] for k in names}))
+    log.info("tensor_parallel_size=%d exceeds the model's %d KV heads: each KV head is replicated %d times "
+             "(%d KV heads, one GQA group per device; the KV cache holds the copies)",
+             mesh.size, cfg.num_kv_heads, r, cfg.num_kv_heads * r)
+    return {**params, "layers": layers}
+
+
+def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """Params (as loaded: whole, or already in their stored shards) -> the step's shards,
+    KV heads replicated for N > Hkv. device_put is a no-op for leaves already placed."""
+    stored = param_shardings(cfg, params, mesh, stored=True)
+    check_shards(params, param_specs(cfg, params, mesh.size, stored=True), mesh.size)
+    params = jax.device_put(params, stored)
+    params = replicate_kv_heads(cfg, params, mesh)
+    return jax.device_put(params, param_shardings(cfg, params, mesh))
+
+
+def kv_spec(leaf: Any) -> P:
+    """The KV cache's leaves [L*NB, BS, Hkv, D] (and a quantized cache's scales [L*NB, BS, Hkv])
+    by KV head."""
+    return P(None, None, AXIS, None) if leaf.ndim == 4 else P(None, None, AXIS)
+
+
+def kv_sharding(mesh: Mesh, kv: Any) -> Any:
+    return jax.tree.map(lambda a: NamedSharding(mesh, kv_spec(a)), kv)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def shard_attention(fn: Any, mesh: Mesh) -> Any:
+    """fn(inp, q [T,Hq,D], k, v [T,Hkv,D], layer, cache) -> (out [T,Hq,D], cache), run per
+    shard on its local heads (its own GQA groups and cache slice); inp replicated."""
+    heads = P(None, AXIS, None)
+
+    def wrapped(inp, q, k, v, layer, cache):
+        cache_specs = jax.tree.map(kv_spec, cache)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(P(), heads, heads, heads, P(), cache_specs),
+                             out_specs=(heads, cache_specs), check_vma=False)(inp, q, k, v, layer, cache)
+
+    return wrapped
+
+
+def gather_logits(cfg: ModelConfig, mesh: Mesh, logits: jax.Array) -> jax.Array:
+    """[S, V] logits: computed vocab-sharded (when the vocabulary divides), then replicated."""
+    if vocab_sharded(cfg, mesh.size):
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, AXIS)))
+    return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))

@@ -1,0 +1,124 @@
+"""Tensor parallelism (runtime/tp.py) on CPU with forced host devices: TP 2/4 give TP 1's
+greedy tokens and logprobs (prefix cache, chunked prefill, preemption included) with no
+compilations after warm-up; invalid sizes fail with one line. The parity runs go through
+tests/runtime/tp_check.py in a subprocess (XLA_FLAGS must be set before jax starts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = ROOT / "tests" / "runtime" / "tp_check.py"
+TOL = 1e-4
+
+
+def _env(devices: int = 4) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env.setdefault("PAGEDJAX_JAX_CACHE", str(ROOT / ".cache" / "jax"))
+    return env
+
+
+def _run_check(ckpt: Path, *args: str, timeout: int = 600) -> dict[int, dict]:
+    out = subprocess.run([sys.executable, str(CHECK), str(ckpt), *args], env=_env(), capture_output=True,
+                         text=True, timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {r["tp"]: r for r in rows}
+
+
+def _assert_parity(res: dict[int, dict], tps: list[int], *, pressure: bool = True) -> None:
+    ref = res[1]
+    assert ref["prefix_hits"] > 0
+    if pressure:
+        assert ref["preemptions"] > 0
+    for tp in tps:
+        r = res[tp]
+        assert r["same_tokens"], (r["tokens"], ref["tokens"])
+        assert r["max_logprobs_diff"] < TOL and r["max_top_diff"] < TOL, r
+        assert r["prefix_hits"] == ref["prefix_hits"]
+        if pressure:
+            assert r["preemptions"] == ref["preemptions"] > 0
+        assert r["compilations_after_warmup"] == 0
+        assert r["devices"] == 4
+    assert ref["compilations_after_warmup"] == 0
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("tp")
+    # vocab_size 268 (the tokenizer's 267 + one unused row) divides by 2 and 4.
+    return {"8q4kv": make_tiny_checkpoint(d / "8q4kv", num_heads=8, num_kv_heads=4, vocab_size=268),
+            "8q2kv": make_tiny_checkpoint(d / "8q2kv", num_heads=8, num_kv_heads=2, vocab_size=268),
+            "4q2kv": make_tiny_checkpoint(d / "4q2kv")}
+
+
+def test_tp2_tp4_match_tp1(ckpts):
+    res = _run_check(ckpts["8q4kv"], "2", "4")
+    _assert_parity(res, [2, 4])
+    assert res[2]["kv_shard_shape"][2] == 2 and res[4]["kv_shard_shape"][2] == 1  # the cache by KV head
+
+
+def test_tp4_replicates_kv_heads(ckpts):
+    res = _run_check(ckpts["8q2kv"], "4")
+    _assert_parity(res, [4])
+    assert res[4]["kv_heads"] == 4 and res[4]["kv_shard_shape"][2] == 1  # 2 KV heads, each twice
+
+
+def test_validation_messages():
+    from runtime import tp
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config(268, num_heads=8, num_kv_heads=4)
+    cases = [(0, {}, "must be at least 1"), (8, {"num_devices": 4}, "only 4 devices"),
+             (3, {"num_devices": 4}, "does not divide the model's 8 query heads"),
+             (2, {"num_devices": 4, "attention_backend": "pallas"}, "Pallas"),
+             (2, {"num_devices": 4, "quantization": "w8a8"}, "w8a8")]
+    for n, kw, msg in cases:
+        with pytest.raises(ValueError, match="tensor_parallel_size: .*" + msg):
+            tp.validate(cfg, n, **kw)
+    with pytest.raises(ValueError, match="more than the model's 3 KV heads and not a multiple"):
+        tp.validate(tiny_config(268, num_heads=12, num_kv_heads=3), 4, num_devices=4)
+    with pytest.raises(ValueError, match="does not divide the model's 4 KV heads"):
+        tp.validate(tiny_config(268, num_heads=12, num_kv_heads=4), 3, num_devices=4)
+    with pytest.raises(ValueError, match="MLP size 130"):
+        tp.validate(tiny_config(268, num_heads=8, num_kv_heads=4, intermediate_size=130), 4, num_devices=4)
+    tp.validate(cfg, 1)  # TP 1: nothing to check
+    # A vocabulary that does not divide keeps the embeddings / LM head whole on each device.
+    import numpy as np
+
+    params = {"embed": np.zeros((267, 64)), "final_norm": np.zeros(64), "layers": {"wq": np.zeros((2, 64, 128))}}
+    specs = tp.param_specs(tiny_config(267), params, 2)
+    assert tuple(specs["embed"]) == (None, None) and tuple(specs["layers"]["wq"]) == (None, None, "tp")
+    with pytest.raises(ValueError, match="parameter layers/wq of shape \\(2, 64, 128\\) does not shard 3 ways"):
+        tp.check_shards(params, tp.param_specs(tiny_config(267), params, 3), 3)
+
+
+def test_cli_rejects_bad_size_with_one_line(ckpts):
+    out = subprocess.run([sys.executable, "-m", "runtime.cli", "generate", "--checkpoint", str(ckpts["4q2kv"]),
+                          "--prompt", "hi", "--max-tokens", "2", "--tensor-parallel-size", "3"],
+                         env=_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "tensor_parallel_size: 3 does not divide the model's 4 query heads" in lines[0], lines
+    too_many = subprocess.run([sys.executable, "-m", "runtime.cli", "generate", "--checkpoint",
+                               str(ckpts["4q2kv"]), "--prompt", "hi", "--tensor-parallel-size", "8"],
+                              env=_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert too_many.returncode == 2
+    assert "only 4 devices; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8" in too_many.stderr
+
+
+@pytest.mark.real_model
+def test_smollm2_tp3_matches_tp1(smollm2_ckpt):
+    """SmolLM2-135M: 9 query / 3 KV heads, vocabulary 49152, MLP 1536: TP 3 (2 prompts x 16 tokens)."""
+    res = _run_check(smollm2_ckpt, "3", "--quick")
+    _assert_parity(res, [3], pressure=False)
+    assert res[3]["kv_shard_shape"][2] == 1
