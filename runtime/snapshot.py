@@ -129,6 +129,8 @@ class ModelInfo:
     kv_cache_bytes: int
     compilations_at_ready: int
     warmup_s: float
+    tensor_parallel: int = 1
+    mesh: str = ""              # e.g. "tp=4 over cpu:0, cpu:1, cpu:2, cpu:3" (empty at TP 1)
 
 
 def _owners(src: EngineParts) -> dict[int, tuple[str, ...]]:
@@ -204,8 +206,11 @@ def metrics_window(src: EngineParts) -> MetricsWindow:
 def model_info(src: Any) -> ModelInfo:
     """From an engine's runner and warm-up record (immutable after start-up: no lock)."""
     r = src.runner
+    mesh = getattr(r, "mesh", None)
+    where = "" if mesh is None else f"tp={mesh.devices.size} over " + ", ".join(
+        f"{d.platform}:{d.id}" for d in mesh.devices.flat)
     return ModelInfo(r.attention_backend, bool(r.attention_kernel), bool(r.matmul_kernel), r.kv_cache_bytes(),
-                     src.compilations_at_ready, src.warmup_seconds)
+                     src.compilations_at_ready, src.warmup_seconds, getattr(r, "tp", 1), where)
 
 
 def take_snapshot(src: EngineParts, with_blocks: bool = True) -> EngineSnapshot:

@@ -42,6 +42,7 @@ LONGEST_FIRST = (
     "tests/console/test_api_real_model.py",
     "tests/fleet/test_fleet_smollm2.py",
     "tests/console/test_admin_browser.py",
+    "tests/runtime/test_tp.py",
     "tests/runtime/test_kv_quant.py",
     "tests/runtime/test_quant.py",
     "tests/pallas_kernels/test_paged_attention.py",

@@ -31,7 +31,7 @@ class InterferenceConfig:
     url: str
     streams: int = 16
     stream_tokens: int = 400          # each decoding stream's length
-    long_prompt_words: int = 1500     # ~2k SmolLM2 tokens (the report gives the real count)
+    long_prompt_words: int = 2000     # ~2k SmolLM2 tokens (~1 token a word; the report gives the real count)
     long_max_tokens: int = 8
     long_interval_s: float = 4.0
     num_long: int = 6
@@ -120,7 +120,7 @@ def add_interference_parser(sub: Any) -> None:
     s.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     s.add_argument("--streams", type=int, default=16)
     s.add_argument("--stream-tokens", type=int, default=400)
-    s.add_argument("--long-prompt-words", type=int, default=1500, help="~2k SmolLM2 tokens (reported exactly)")
+    s.add_argument("--long-prompt-words", type=int, default=2000, help="~2k SmolLM2 tokens (reported exactly)")
     s.add_argument("--long-max-tokens", type=int, default=8)
     s.add_argument("--long-interval", type=float, default=4.0, help="seconds between long prompts")
     s.add_argument("--num-long", type=int, default=6)

@@ -182,6 +182,7 @@ def test_model_page(client, engine, tiny_ckpt):
     assert text_of(page, "architecture").startswith("llama")
     assert page.count("×") >= len(engine.envelope.bucket_pairs())
     assert "B_max" in page and "H100" in page
+    assert text_of(page, "tp") == "off (one device)"
 
 
 def test_model_page_shows_quantized_weights_and_kv_cache(tiny_ckpt):
