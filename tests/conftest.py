@@ -35,14 +35,16 @@ def smollm2_ckpt() -> Path:
 # order. Starting the longest files first (longest-processing-time-first) keeps one worker
 # from picking up a 5-minute file at the end while the other sits idle. Approximate order,
 # from fresh-clone runs on the 2-core machine (the slowest start servers or Ray fleets).
+# The disaggregated fleet compiles the same step shapes as the colocated one (same engine
+# flags), so it goes after it: its replicas then load them from the compilation cache.
 LONGEST_FIRST = (
     "tests/fleet/test_fleet_ray.py",
-    "tests/fleet/test_fleet_disagg.py",
+    "tests/runtime/test_tp.py",
     "tests/runtime/test_real_model.py",
     "tests/console/test_api_real_model.py",
+    "tests/fleet/test_fleet_disagg.py",
     "tests/fleet/test_fleet_smollm2.py",
     "tests/console/test_admin_browser.py",
-    "tests/runtime/test_tp.py",
     "tests/runtime/test_kv_quant.py",
     "tests/runtime/test_quant.py",
     "tests/pallas_kernels/test_paged_attention.py",

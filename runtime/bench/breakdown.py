@@ -85,7 +85,7 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
     layer_flops_per_row = 2 * L * (d * qkv + cfg.num_heads * cfg.head_dim * d + 3 * d * cfg.intermediate_size)
     layer_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(layer_w))
     head_bytes = int(runner.params["embed"].size) * runner.params["embed"].dtype.itemsize
-    noop = jax.jit(partial(_step, cfg, _noop_attention, runner.cache_cfg.num_blocks), donate_argnums=(1, 2))
+    noop = jax.jit(partial(_step, cfg, _noop_attention, runner.cache_cfg.num_blocks, None), donate_argnums=(1, 2))
     detok_tok = engine.tokenizer
     rows_out = []
     for S in batches:

@@ -198,7 +198,7 @@ def bench_decode(engine: Any, *, batches: tuple[int, ...] = (1, 8, 32, 64), cont
 
     runner = engine.runner
     cfg = runner.cfg
-    noop = partial(_step, cfg, _noop_attention, runner.cache_cfg.num_blocks)
+    noop = partial(_step, cfg, _noop_attention, runner.cache_cfg.num_blocks, None)
     noop.__name__ = "pagedjax_bench_noop_attention_step"  # type: ignore[attr-defined]
     noop_jit = jax.jit(noop, donate_argnums=(1, 2))
     rows = []

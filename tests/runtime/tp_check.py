@@ -84,8 +84,9 @@ def main(argv: list[str]) -> None:
         t0 = time.perf_counter()
         # A pool of 16 blocks: the prefix-cache and chunked-prefill prompts fit; six 30-60
         # token prompts of 40 tokens each (~3 blocks' worth each) preempt (optimistic admission).
+        # quick (SmolLM2): one sequence at a time, so 5 step shapes compile instead of 7.
         eng = engine(ckpt, tp, max_num_batched_tokens=64 if quick else 32, num_blocks=64 if quick else 16,
-                     admission_mode="optimistic", watermark=0.0)
+                     max_num_seqs=1 if quick else 4, admission_mode="optimistic", watermark=0.0)
         built = time.perf_counter() - t0
         res = workload(eng, n_tokens, eng.config.model.vocab_size, quick)
         shard = eng.runner.kv[0].sharding
