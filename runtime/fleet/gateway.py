@@ -228,23 +228,34 @@ class FleetClient:
         d = self._try_route(request_id, req)
         if d.replica is not None:
             return d.replica
+
+        async def again() -> str | None:
+            return self._try_route(request_id, req).replica
+
+        return await self._wait_in_queue(req, again, 0.05, f"no replica can hold the request ({d.describe()})",
+                                         lambda: "no replica could hold the request")
+
+    async def _wait_in_queue(self, req: RouteRequest, again: Any, every_s: float, why_now: str,
+                             why_later: Any) -> Any:
+        """The fleet queue: count the request in, call `again()` every `every_s` until it
+        gives a result, the fleet drains, or the queue timeout passes (then 429). A full
+        queue refuses at once. Colocated routing and disaggregated reservations both wait here."""
         if self.queued >= self.queue_cap:
             self.rejected += 1
-            raise Overloaded("fleet_full", f"no replica can hold the request ({d.describe()}) and the fleet "
-                                           f"queue is full ({self.queued} waiting)")
+            raise Overloaded("fleet_full", f"{why_now} and the fleet queue is full ({self.queued} waiting)")
         self.queued += 1
         self.queued_tokens += req.prompt_tokens + req.max_tokens
         try:
             deadline = time.monotonic() + self.queue_timeout_s
             while time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(every_s)
                 if not self.accepting:
                     raise Overloaded("draining", "the fleet is draining")
-                d = self._try_route(request_id, req)
-                if d.replica is not None:
-                    return d.replica
+                got = await again()
+                if got is not None:
+                    return got
             self.rejected += 1
-            raise Overloaded("fleet_full", f"no replica could hold the request within {self.queue_timeout_s:.0f} s")
+            raise Overloaded("fleet_full", f"{why_later()} within {self.queue_timeout_s:.0f} s")
         finally:
             self.queued -= 1
             self.queued_tokens -= req.prompt_tokens + req.max_tokens
@@ -318,27 +329,14 @@ class FleetClient:
         got, why = await attempt()
         if got is not None:
             return got
-        if self.queued >= self.queue_cap:
-            self.rejected += 1
-            raise Overloaded("fleet_full", f"no decode replica can reserve the request's blocks ({why}) and the "
-                                           f"fleet queue is full ({self.queued} waiting)")
-        self.queued += 1
-        self.queued_tokens += req.prompt_tokens + req.max_tokens
-        try:
-            deadline = time.monotonic() + self.queue_timeout_s
-            while time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-                if not self.accepting:
-                    raise Overloaded("draining", "the fleet is draining")
-                got, why = await attempt()
-                if got is not None:
-                    return got
-            self.rejected += 1
-            raise Overloaded("fleet_full", f"no decode replica could reserve the request's blocks within "
-                                           f"{self.queue_timeout_s:.0f} s ({why})")
-        finally:
-            self.queued -= 1
-            self.queued_tokens -= req.prompt_tokens + req.max_tokens
+        last = [why]
+
+        async def again() -> dict[str, Any] | None:
+            got, last[0] = await attempt()
+            return got
+
+        return await self._wait_in_queue(req, again, 0.1, f"no decode replica can reserve the request's blocks ({why})",
+                                         lambda: f"no decode replica could reserve the request's blocks ({last[0]})")
 
     def _pick_prefill(self, request_id: str, req: RouteRequest) -> str | None:
         """The prefill replica by the fleet policy (longest cached prefix, then most free

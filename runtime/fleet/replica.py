@@ -190,6 +190,11 @@ class EngineReplica:
         except ValueError as exc:
             yield {"rejected": "invalid", "message": str(exc)}
             return
+        async for outs in self._accepted(rid, queue):
+            yield outs
+
+    async def _accepted(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[Any]:
+        """An admitted request: counted for routing, "accepted" first, then its outputs."""
         self.recent.append((time.monotonic(), rid))
         yield {"accepted": self.name}
         async for outs in self._outputs(rid, queue):
@@ -274,9 +279,7 @@ class EngineReplica:
             await asyncio.to_thread(self.llm.release, res)
             yield {"rejected": "invalid", "message": str(exc)}
             return
-        self.recent.append((time.monotonic(), rid))
-        yield {"accepted": self.name}
-        async for outs in self._outputs(rid, queue):
+        async for outs in self._accepted(rid, queue):
             yield outs
 
     async def prefill_export(self, req: dict[str, Any]) -> dict[str, Any]:

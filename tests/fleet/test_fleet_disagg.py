@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from tests.console.server_util import start_server
+from tests.fleet.fleet_util import logged_in_console, state
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.fleet
@@ -49,18 +50,8 @@ def fleet(tiny_ckpt, fault_file):
 
 @pytest.fixture(scope="module")
 def console(fleet):
-    c = httpx.Client(base_url=fleet.url, timeout=60, follow_redirects=True)
-    nonce = re.search(r'name="_csrf" value="([^"]+)"', c.get("/admin/login").text).group(1)
-    r = c.post("/admin/login", data={"token": fleet.admin_token, "_csrf": nonce})
-    assert r.status_code == 200 and "Fleet" in r.text
-    yield c
-    c.close()
-
-
-def state(console: httpx.Client) -> dict:
-    r = console.get("/admin/fleet.json")
-    assert r.status_code == 200
-    return r.json()
+    with logged_in_console(fleet) as c:
+        yield c
 
 
 def roles(console: httpx.Client) -> dict[str, dict]:

@@ -20,6 +20,7 @@ import pytest
 
 from console.state import StateStore
 from tests.console.server_util import free_port, start_server
+from tests.fleet.fleet_util import logged_in_console, state
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.fleet
@@ -78,18 +79,8 @@ def fleet(tiny_ckpt, zmq_port):
 
 @pytest.fixture(scope="module")
 def console(fleet):
-    c = httpx.Client(base_url=fleet.url, timeout=60, follow_redirects=True)
-    nonce = re.search(r'name="_csrf" value="([^"]+)"', c.get("/admin/login").text).group(1)
-    r = c.post("/admin/login", data={"token": fleet.admin_token, "_csrf": nonce})
-    assert r.status_code == 200 and "Fleet" in r.text
-    yield c
-    c.close()
-
-
-def state(console: httpx.Client) -> dict:
-    r = console.get("/admin/fleet.json")
-    assert r.status_code == 200
-    return r.json()
+    with logged_in_console(fleet) as c:
+        yield c
 
 
 def wait_for(pred, timeout: float, what: str, every: float = 0.25):
