@@ -11,7 +11,7 @@ from runtime.sampling import SamplingParams
 
 def engine(ckpt, backend):
     def build(model):
-        env = SchedulerConfig(4, 32, 256)
+        env = SchedulerConfig(4, 32, 256, min_token_bucket=32)  # one prefill shape: interpreting is slow
         return EngineConfig(model, CacheConfig(16, 48, "bfloat16"), env,
                             AdmissionPolicy(max_num_seqs=4, max_num_batched_tokens=32,
                                             long_prefill_token_threshold=32), backend, "bfloat16")

@@ -118,7 +118,7 @@ def test_cli_rejects_bad_size_with_one_line(ckpts):
 
 @pytest.mark.real_model
 def test_smollm2_tp3_matches_tp1(smollm2_ckpt):
-    """SmolLM2-135M: 9 query / 3 KV heads, vocabulary 49152, MLP 1536: TP 3 (2 prompts x 16 tokens)."""
+    """SmolLM2-135M: 9 query / 3 KV heads, vocabulary 49152, MLP 1536: TP 3 (2 prompts x 8 tokens, 16-token chunks)."""
     res = _run_check(smollm2_ckpt, "3", "--quick")
     _assert_parity(res, [3], pressure=False)
     assert res[3]["kv_shard_shape"][2] == 1
