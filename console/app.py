@@ -54,16 +54,18 @@ def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     one --api-key, or a named key from the state file, counted against its limits."""
     st = connection.app.state
     shared, gate = st.settings.api_key, st.key_gate
-    if shared is None and not st.store.has_keys():
-        return  # no key of either kind: an open server (loopback by default)
     auth = connection.headers.get("authorization", "")
     scheme, _, given = auth.partition(" ")
-    hdr = {"WWW-Authenticate": "Bearer"}
-    if not auth:
-        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
-                       headers=hdr)
-    key = gate.identify(given.strip(), shared) if scheme.lower() == "bearer" else None
+    # One state-file read per request: the key's own row when one is sent; whether any key
+    # exists only when none matched (no key of either kind: an open server, loopback by default).
+    key = gate.identify(given.strip(), shared) if auth and scheme.lower() == "bearer" else None
     if key is None:
+        if shared is None and not st.store.has_keys():
+            return
+        hdr = {"WWW-Authenticate": "Bearer"}
+        if not auth:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+                           headers=hdr)
         raise APIError(401, "incorrect or revoked API key", code="invalid_api_key", headers=hdr)
     rec = connection.scope.get(ACCESS_KEY)  # type: ignore[call-overload]
     name = key if isinstance(key, str) else key.name

@@ -1,9 +1,10 @@
 """The operator console of `pagedjax fleet serve`: one fleet page under /admin.
 
-Reads come from `FleetClient.snapshot()` (runtime/fleet/gateway.py); writes go only
-through `FleetClient.apply_policy` (admission policy, fleet-wide or one replica) and
-`FleetClient.update_autoscale` (the autoscaler's knobs), both audit-logged. Same login,
-session and CSRF rules as the single-engine console (console/auth.py).
+Reads come from `FleetClient.snapshot()` (runtime/fleet/gateway.py) and the state file's
+audit log; writes go only through `FleetClient.apply_policy` (admission policy, fleet-wide
+or one replica), `FleetClient.update_autoscale` (the autoscaler's knobs) and
+`FleetClient.update_pools` (disaggregated pool sizes), each audit-logged in the state file.
+Same login, session and CSRF rules as the single-engine console (console/auth.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ AUTOSCALE_FIELDS: list[tuple[str, str, type, str]] = [
      "A new replica's start-up time: scale out when the queue would not clear within it."),
     ("scale_in_delay_s", "Scale-in delay (s)", float, "Demand must stay low this long before one replica stops."),
 ]
+POOL_FIELDS: list[tuple[str, str, str]] = [
+    ("prefill", "Prefill replicas", "Run prompts and ship their KV: more of them for long prompts or a tighter TTFT."),
+    ("decode", "Decode replicas", "Reserve blocks, receive the KV and generate: more of them for more streams."),
+]
+RECENT_CHANGES = 20  # fleet changes on the page; /admin/audit has the whole history
+FLEET_ACTIONS = ("policy", "autoscaler", "pools")
 
 
 def _client(request: Request) -> Any:
@@ -44,7 +51,14 @@ def _render(request: Request, ctx: dict[str, Any], status: int = 200) -> Templat
     return Template(name, context=ctx, status_code=status, headers=NO_STORE)
 
 
-def fleet_ctx(client: Any, **extra: Any) -> dict[str, Any]:
+def recent_changes(store: Any) -> list[Any]:
+    """The fleet's last policy, autoscaler and pool changes, newest first (the state file)."""
+    rows = [r for a in FLEET_ACTIONS for r in store.audit(limit=RECENT_CHANGES, action=a)]
+    return sorted(rows, key=lambda r: -r.id)[:RECENT_CHANGES]
+
+
+def fleet_ctx(request: Request, **extra: Any) -> dict[str, Any]:
+    client = _client(request)
     snap = client.snapshot()
     rows = []
     for st in snap.replicas:
@@ -57,12 +71,13 @@ def fleet_ctx(client: Any, **extra: Any) -> dict[str, Any]:
     # Disaggregated prefill/decode: each replica's pool and its KV transfers in the table.
     disagg = any(st.role != "engine" for st in snap.replicas)
     return {"snap": snap, "rows": rows, "when": when, "disagg": disagg, "policy_fields": POLICY_FIELDS,
-            "autoscale_fields": AUTOSCALE_FIELDS, "errors": {}, "values": {}, "saved": None, **extra}
+            "autoscale_fields": AUTOSCALE_FIELDS, "pool_fields": POOL_FIELDS,
+            "changes": recent_changes(request.app.state.store), "errors": {}, "values": {}, "saved": None, **extra}
 
 
 @get("/", name="fleet_dashboard", sync_to_thread=True)
 def fleet_page(request: Request, saved: str | None = None) -> Template:
-    return _render(request, fleet_ctx(_client(request), saved=saved))
+    return _render(request, fleet_ctx(request, saved=saved))
 
 
 def _apply(request: Request, client: Any, form: dict[str, Any]) -> Any:
@@ -87,11 +102,11 @@ def _apply(request: Request, client: Any, form: dict[str, Any]) -> Any:
                 store.record(s.who, "policy", changes={k: list(d) for k, d in diff.items()}, scope=replica,
                              client=s.client)
     if errors:
-        return _render(request, fleet_ctx(client, errors=errors, values=raw), 422)
+        return _render(request, fleet_ctx(request, errors=errors, values=raw), 422)
     saved = f"Policy applied to {replica or 'all replicas'}" if changes else "No change"
     if not is_htmx(request):
         return Redirect(f"/admin?saved={saved.replace(' ', '+')}", status_code=303)
-    return _render(request, fleet_ctx(client, saved=saved))
+    return _render(request, fleet_ctx(request, saved=saved))
 
 
 @post("/fleet/policy", name="fleet_policy", status_code=200)
@@ -100,13 +115,11 @@ async def fleet_policy(request: Request) -> Any:
     return await asyncio.to_thread(_apply, request, _client(request), form)
 
 
-@post("/fleet/autoscale", name="fleet_autoscale", status_code=200)
-async def fleet_autoscale(request: Request) -> Any:
-    client = _client(request)
-    form = dict(await request.form())
-    knobs: dict[str, Any] = {}
+def _numbers(form: dict[str, Any], fields: list[tuple[str, type]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The filled-in fields of a form as numbers, and an error per field that is not one."""
+    got: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    for name, _, typ, _ in AUTOSCALE_FIELDS:
+    for name, typ in fields:
         text = str(form.get(name, "")).strip()
         if not text:
             continue
@@ -114,29 +127,58 @@ async def fleet_autoscale(request: Request) -> Any:
         if err:
             errors[name] = err
         else:
-            knobs[name] = value
+            got[name] = value
+    return got, errors
+
+
+async def _change(request: Request, form: dict[str, Any], fields: list[tuple[str, type]], action: str,
+                  update: Any, saved: str) -> Any:
+    """Parse, apply with `update(values) -> {field: (old, new)}` (ValueError: the form's
+    error), audit-log what changed in the state file, render."""
+    values, errors = _numbers(form, fields)
     if not errors:
         try:
-            await asyncio.to_thread(client.update_autoscale, request.state.admin_session.who, knobs)
+            diff = await asyncio.to_thread(update, values)
         except ValueError as exc:
-            errors["autoscale"] = str(exc)
+            errors[action] = str(exc)
+        else:
+            if diff:
+                s = request.state.admin_session
+                request.app.state.store.record(s.who, action, changes={k: list(d) for k, d in diff.items()},
+                                               scope="fleet", client=s.client)
     if errors:
-        return _render(request, fleet_ctx(client, errors=errors, values={k: str(form.get(k, "")) for k in form}), 422)
+        return _render(request, fleet_ctx(request, errors=errors, values={k: str(form.get(k, "")) for k in form}), 422)
     if not is_htmx(request):
-        return Redirect("/admin?saved=Autoscaler+updated", status_code=303)
-    return _render(request, fleet_ctx(client, saved="Autoscaler updated"))
+        return Redirect(f"/admin?saved={saved.replace(' ', '+')}", status_code=303)
+    return _render(request, fleet_ctx(request, saved=saved))
+
+
+@post("/fleet/autoscale", name="fleet_autoscale", status_code=200)
+async def fleet_autoscale(request: Request) -> Any:
+    form = dict(await request.form())
+    return await _change(request, form, [(n, t) for n, _, t, _ in AUTOSCALE_FIELDS], "autoscaler",
+                         _client(request).update_autoscale, "Autoscaler updated")
+
+
+@post("/fleet/pools", name="fleet_pools", status_code=200)
+async def fleet_pools(request: Request) -> Any:
+    """Disaggregated: resize the prefill and decode pools (Ray Serve starts or drains replicas)."""
+    form = dict(await request.form())
+    return await _change(request, form, [(n, int) for n, _, _ in POOL_FIELDS], "pools",
+                         _client(request).update_pools, "Pools resized")
 
 
 @get("/fleet.json", name="fleet_json", sync_to_thread=True)
 def fleet_json(request: Request) -> Response:
     """The same snapshot as the page, for tools (replicas with pid and node, decisions,
-    autoscaler history, audit log)."""
+    autoscaler history, pool sizes, the last changes from the audit log)."""
     snap = _client(request).snapshot()
-    return Response(dataclasses.asdict(snap), headers=NO_STORE)
+    changes = [dataclasses.asdict(r) for r in recent_changes(request.app.state.store)]
+    return Response({**dataclasses.asdict(snap), "changes": changes}, headers=NO_STORE)
 
 
 def fleet_admin_router() -> Router:
     auth = AdminAuth()
     return Router(path="/admin", route_handlers=[login_form, login, logout, fleet_page, fleet_policy,
-                                                 fleet_autoscale, fleet_json, *STATE_ROUTES],
+                                                 fleet_autoscale, fleet_pools, fleet_json, *STATE_ROUTES],
                   before_request=auth.before_request, opt={"admin_auth": auth}, include_in_schema=False)

@@ -64,13 +64,6 @@ class RequestOutput:
     prompt_logprobs: list[Any] | None = None
 
 
-@dataclass
-class AuditEntry:
-    time: float
-    who: str
-    changes: dict[str, tuple[Any, Any]]  # field -> (old, new)
-
-
 @dataclass(eq=False)
 class _InFlight:
     """A launched step: its rows (request, samples a token?) in row order, and its outputs."""
@@ -126,7 +119,6 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._inflight: _InFlight | None = None
         self._last_read_back = 0.0
-        self.audit: list[AuditEntry] = []
         self._rng = random.Random()
         self._ids = itertools.count()
         self._last = dict(queries=0, hits=0, evictions=0, preemptions=0, rejections={})
@@ -258,7 +250,6 @@ class LLMEngine:
             new = old.replace(self.envelope, **changes)
             diff = {k: (getattr(old, k), getattr(new, k)) for k in changes if getattr(old, k) != getattr(new, k)}
             self._pending_policy = new
-            self.audit.append(AuditEntry(time.time(), who, diff))
             log.info("policy change by %s: %s", who, {k: f"{a} -> {b}" for k, (a, b) in diff.items()})
             return new
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from runtime.block_pool import hash_prompt_blocks
 from runtime.engine import RequestOutput
 from runtime.fleet.policy import ReplicaStats, RouteRequest
+from runtime.fleet.pools import Pools, is_replica_death
 from runtime.fleet.router import VIEW, FleetView, RoutingRecord
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded
@@ -30,13 +31,6 @@ from runtime.scheduler import Overloaded
 log = logging.getLogger("pagedjax.fleet")
 
 REPLICA_FAILED = "replica_failed"
-KV_TRANSFER_FAILED = "kv_transfer_failed"  # disaggregated: a transfer failed twice (console/api.py: 503)
-
-
-def _is_replica_death(exc: BaseException) -> bool:
-    import ray.exceptions as rex
-
-    return isinstance(exc, (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError))
 
 
 def relabel_metrics(texts: dict[str, bytes]) -> bytes:
@@ -73,14 +67,6 @@ def _num(v: float) -> str:
 
 
 @dataclass(frozen=True)
-class FleetAudit:
-    time: float
-    who: str
-    scope: str                      # "all replicas", a replica id, or "autoscaler"
-    changes: dict[str, Any]
-
-
-@dataclass(frozen=True)
 class FleetSnapshot:
     """What the fleet console reads (one model, no Ray objects)."""
 
@@ -94,13 +80,9 @@ class FleetSnapshot:
     queued: int
     queue_cap: int
     rejected: int
-    audit: list[FleetAudit]                # newest first
     policy: dict[str, Any]
     autoscale: dict[str, Any] | None       # knobs, or None when the replica count is fixed
-
-
-class _StageFailed(Exception):
-    """One stage of a disaggregated request's transfer failed (the message names it)."""
+    pools: dict[str, Any] | None = None    # disaggregated: {prefill, decode, max_replicas} as deployed
 
 
 class FleetClient:
@@ -109,19 +91,18 @@ class FleetClient:
                  pull_s: float = 0.1, view: FleetView = VIEW, policy: Any = None, envelope: Any = None,
                  autoscale: dict[str, Any] | None = None,
                  rescale: Callable[[dict[str, Any]], None] | None = None, route_at_gateway: bool = True,
-                 pools: dict[str, Any] | None = None) -> None:
+                 pools: Pools | None = None) -> None:
         self.handle, self.hub, self.view = handle, hub, view
-        # Disaggregated prefill/decode: {"prefill": handle, "decode": handle} (else None:
-        # colocated, every request goes through `handle`).
+        # Disaggregated prefill/decode: the two pools (else None: colocated, every request
+        # goes through `handle`).
         self.pools = pools
-        self.kv_transfer_retries = 0   # transfers that failed and were tried again
-        self.kv_transfer_failed = 0    # requests failed after the retry
+        if pools is not None:
+            pools.client = self
         self.policy, self.envelope = policy, envelope  # the fleet-wide admission policy (console form)
         self.autoscale, self._rescale = autoscale, rescale
         # False with Ray's default router (benchmark baseline): no routing or fleet
         # admission here, Ray picks the replica.
         self.route_at_gateway = route_at_gateway
-        self.audit: list[FleetAudit] = []
         self._replica_policy: dict[str, Any] = {}  # per-replica overrides (else the fleet policy)
         self._initial_policy = policy               # what a new replica starts with (the CLI flags)
         self._known: set[str] = set()
@@ -269,8 +250,8 @@ class FleetClient:
         if not prompt_ids:
             raise ValueError("prompt: must contain at least one token")
         req = self.route_request(prompt_ids, params, cache_salt)
-        if self.pools is not None:
-            return await self._asubmit_disagg(prompt_ids, params, request_id, priority, cache_salt, req)
+        if self.pools is not None:  # disaggregated prefill/decode (runtime/fleet/pools.py)
+            return await self.pools.asubmit(prompt_ids, params, request_id, priority, cache_salt, req)
         hint = await self._admit(request_id, req)
         payload = {"prompt_ids": [int(t) for t in prompt_ids], "params": params, "request_id": request_id,
                    "priority": priority, "cache_salt": cache_salt, "replica_hint": hint,
@@ -288,7 +269,7 @@ class FleetClient:
             except StopAsyncIteration:
                 raise RuntimeError("the replica closed the stream before accepting") from None
             except Exception as exc:  # noqa: BLE001
-                if attempt < 2 and _is_replica_death(exc):
+                if attempt < 2 and is_replica_death(exc):
                     log.warning("request %s: replica died before accepting it; sending it again", request_id)
                     if hint is not None:
                         self.view.mark_dead(hint)
@@ -300,137 +281,14 @@ class FleetClient:
             if first["rejected"] == "overloaded":
                 raise Overloaded(first.get("reason", "overloaded"), first["message"])
             raise ValueError(first["message"])
+        return request_id, self._stream(request_id, hint, first["accepted"], gen)
+
+    def _stream(self, request_id: str, hint: str | None, replica: str, gen: Any) -> asyncio.Queue:
+        """The accepted stream's outputs, forwarded into the queue the web layer reads."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        task = asyncio.ensure_future(self._forward(request_id, first["accepted"], gen, queue))
+        task = asyncio.ensure_future(self._forward(request_id, replica, gen, queue))
         self._streams[request_id] = (gen, task)
-        return request_id, queue
-
-    # --- disaggregated prefill/decode ----------------------------------------------------------
-    def _pool(self, role: str) -> list[ReplicaStats]:
-        return [s for s in self.view.live() if s.role == role and not s.draining]
-
-    async def _reserve(self, request_id: str, req: RouteRequest, payload: dict[str, Any]) -> dict[str, Any]:
-        """A reservation on some decode replica, most free blocks first; while none has
-        room the request waits in the fleet queue (nothing is prefilled meanwhile)."""
-        async def attempt() -> tuple[dict[str, Any] | None, str]:
-            why = []
-            pending = self.view.pending()
-            for st in sorted(self._pool("decode"), key=lambda s: (-(s.headroom_blocks - pending.get(s.replica,
-                                                                                                   (0, 0))[0]),
-                                                                  s.replica)):
-                ans = await self.pools["decode"].reserve.remote({**payload, "replica_hint": st.replica})
-                if "invalid" in ans:
-                    raise ValueError(ans["invalid"])
-                if "reservation_id" in ans:
-                    return ans, ""
-                why.append(f"{st.replica}: {ans['no_room']}")
-            return None, "; ".join(why) or "no decode replica is reporting"
-
-        got, why = await attempt()
-        if got is not None:
-            return got
-        last = [why]
-
-        async def again() -> dict[str, Any] | None:
-            got, last[0] = await attempt()
-            return got
-
-        return await self._wait_in_queue(req, again, 0.1, f"no decode replica can reserve the request's blocks ({why})",
-                                         lambda: f"no decode replica could reserve the request's blocks ({last[0]})")
-
-    def _pick_prefill(self, request_id: str, req: RouteRequest) -> str | None:
-        """The prefill replica by the fleet policy (longest cached prefix, then most free
-        blocks); one with no room still takes it (its own queue), most headroom first."""
-        names = {s.replica for s in self._pool("prefill")}
-        if not names:
-            return None
-        pre = RouteRequest(req.block_hashes, req.prompt_tokens, 1)  # it computes the prompt and one token
-        d = self.view.decide(pre, names)
-        if d.replica is None:
-            from runtime.fleet.policy import Decision
-
-            best = max(self._pool("prefill"), key=lambda s: (s.headroom_blocks, s.replica))
-            d = Decision(best.replica, "tie", 0, d.skipped)
-        self.view.note_routed(request_id, pre, d)
-        return d.replica
-
-    async def _asubmit_disagg(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                              priority: str, cache_salt: str | None, req: RouteRequest
-                              ) -> tuple[str, asyncio.Queue]:
-        """Reserve on a decode replica, then prefill + export on a prefill replica, then
-        receive + import + generate on the reserved decode replica, streamed like a
-        colocated request. A failed or timed-out transfer frees both sides and is tried
-        once more (a new reservation); then the request ends with kv_transfer_failed."""
-        base = {"prompt_ids": [int(t) for t in prompt_ids], "params": params, "request_id": request_id,
-                "priority": priority, "cache_salt": cache_salt}
-        errors: list[str] = []
-        for attempt in (1, 2):
-            res = await self._reserve(request_id, req, base)  # Overloaded / ValueError: nothing held anywhere
-            dec, pre, sent, gen = res["replica"], None, None, None
-            try:
-                if res["num_transfer"]:
-                    pre = self._pick_prefill(f"{request_id}/prefill{attempt}", req)
-                    if pre is None:
-                        raise _StageFailed("prefill: no prefill replica is reporting")
-                    try:
-                        out = await self.pools["prefill"].prefill_export.remote(
-                            {**base, "request_id": f"{request_id}/prefill{attempt}", "replica_hint": pre,
-                             "skip_blocks": res["skip_blocks"]})
-                    except Exception as exc:  # noqa: BLE001 -- the replica died or Ray failed the call
-                        raise _StageFailed(f"prefill on replica {pre}: {type(exc).__name__}") from None
-                    if "error" in out:
-                        raise _StageFailed(out["error"])
-                    sent = out["handle"]
-                gen = self.pools["decode"].options(stream=True).import_and_generate.remote(
-                    {**base, "replica_hint": dec, "reservation_id": res["reservation_id"], "handle": sent})
-                try:
-                    first = await gen.__anext__()
-                except asyncio.CancelledError:
-                    gen.cancel()
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    raise _StageFailed(f"import on decode replica {dec}: {type(exc).__name__}") from None
-                res = None  # the decode replica owns (or released) the reservation now
-            except _StageFailed as exc:
-                errors.append(str(exc))
-                log.warning("request %s: KV transfer attempt %d failed: %s", request_id, attempt, exc)
-                if attempt == 1:
-                    self.kv_transfer_retries += 1
-                continue
-            finally:
-                if res is not None:  # released on every path that did not hand it over
-                    asyncio.ensure_future(self._quiet(self.pools["decode"].release.remote(
-                        {"replica_hint": dec, "reservation_id": res["reservation_id"]})))
-                if sent is not None:
-                    asyncio.ensure_future(self._quiet(self.pools["prefill"].drop.remote(
-                        {"replica_hint": pre, "handle": sent})))
-            if first.get("rejected") == "transfer":
-                errors.append(first["message"])
-                log.warning("request %s: KV transfer attempt %d failed: %s", request_id, attempt, first["message"])
-                if attempt == 1:
-                    self.kv_transfer_retries += 1
-                continue
-            if "rejected" in first:
-                if first["rejected"] == "overloaded":
-                    raise Overloaded(first.get("reason", "overloaded"), first["message"])
-                raise ValueError(first["message"])
-            queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            task = asyncio.ensure_future(self._forward(request_id, first["accepted"], gen, queue))
-            self._streams[request_id] = (gen, task)
-            return request_id, queue
-        self.kv_transfer_failed += 1
-        queue = asyncio.Queue()
-        queue.put_nowait(RequestOutput(request_id, [], "", finished=True, finish_reason="error",
-                                       error=f"{KV_TRANSFER_FAILED}: the KV transfer failed twice "
-                                             f"({' / then: '.join(errors)})"))
-        return request_id, queue
-
-    @staticmethod
-    async def _quiet(ref: Any) -> None:
-        try:
-            await ref
-        except Exception as exc:  # noqa: BLE001 -- the replica is gone; its TTL covers the rest
-            log.warning("disaggregated clean-up call failed: %s", type(exc).__name__)
+        return queue
 
     async def _forward(self, rid: str, replica: str, gen: Any, queue: asyncio.Queue) -> None:
         finished = False
@@ -444,7 +302,7 @@ class FleetClient:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 -- becomes the stream's error event
-            if _is_replica_death(exc):
+            if is_replica_death(exc):
                 self.view.mark_dead(replica)
             log.error("request %s: replica %s failed mid-stream: %s", rid, replica, type(exc).__name__)
             queue.put_nowait(RequestOutput(rid, [], "", finished=True, finish_reason="error",
@@ -477,7 +335,6 @@ class FleetClient:
             self._replica_policy.update(new)
             if fleet_new is not None:
                 self.policy = fleet_new
-            self.audit.append(FleetAudit(time.time(), who, replica or "all replicas", dict(changes)))
         log.info("policy change by %s for %s: %s", who, replica or "all replicas", changes)
 
     def policy_for(self, replica: str | None) -> Any:
@@ -485,8 +342,9 @@ class FleetClient:
         with self.lock:
             return self._replica_policy.get(replica or "", self.policy)
 
-    def update_autoscale(self, who: str, knobs: dict[str, Any]) -> dict[str, Any]:
-        """Validate and apply new autoscaler knobs (Ray Serve updates the deployment in place)."""
+    def update_autoscale(self, knobs: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Validate and apply new autoscaler knobs (Ray Serve updates the deployment in place)
+        -> {knob: (old, new)} for what changed (the console audit-logs it)."""
         from runtime.fleet.policy import ScaleKnobs
 
         if self.autoscale is None or self._rescale is None:
@@ -495,24 +353,27 @@ class FleetClient:
         ScaleKnobs(**merged).validate()
         self._rescale(merged)
         with self.lock:
-            old = self.autoscale
-            self.autoscale = merged
-            self.audit.append(FleetAudit(time.time(), who, "autoscaler",
-                                         {k: (old.get(k), v) for k, v in knobs.items() if old.get(k) != v}))
-        return merged
+            old, self.autoscale = self.autoscale, merged
+        return {k: (old.get(k), v) for k, v in knobs.items() if old.get(k) != v}
+
+    def update_pools(self, sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """Disaggregated: new pool sizes (runtime/fleet/pools.py) -> {pool: (old, new)}."""
+        if self.pools is None:
+            raise ValueError("pools: this fleet is colocated (start it with --prefill-replicas/--decode-replicas)")
+        with self.lock:
+            return self.pools.resize(sizes)
 
     # --- views -----------------------------------------------------------------------------------
     def snapshot(self) -> FleetSnapshot:
         live = self.view.live()
         with self.lock:
-            audit = list(reversed(self.audit))
             policy = self.policy.to_json() if self.policy is not None else {}
             auto = dict(self.autoscale) if self.autoscale else None
         return FleetSnapshot(time.time(), live, {s.replica: self.view.residency.num_blocks(s.replica) for s in live},
                              self.view.pending(),
                              list(reversed(self.view.decisions)), dict(self.view.reasons),
-                             list(reversed(self.scale_history)), self.queued, self.queue_cap, self.rejected, audit,
-                             policy, auto)
+                             list(reversed(self.scale_history)), self.queued, self.queue_cap, self.rejected,
+                             policy, auto, self.pools.view() if self.pools is not None else None)
 
     def replica_metrics(self, replica: str) -> bytes | None:
         """One replica's own exposition (no replica label), or None if it is not reporting."""
@@ -535,14 +396,5 @@ class FleetClient:
               for r, n in sorted(self.view.reasons.items())),
         ]
         if self.pools is not None:
-            lines += [
-                "# HELP pagedjax:fleet_replica_role Each replica's pool (disaggregated prefill/decode)",
-                "# TYPE pagedjax:fleet_replica_role gauge",
-                *(f'pagedjax:fleet_replica_role{{replica="{s.replica}",role="{s.role}"}} 1' for s in live),
-                "# HELP pagedjax:fleet_kv_transfer_retries KV transfers that failed and were tried again",
-                "# TYPE pagedjax:fleet_kv_transfer_retries counter",
-                f"pagedjax:fleet_kv_transfer_retries_total {self.kv_transfer_retries}",
-                "# HELP pagedjax:fleet_kv_transfer_failed Requests failed because their KV transfer failed twice",
-                "# TYPE pagedjax:fleet_kv_transfer_failed counter",
-                f"pagedjax:fleet_kv_transfer_failed_total {self.kv_transfer_failed}"]
+            lines += self.pools.metric_lines(live)
         return relabel_metrics(self._metrics) + ("\n".join(lines) + "\n").encode()

@@ -34,8 +34,9 @@ NAMESPACE = "pagedjax"
 # that crashed between the steps must not leak blocks or object-store memory).
 RESERVATION_TTL_S = 30.0
 TRANSFER_TIMEOUT_S = 10.0
-# Test hook: a file holding a number N makes the prefill replica's next N sends fail
-# (tests/fleet/test_fleet_disagg.py plants a transfer failure this way).
+# Test hook: a file holding a number N makes the prefill replica's next N sends fail;
+# holding "exit", the replica process dies at its next send (the file is reset to 0 first,
+# so its replacement serves). tests/fleet/test_fleet_disagg.py plants failures this way.
 FAULT_FILE_ENV = "PAGEDJAX_FAULT_KV_SEND_FILE"
 
 
@@ -339,7 +340,13 @@ class EngineReplica:
         if not path or not os.path.exists(path):
             return
         with open(path) as f:
-            n = int(f.read().strip() or 0)
+            text = f.read().strip()
+        if text == "exit":
+            with open(path, "w") as f:
+                f.write("0")
+            log.warning("planted fault (%s): replica %s exits mid-transfer", FAULT_FILE_ENV, self.name)
+            os._exit(1)
+        n = int(text or 0)
         if n > 0:
             with open(path, "w") as f:
                 f.write(str(n - 1))

@@ -61,7 +61,8 @@ def add_fleet_parser(sub: Any) -> None:
     g.add_argument("--fleet-queue-timeout", type=float, default=30.0)
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling floor (default: --replicas)")
     g.add_argument("--max-replicas", type=int, default=None,
-                   help="autoscaling ceiling; above --min-replicas turns the autoscaler on")
+                   help="autoscaling ceiling; above --min-replicas turns the autoscaler on (disaggregated: the "
+                        "most replicas both pools may grow to from the console)")
     g.add_argument("--scale-horizon", type=float, default=60.0,
                    help="seconds a new replica takes to start: the queue must clear within it")
     g.add_argument("--scale-in-delay", type=float, default=60.0)
@@ -137,6 +138,7 @@ class Fleet:
         self.hub: Any = None
         self.handle: Any = None
         self.pools: dict[str, Any] = {}  # disaggregated: pool -> its deployment handle
+        self.pool_specs: dict[str, dict[str, Any]] = {}  # pool -> the spec its replicas got (kept for resizes)
         self.spec: dict[str, Any] = {}
         self.threads = 0
         self.joined = False
@@ -151,7 +153,10 @@ class Fleet:
         a = self.args
         address = a.address or os.environ.get("RAY_ADDRESS") or None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        total = a.prefill_replicas + a.decode_replicas if disaggregated(a) else (a.max_replicas or a.replicas)
+        # The most replicas this fleet may run (disaggregated: both pools, with the room
+        # --max-replicas leaves for the console to grow them).
+        total = (max(a.prefill_replicas + a.decode_replicas, a.max_replicas or 0) if disaggregated(a)
+                 else (a.max_replicas or a.replicas))
         threads = a.threads_per_replica or (max(1, cores // max(1, total)) if not address else 0)
         env = {k: v for k, v in os.environ.items() if k.startswith(("PAGEDJAX_", "XLA_", "JAX_"))}
         self.joined = bool(address)
@@ -191,15 +196,34 @@ class Fleet:
 
         a = self.args
         for pool in POOLS:
-            spec = {**self.spec, "role": pool, "rank_offset": a.prefill_replicas if pool == "decode" else 0,
-                    "transfer_timeout_s": a.kv_transfer_timeout}
-            app = serve.deployment(EngineReplica, **deployment_options(a, self.threads, pool)).bind(spec)
-            serve._run(app, _blocking=False, name=f"{APP_NAME}-{pool}", route_prefix=None)
+            self.pool_specs[pool] = {**self.spec, "role": pool, "transfer_timeout_s": a.kv_transfer_timeout,
+                                     "rank_offset": a.prefill_replicas if pool == "decode" else 0}
+            self._deploy_pool(pool)
         log.info("starting %d prefill and %d decode replica(s) of %s (%s cores each)", a.prefill_replicas,
                  a.decode_replicas, self.checkpoint.name, self.threads or "all")
         for pool in POOLS:
             self._wait_running(progress, app_name=f"{APP_NAME}-{pool}", deployment=pool)
             self.pools[pool] = serve.get_deployment_handle(pool, app_name=f"{APP_NAME}-{pool}")
+
+    def _deploy_pool(self, pool: str) -> None:
+        from ray import serve
+
+        from runtime.fleet.replica import EngineReplica
+
+        app = serve.deployment(EngineReplica, **deployment_options(self.args, self.threads, pool)).bind(
+            self.pool_specs[pool])
+        serve._run(app, _blocking=False, name=f"{APP_NAME}-{pool}", route_prefix=None)
+
+    def resize_pools(self, sizes: dict[str, int]) -> None:
+        """New pool sizes (the console): redeploy each changed pool with the same code and
+        spec, so Ray Serve only adds or drains replicas (no restarts of the others). A
+        replica added later pins cores after the pools' starting ranks."""
+        a = self.args
+        for pool in POOLS:
+            attr = f"{pool}_replicas"
+            if sizes[pool] != getattr(a, attr):
+                setattr(a, attr, sizes[pool])
+                self._deploy_pool(pool)
 
     def _wait_running(self, progress: bool, timeout_s: float = 1800.0, app_name: str = APP_NAME,
                       deployment: str = DEPLOYMENT) -> None:
@@ -259,7 +283,16 @@ class Fleet:
                            min(sc.max_model_len, ecfg.cache.num_tokens), ecfg.cache.block_size,
                            queue_cap=a.fleet_queue_cap, queue_timeout_s=a.fleet_queue_timeout, policy=ecfg.policy,
                            envelope=sc, autoscale=self.autoscale_knobs(), rescale=self.rescale,
-                           route_at_gateway=a.router == "prefix", pools=self.pools or None)
+                           route_at_gateway=a.router == "prefix", pools=self._pools())
+
+    def _pools(self) -> Any:
+        if not self.pools:
+            return None
+        from runtime.fleet.pools import Pools
+
+        a = self.args
+        sizes = {"prefill": a.prefill_replicas, "decode": a.decode_replicas}
+        return Pools(dict(self.pools), sizes, max(sum(sizes.values()), a.max_replicas or 0), self.resize_pools)
 
     def shutdown(self) -> None:
         """A local instance goes entirely; on a cluster we joined only our application and hub
@@ -311,9 +344,12 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
         # each disaggregated call to a replica through the prefix-aware router.
         if args.prefill_replicas < 1 or args.decode_replicas < 1:
             raise ValueError("--prefill-replicas/--decode-replicas: both must be at least 1 to disaggregate")
-        if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None:
-            raise ValueError("--prefill-replicas/--decode-replicas: fixed pools; leave out --replicas, "
-                             "--min-replicas and --max-replicas")
+        if args.replicas is not None or args.min_replicas is not None:
+            raise ValueError("--prefill-replicas/--decode-replicas: pools sized by those flags (and from the "
+                             "console); leave out --replicas and --min-replicas")
+        if args.max_replicas is not None and args.max_replicas < args.prefill_replicas + args.decode_replicas:
+            raise ValueError(f"--max-replicas: {args.max_replicas} is fewer than the pools' "
+                             f"{args.prefill_replicas + args.decode_replicas} replicas")
         if args.router != "prefix":
             raise ValueError("--prefill-replicas/--decode-replicas: need --router prefix")
         if getattr(args, "no_prefix_cache", False):

@@ -4,7 +4,7 @@ moving through Ray's object store. One fleet for the module; the tests run in or
 
 Replica KV: 512 KiB = 64 blocks of 16 tokens, watermark 4 blocks, reserve mode: a request
 with prompt + max_tokens of 910 reserves 57 blocks, so the decode replica then has no room
-for a 50 + 400 token one.
+for a 50 + 400 token one. --max-replicas 3 leaves room for the console to add a replica.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.fleet
 
 ENGINE_FLAGS = ("--admission-mode", "reserve", "--kv-cache-memory", "512KiB", "--max-num-seqs", "4")
-FLEET = ("--prefill-replicas", "1", "--decode-replicas", "1", "--threads-per-replica", "1", *ENGINE_FLAGS,
+FLEET = ("--prefill-replicas", "1", "--decode-replicas", "1", "--max-replicas", "3", "--threads-per-replica", "1",
+         *ENGINE_FLAGS,
          "--fleet-queue-cap", "4", "--fleet-queue-timeout", "120", "--kv-transfer-timeout", "10")
 
 
@@ -99,10 +100,10 @@ def reference(tiny_ckpt):
 
 def test_cli_refuses_disaggregation_with_replica_flags(tiny_ckpt):
     r = subprocess.run([sys.executable, "-m", "runtime.cli", "fleet", "serve", "--checkpoint", str(tiny_ckpt),
-                        "--prefill-replicas", "1", "--decode-replicas", "1", "--max-replicas", "3"],
+                        "--prefill-replicas", "1", "--decode-replicas", "1", "--replicas", "3"],
                        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
     assert r.returncode == 2, r.stderr
-    assert "--prefill-replicas/--decode-replicas: fixed pools" in r.stderr and "Traceback" not in r.stderr
+    assert "leave out --replicas and --min-replicas" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_same_tokens_as_one_engine_and_transfers_reported(fleet, console, reference):
@@ -118,8 +119,9 @@ def test_same_tokens_as_one_engine_and_transfers_reported(fleet, console, refere
         assert r.json()["choices"][0]["text"] == want, params
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # imported, not recomputed
     settle(console)
-    rs = wait_for(lambda: (x := roles(console))["decode"]["kv_transfers"] == 2 and x, 10, "the transfers in the stats")
-    assert rs["prefill"]["kv_transfers"] == 2
+    # (each replica reports on its own beat: wait for both)
+    rs = wait_for(lambda: (x := roles(console))["decode"]["kv_transfers"] == x["prefill"]["kv_transfers"] == 2 and x,
+                  10, "the transfers in both replicas' stats")
     assert rs["prefill"]["kv_transfer_bytes"] == rs["decode"]["kv_transfer_bytes"] > 0
     assert rs["prefill"]["kv_transfer_ms"] > 0 and rs["decode"]["kv_transfer_ms"] > 0
 
@@ -188,3 +190,78 @@ def test_failed_transfer_retried_once_then_clear_error_and_nothing_leaked(fleet,
     assert fleet.metric("pagedjax:fleet_kv_transfer_retries_total") == 2
     assert fleet.metric("pagedjax:fleet_kv_transfer_failed_total") == 1
     assert completion(fleet, prompt(301, 50), max_tokens=4).status_code == 200  # and it serves again
+
+
+def test_prefill_replica_dying_mid_transfer_frees_the_reservation_and_the_pool_recovers(fleet, console, fault_file,
+                                                                                       reference):
+    from runtime.sampling import SamplingParams
+
+    settle(console)
+    dead = roles(console)["prefill"]["replica"]
+    retries = fleet.metric("pagedjax:fleet_kv_transfer_retries_total")
+    fault_file.write_text("exit")  # the prefill replica's process exits at its next send
+    r = completion(fleet, prompt(400, 50), max_tokens=4)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "kv_transfer_failed"
+    # Attempt 1 saw the replica die; the retry did not go back to it (none left reporting).
+    assert f"prefill on replica {dead}: ActorDiedError" in err["message"], err
+    assert "no prefill replica is reporting" in err["message"], err
+    assert fleet.metric("pagedjax:fleet_kv_transfer_retries_total") == retries + 1
+    # Both reservations released (the release is sent as the attempt ends; the stats follow).
+    wait_for(lambda: (d := roles(console)["decode"])["used_blocks"] == d["running"] == 0, 10,
+             "the decode replica to hold no blocks")
+    # Ray Serve replaces the replica; the fleet serves again, with the same tokens.
+    wait_for(lambda: (p := roles(console).get("prefill")) and p["replica"] != dead, 180,
+             "a replacement prefill replica to report")
+    settle(console)
+    ids = prompt(401, 50)
+    r = completion(fleet, ids, max_tokens=6)
+    assert r.status_code == 200, r.text
+    want = "".join(reference.generate_text(ids, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)))
+    assert r.json()["choices"][0]["text"] == want
+
+
+def test_console_resizes_the_pools(fleet, console):
+    settle(console)
+    page = console.get("/admin").text
+    assert 'id="pools"' in page and 'id="pool-size-decode">1<' in page and "at most 3 replicas" in page
+    nonce = re.search(r'name="_csrf" value="([^"]+)"', page).group(1)
+
+    def post(**sizes) -> httpx.Response:
+        return console.post("/admin/fleet/pools", data={"_csrf": nonce, **{k: str(v) for k, v in sizes.items()}},
+                            headers={"HX-Request": "true"})
+
+    # Refused with the reason, nothing changed: below one, above --max-replicas, not a number.
+    for sizes, why in [(dict(decode=0), "decode_replicas: must be a whole number of at least 1"),
+                       (dict(prefill=2, decode=2), "more than the fleet&#39;s 3"),
+                       (dict(decode="two"), "decode")]:
+        r = post(**sizes)
+        assert r.status_code == 422 and why in r.text, (sizes, r.text[:2000])
+    assert state(console)["pools"] == {"prefill": 1, "decode": 1, "max_replicas": 3}
+
+    r = post(prefill=1, decode=2)
+    assert r.status_code == 200 and "Pools resized" in r.text, r.text[:2000]
+    assert state(console)["pools"]["decode"] == 2
+    wait_for(lambda: sum(x["role"] == "decode" for x in state(console)["replicas"]) == 2, 180,
+             "a second decode replica to report")
+    assert fleet.metric("pagedjax:fleet_pool_replicas", pool="decode") == 2
+    change = state(console)["changes"][0]
+    assert change["action"] == "pools" and change["detail"]["changes"] == {"decode": [1, 2]}, change
+    assert change["who"] == "admin"
+    # Two long streams: each decode replica can hold one (32 of 64 blocks), the new one takes the second.
+    client = fleet.openai(timeout=120)
+    streams = [client.completions.create(model=fleet.model, prompt=prompt(500 + i, 10), max_tokens=490,
+                                         extra_body={"ignore_eos": True}, stream=True) for i in range(2)]
+    for st in streams:
+        assert next(iter(st)).choices
+    wait_for(lambda: all(x["running"] == 1 for x in state(console)["replicas"] if x["role"] == "decode"), 20,
+             "one stream on each decode replica")
+    for st in streams:
+        st.close()
+
+    assert post(decode=1).status_code == 200
+    wait_for(lambda: sum(x["role"] == "decode" for x in state(console)["replicas"]) == 1, 180,
+             "the decode pool back to one replica")
+    settle(console)
+    assert completion(fleet, prompt(600, 50), max_tokens=4).status_code == 200

@@ -221,10 +221,11 @@ def test_policy_change_for_one_replica_from_the_console(fleet, console):
     assert r.status_code == 200 and f"Policy applied to {a}" in r.text
     modes = lambda: {x["replica"]: x["admission_mode"] for x in state(console)["replicas"]}  # noqa: E731
     wait_for(lambda: modes() == {a: "optimistic", b: "reserve"}, 10, "the change to reach one replica only")
-    audit = state(console)["audit"][0]
-    assert audit["scope"] == a and audit["changes"] == {"admission_mode": "optimistic"}
-    stored = StateStore.open(fleet.state_dir).audit(limit=1, action="policy")[0]   # the durable audit log too
-    assert stored.detail["scope"] == a and stored.detail["changes"] == {"admission_mode": ["reserve", "optimistic"]}
+    change = state(console)["changes"][0]  # the page's last changes: the state file's audit log
+    assert change["action"] == "policy" and change["detail"]["scope"] == a
+    assert change["detail"]["changes"] == {"admission_mode": ["reserve", "optimistic"]}
+    stored = StateStore.open(fleet.state_dir).audit(limit=1, action="policy")[0]
+    assert stored.id == change["id"] and stored.who == "admin"
     # Back to the fleet-wide setting for the tests that follow.
     console.post("/admin/fleet/policy", data={"_csrf": csrf, "admission_mode": "reserve", "replica": a})
     wait_for(lambda: set(modes().values()) == {"reserve"}, 10, "reserve mode on both")
@@ -284,8 +285,8 @@ def test_scale_in_drains_then_scale_out_under_load(fleet, console):
     wait_for(lambda: len((st := state(console))["replicas"]) == 1 and any(
         e["to"] < e["from"] and e["reason"].startswith("scale in") for e in st["scale_history"]), 120,
         "scale-in to one replica, in the scale history")
-    audit = state(console)["audit"]
-    assert audit[0]["scope"] == "autoscaler" and "scale_in_delay_s" in audit[0]["changes"]
+    change = state(console)["changes"][0]
+    assert change["action"] == "autoscaler" and change["detail"]["changes"]["scale_in_delay_s"][1] == 1
     # Put the delay back up, then queue more work than one replica can hold.
     console.post("/admin/fleet/autoscale", data={"_csrf": csrf, "scale_in_delay_s": "600"})
     bodies = [{"model": fleet.model, "prompt": f"load {i} " * 4, "max_tokens": 400, "ignore_eos": True}

@@ -162,3 +162,22 @@ def test_a_replica_start_failure_becomes_one_line():
                         "FileNotFoundError: /models/x: not a pagedjax checkpoint (no config.json)\n")
     assert _one_line(wall) == "FileNotFoundError: /models/x: not a pagedjax checkpoint (no config.json)"
     assert _one_line(RuntimeError("just text")) == "just text"
+
+
+def test_pool_resize_validates_then_redeploys_only_what_changed():
+    from runtime.fleet.pools import Pools
+
+    calls = []
+    pools = Pools({}, {"prefill": 1, "decode": 1}, 3, calls.append)
+    for sizes, msg in [({"decode": 0}, "decode_replicas: must be a whole number of at least 1"),
+                       ({"prefill": 2, "decode": 2}, "2 \\+ 2 replicas is more than the fleet's 3"),
+                       ({"prefill": 1.5}, "prefill_replicas")]:
+        with pytest.raises(ValueError, match=msg):
+            pools.resize(sizes)
+    assert calls == [] and pools.sizes == {"prefill": 1, "decode": 1}
+    assert pools.resize({"prefill": 1}) == {} and calls == []          # no change: no redeploy
+    assert pools.resize({"decode": 2}) == {"decode": (1, 2)}
+    assert calls == [{"prefill": 1, "decode": 2}] and pools.view() == {"prefill": 1, "decode": 2, "max_replicas": 3}
+    assert 'pagedjax:fleet_pool_replicas{pool="decode"} 2' in pools.metric_lines([])
+    with pytest.raises(ValueError, match="cannot be resized"):
+        Pools({}, {"prefill": 1, "decode": 1}, 3).resize({"decode": 2})

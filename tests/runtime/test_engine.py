@@ -89,18 +89,16 @@ def test_live_watermark_lowers_concurrency(tiny_ckpt):
     # 32 of 64 blocks are held back: admissions stop once fewer than 32 + 3 are free
     assert len(eng.scheduler.running) == 10
     eng.run_until_done()
-    entry = eng.audit[-1]
-    assert entry.who == "tester" and entry.changes == {"watermark": (0.0, 0.5)}
 
 
 @pytest.mark.parametrize("changes,field", [({"watermark": 1.5}, "watermark"), ({"watermark": -0.1}, "watermark"),
                                            ({"max_num_batched_tokens": 10**6}, "max_num_batched_tokens"),
                                            ({"bogus": 1}, "bogus"), ({"admission_mode": "yolo"}, "admission_mode")])
 def test_invalid_policy_rejected_and_old_kept(engine, changes, field):
-    before, audit = engine.policy, len(engine.audit)
+    before = engine.policy
     with pytest.raises(ValueError, match=field):
         engine.update_policy("tester", **changes)
-    assert engine.policy == before and len(engine.audit) == audit
+    assert engine.policy == before
 
 
 def test_failed_step_fails_only_its_requests(engine):
