@@ -84,23 +84,31 @@ class Pools:
 
     # --- one request -------------------------------------------------------------------------
     async def _reserve(self, request_id: str, req: RouteRequest, payload: dict[str, Any]) -> dict[str, Any]:
-        """A reservation on some decode replica, most free blocks first; while none has
-        room the request waits in the fleet queue (nothing is prefilled meanwhile)."""
+        """A reservation on some decode replica: the one the fleet policy picks (longest
+        prefix of the prompt already in its cache, then most free blocks counting what was
+        just reserved there, round-robin on ties), then the others by headroom. While none
+        has room the request waits in the fleet queue (nothing is prefilled meanwhile)."""
         client = self.client
         assert client is not None
+        view = client.view
 
         async def attempt() -> tuple[dict[str, Any] | None, str]:
             why = []
-            pending = client.view.pending()
-            for st in sorted(self.live("decode"), key=lambda s: (-(s.headroom_blocks - pending.get(s.replica,
-                                                                                                  (0, 0))[0]),
-                                                                 s.replica)):
-                ans = await self.handles["decode"].reserve.remote({**payload, "replica_hint": st.replica})
+            live = self.live("decode")
+            d = view.decide(req, {s.replica for s in live})
+            pending = view.pending()
+            rest = sorted((s for s in live if s.replica != d.replica),
+                          key=lambda s: (-(s.headroom_blocks - pending.get(s.replica, (0, 0))[0]), s.replica))
+            for name in ([d.replica] if d.replica else []) + [s.replica for s in rest]:
+                ans = await self.handles["decode"].reserve.remote({**payload, "replica_hint": name})
                 if "invalid" in ans:
                     raise ValueError(ans["invalid"])
                 if "reservation_id" in ans:
+                    # Counted against that replica until its stats show the request.
+                    view.note_routed(request_id, req, d if ans["replica"] == d.replica else
+                                     Decision(ans["replica"], "free_blocks", 0, d.skipped))
                     return ans, ""
-                why.append(f"{st.replica}: {ans['no_room']}")
+                why.append(f"{name}: {ans['no_room']}")
             return None, "; ".join(why) or "no decode replica is reporting"
 
         got, why = await attempt()

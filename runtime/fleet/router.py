@@ -44,7 +44,9 @@ class FleetView:
         self._seen: dict[str, float] = {}
         self._routed: dict[str, dict[str, tuple[float, int]]] = {}  # replica -> request id -> (when, blocks)
         self._lock = threading.Lock()
-        self._last_tie: str | None = None
+        # The last tie-break winner per role: disaggregated prefill and decode pools rotate
+        # their ties separately (one pool's decisions must not reset the other's turn).
+        self._last_tie: dict[str, str] = {}
         self.decisions: deque[RoutingRecord] = deque(maxlen=DECISIONS_KEPT)
         self.seq = 0
         self.dead: set[str] = set()
@@ -117,14 +119,15 @@ class FleetView:
         with self._lock:
             pending = {s.replica: self._pending(s.replica) for s in replicas}
         return route(req, replicas, lambda r: self.residency.matched(r, req.block_hashes),
-                     lambda r: pending[r][0], lambda r: pending[r][1], self.imbalance, self._last_tie)
+                     lambda r: pending[r][0], lambda r: pending[r][1], self.imbalance,
+                     self._last_tie.get(replicas[0].role) if replicas else None)
 
     def note_routed(self, request_id: str, req: RouteRequest, d: Decision) -> None:
         now = time.time()
         if d.replica is not None:
-            if d.reason == "tie":
-                self._last_tie = d.replica
             st = self.stats(d.replica)
+            if d.reason == "tie":
+                self._last_tie[st.role if st else ""] = d.replica
             blocks = 0 if st is None else max(0, -(-(req.prompt_tokens + (
                 req.max_tokens if st.admission_mode == "reserve" else 0)) // st.block_size) - d.matched_blocks)
             with self._lock:

@@ -159,11 +159,10 @@ def test_no_room_on_decode_waits_without_prefilling(fleet, console):
 
     t = threading.Thread(target=waiting)
     t.start()
-    wait_for(lambda: state(console)["queued"] == 1, 20, "the request to wait in the fleet queue")
-    time.sleep(0.5)  # (a few replica reports)
-    s = state(console)
-    dec, pre = (next(r for r in s["replicas"] if r["role"] == role) for role in ("decode", "prefill"))
-    assert s["queued"] == 1 and dec["running"] == 1, s  # the long one still holds its blocks
+    # The moment it waits in the fleet queue (the long one holds the decode replica's blocks;
+    # the tiny model may finish those 490 tokens within a second or two, so judge that moment).
+    s = wait_for(lambda: (x := state(console))["queued"] == 1 and x, 20, "the request to wait in the fleet queue")
+    pre = next(r for r in s["replicas"] if r["role"] == "prefill")
     assert not [x for x in pre["recent_requests"] if x.startswith("noroom")] and pre["running"] == 0  # not prefilled
     long.close()  # the long request is aborted: its blocks return, the waiting one gets its reservation
     t.join(timeout=120)
@@ -216,7 +215,7 @@ def test_prefill_replica_dying_mid_transfer_frees_the_reservation_and_the_pool_r
              "a replacement prefill replica to report")
     settle(console)
     ids = prompt(401, 50)
-    r = completion(fleet, ids, max_tokens=6)
+    r = completion(fleet, ids, max_tokens=6, temperature=0.0)
     assert r.status_code == 200, r.text
     want = "".join(reference.generate_text(ids, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)))
     assert r.json()["choices"][0]["text"] == want
@@ -240,6 +239,7 @@ def test_console_resizes_the_pools(fleet, console):
         assert r.status_code == 422 and why in r.text, (sizes, r.text[:2000])
     assert state(console)["pools"] == {"prefill": 1, "decode": 1, "max_replicas": 3}
 
+    old = {x["replica"] for x in state(console)["replicas"] if x["role"] == "decode"}
     r = post(prefill=1, decode=2)
     assert r.status_code == 200 and "Pools resized" in r.text, r.text[:2000]
     assert state(console)["pools"]["decode"] == 2
@@ -249,16 +249,23 @@ def test_console_resizes_the_pools(fleet, console):
     change = state(console)["changes"][0]
     assert change["action"] == "pools" and change["detail"]["changes"] == {"decode": [1, 2]}, change
     assert change["who"] == "admin"
-    # Two long streams: each decode replica can hold one (32 of 64 blocks), the new one takes the second.
-    client = fleet.openai(timeout=120)
-    streams = [client.completions.create(model=fleet.model, prompt=prompt(500 + i, 10), max_tokens=490,
-                                         extra_body={"ignore_eos": True}, stream=True) for i in range(2)]
-    for st in streams:
-        assert next(iter(st)).choices
-    wait_for(lambda: all(x["running"] == 1 for x in state(console)["replicas"] if x["role"] == "decode"), 20,
-             "one stream on each decode replica")
-    for st in streams:
-        st.close()
+    # The new decode replica takes reservations: the fleet policy sends a request to the
+    # replica with the most free blocks (then round-robin), and the new one is empty. (Ray's
+    # handle may learn of it a moment after it reports; until then a call pinned to it goes
+    # to the other, which still serves it.)
+    def transfers() -> dict[str, int]:
+        return {x["replica"]: x["kv_transfers"] for x in state(console)["replicas"] if x["role"] == "decode"}
+
+    def new_one_imported() -> bool:
+        time.sleep(0.5)  # (the stats' next report)
+        return any(n > 0 for rep, n in transfers().items() if rep not in old)
+
+    for i in range(8):
+        r = completion(fleet, prompt(510 + i, 50), max_tokens=8, temperature=0.0)
+        assert r.status_code == 200, r.text
+        if new_one_imported():
+            break
+    assert new_one_imported(), (old, transfers())
 
     assert post(decode=1).status_code == 200
     wait_for(lambda: sum(x["role"] == "decode" for x in state(console)["replicas"]) == 1, 180,
