@@ -268,3 +268,21 @@ def test_ray_connector(f32):
     finally:
         if started:
             ray.shutdown()
+
+
+@pytest.mark.real_model
+def test_smollm2_through_prefill_and_decode_engines_matches_colocated(smollm2_ckpt):
+    """The real model: 30 layers, GQA 9/3, head dim 64 -- 2 full blocks travel as one
+    layer-stacked record; greedy and seeded outputs (logprobs included) equal one engine's."""
+    pre, dec = (make_engine(smollm2_ckpt, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=64)
+                for _ in range(2))
+    rng = np.random.default_rng(7)
+    for params in (GREEDY, SEEDED):
+        ids = [int(t) for t in rng.integers(3, 20000, size=45)]
+        want = colocated(pre, ids, params)
+        conn = InProcessConnector()
+        req = prefill_then_decode(pre, dec, conn, ids, params)
+        assert same_output(req, want), (req.output_ids, want.output_ids)
+        assert req.num_cached_tokens == 2 * BS and conn.num_buffers == 0
+    assert dec.pool.num_used_blocks == 0
+    dec.pool.check_invariants()
