@@ -289,10 +289,18 @@ def test_scale_in_drains_then_scale_out_under_load(fleet, console):
     assert change["action"] == "autoscaler" and change["detail"]["changes"]["scale_in_delay_s"][1] == 1
     # Put the delay back up, then queue more work than one replica can hold.
     console.post("/admin/fleet/autoscale", data={"_csrf": csrf, "scale_in_delay_s": "600"})
-    bodies = [{"model": fleet.model, "prompt": f"load {i} " * 4, "max_tokens": 400, "ignore_eos": True}
-              for i in range(4)]
-    rs = asyncio.run(_post_all(fleet.url, bodies, [f"load{i}" for i in range(4)], fleet.headers))
-    assert all(r.status_code in (200, 429) for r in rs)
-    wait_for(lambda: any(e["to"] > e["from"] and e["reason"].startswith("scale out")
-                         for e in state(console)["scale_history"]), 60, "a scale-out decision")
+    # Rounds of 4 until the autoscaler acts: one round can finish (the tiny model is fast on
+    # a quiet machine) before the autoscaler's next look at the queue.
+    def scaled_out() -> bool:
+        return any(e["to"] > e["from"] and e["reason"].startswith("scale out") for e in state(console)["scale_history"])
+
+    deadline = time.monotonic() + 60
+    for k in range(1000):
+        bodies = [{"model": fleet.model, "prompt": f"load {k} {i} " * 4, "max_tokens": 400, "ignore_eos": True}
+                  for i in range(4)]
+        rs = asyncio.run(_post_all(fleet.url, bodies, [f"load{k}-{i}" for i in range(4)], fleet.headers))
+        assert all(r.status_code in (200, 429) for r in rs)
+        if scaled_out() or time.monotonic() > deadline:
+            break
+    wait_for(scaled_out, 10, "a scale-out decision")
     wait_for(lambda: len(state(console)["replicas"]) == 2, 240, "the second replica back")
