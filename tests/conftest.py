@@ -63,3 +63,22 @@ def pytest_collection_modifyitems(session, config, items):
         return rank.get(rel, len(rank))
 
     items.sort(key=key)  # stable: within a file, and among the rest, collection order stays
+
+
+# Per-file time (setup + call + teardown of every test in it), printed after the slowest steps:
+# it is what LONGEST_FIRST above should follow, and what a suite over its time budget trims.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    top = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]
+    terminalreporter.write_sep("=", f"slowest files (of {len(_FILE_SECONDS)}; {sum(_FILE_SECONDS.values()):.0f} s in all)")
+    for path, s in top:
+        terminalreporter.write_line(f"{s:8.1f}s {path}")
