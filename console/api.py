@@ -27,6 +27,7 @@ from console.format import Formatter
 from console.structured import ToolPlan, guide_from_body, plan_tools, render_messages
 from runtime.async_engine import AsyncEngine
 from runtime.engine import RequestOutput
+from runtime.fleet.errors import KV_TRANSFER_FAILED, REPLICA_FAILED
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded
 from runtime.structured import Guide
@@ -292,11 +293,11 @@ def _failure(job: Job) -> APIError:
     if job.finish_reason == "abort":
         return APIError(503, "the request was aborted (by an operator, or the server is shutting down)",
                         code="aborted")
-    if (job.error or "").startswith("replica_failed"):  # a fleet replica died under this request
-        return APIError(503, "the replica serving this request failed; retry the request", code="replica_failed",
+    if (job.error or "").startswith(REPLICA_FAILED):  # a fleet replica died under this request
+        return APIError(503, "the replica serving this request failed; retry the request", code=REPLICA_FAILED,
                         headers={"Retry-After": "1"})
-    if (job.error or "").startswith("kv_transfer_failed"):  # disaggregated fleet: the message names the stage
-        return APIError(503, job.error, code="kv_transfer_failed", headers={"Retry-After": "1"})
+    if (job.error or "").startswith(KV_TRANSFER_FAILED):  # disaggregated fleet: the message names the stage
+        return APIError(503, job.error, code=KV_TRANSFER_FAILED, headers={"Retry-After": "1"})
     # The engine's own message (job.error) is for the server log, not for clients.
     return APIError(500, f"generation failed in the engine; the server log has the details "
                          f"(request {job.request_id})", code="engine_error")

@@ -53,8 +53,7 @@ def _render(request: Request, ctx: dict[str, Any], status: int = 200) -> Templat
 
 def recent_changes(store: Any) -> list[Any]:
     """The fleet's last policy, autoscaler and pool changes, newest first (the state file)."""
-    rows = [r for a in FLEET_ACTIONS for r in store.audit(limit=RECENT_CHANGES, action=a)]
-    return sorted(rows, key=lambda r: -r.id)[:RECENT_CHANGES]
+    return store.audit(limit=RECENT_CHANGES, action=FLEET_ACTIONS)
 
 
 def fleet_ctx(request: Request, **extra: Any) -> dict[str, Any]:

@@ -264,9 +264,11 @@ class StateStore:
         with self._write() as db:
             return self._audit(db, who, action, detail)
 
-    def audit(self, offset: int = 0, limit: int = 50, action: str | None = None) -> list[AuditRow]:
-        """Newest first."""
-        where, args = ("WHERE action = ?", (action,)) if action else ("", ())
+    def audit(self, offset: int = 0, limit: int = 50, action: str | tuple[str, ...] | None = None) -> list[AuditRow]:
+        """Newest first; `action` is one action or a tuple of them."""
+        actions = (action,) if isinstance(action, str) else tuple(action or ())
+        where = f"WHERE action IN ({', '.join('?' * len(actions))})" if actions else ""
+        args = actions
         rows = self._read(f"SELECT id, time, who, action, detail FROM audit {where} ORDER BY id DESC "
                           "LIMIT ? OFFSET ?", (*args, limit, offset))
         return [AuditRow(i, t, w, a, json.loads(d)) for i, t, w, a, d in rows]

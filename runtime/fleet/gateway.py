@@ -23,14 +23,14 @@ from typing import Any, Callable, Sequence
 from runtime.block_pool import hash_prompt_blocks
 from runtime.engine import RequestOutput
 from runtime.fleet.policy import ReplicaStats, RouteRequest
-from runtime.fleet.pools import Pools, is_replica_death
+from runtime.fleet.errors import REPLICA_FAILED, is_replica_death
+from runtime.fleet.pools import Pools
 from runtime.fleet.router import VIEW, FleetView, RoutingRecord
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded
 
 log = logging.getLogger("pagedjax.fleet")
 
-REPLICA_FAILED = "replica_failed"
 
 
 def relabel_metrics(texts: dict[str, bytes]) -> bytes:

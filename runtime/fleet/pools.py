@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from runtime.engine import RequestOutput
+from runtime.fleet.errors import KV_TRANSFER_FAILED, is_replica_death
 from runtime.fleet.policy import Decision, ReplicaStats, RouteRequest
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded
@@ -29,13 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedjax.fleet")
 
 ROLES = ("prefill", "decode")
-KV_TRANSFER_FAILED = "kv_transfer_failed"  # a transfer failed twice (console/api.py: 503)
-
-
-def is_replica_death(exc: BaseException) -> bool:
-    import ray.exceptions as rex
-
-    return isinstance(exc, (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError))
 
 
 class _StageFailed(Exception):
@@ -95,8 +89,8 @@ class Pools:
         async def attempt() -> tuple[dict[str, Any] | None, str]:
             why = []
             live = self.live("decode")
-            d = view.decide(req, {s.replica for s in live})
             pending = view.pending()
+            d = view.decide(req, {s.replica for s in live}, pending)
             rest = sorted((s for s in live if s.replica != d.replica),
                           key=lambda s: (-(s.headroom_blocks - pending.get(s.replica, (0, 0))[0]), s.replica))
             for name in ([d.replica] if d.replica else []) + [s.replica for s in rest]:

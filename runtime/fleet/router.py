@@ -114,12 +114,16 @@ class FleetView:
         with self._lock:
             return {r: self._pending(r) for r in self._stats}
 
-    def decide(self, req: RouteRequest, names: set[str] | None = None) -> Decision:
+    def decide(self, req: RouteRequest, names: set[str] | None = None,
+               pending: dict[str, tuple[int, int]] | None = None) -> Decision:
+        """The policy's choice among the live replicas in `names` (all when None); `pending`
+        is what `pending()` returned, for a caller that also ranks the rest by it."""
         replicas = self.live(names)
-        with self._lock:
-            pending = {s.replica: self._pending(s.replica) for s in replicas}
+        if pending is None:
+            with self._lock:
+                pending = {s.replica: self._pending(s.replica) for s in replicas}
         return route(req, replicas, lambda r: self.residency.matched(r, req.block_hashes),
-                     lambda r: pending[r][0], lambda r: pending[r][1], self.imbalance,
+                     lambda r: pending.get(r, (0, 0))[0], lambda r: pending.get(r, (0, 0))[1], self.imbalance,
                      self._last_tie.get(replicas[0].role) if replicas else None)
 
     def note_routed(self, request_id: str, req: RouteRequest, d: Decision) -> None:

@@ -75,6 +75,9 @@ def test_policy_and_audit_survive_reopening_with_paging_and_export(tmp_path):
     assert again.audit_count() == 8 and again.audit_count("policy") == 7
     page2 = again.audit(offset=3, limit=3)
     assert [r.who for r in page2] == ["op4", "op3", "op2"]       # newest first, paged
+    mixed = again.audit(limit=2, action=("abort", "policy"))     # several actions, one query
+    assert [(r.who, r.action) for r in mixed] == [("op9", "abort"), ("op6", "policy")]
+    assert again.audit(action=("pools",)) == []
     rows = list(again.iter_audit(batch=2))                         # oldest first, in batches
     assert [r.id for r in rows] == sorted(r.id for r in rows) and len(rows) == 8
     csv_text = "".join(audit_csv(iter(rows)))
