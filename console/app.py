@@ -218,7 +218,8 @@ def _load_and_warm(app: Litestar, factory: Callable[[], LLMEngine]) -> None:
             return
         engine.start()
         st.ready = True
-        log.info("ready: serving %r (warm-up %.1f s)", st.settings.model_name, llm.warmup_seconds)
+        log.info("ready: serving %r (%s)", st.settings.model_name, f"warm-up {llm.warmup_seconds:.1f} s"
+                 if st.settings.warmup else "no warm-up: step shapes compile on first use")
     except Exception as exc:  # noqa: BLE001 -- reported as one line; /health says failed
         st.failed = f"{type(exc).__name__}: {exc}"
         log.error("the engine failed to start: %s", st.failed)

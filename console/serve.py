@@ -47,6 +47,10 @@ def add_server_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default 30)")
     s.add_argument("--no-access-log", action="store_true", help="no JSON access line per request")
+    s.add_argument("--no-warmup", action="store_true",
+                   help="report ready without compiling every step shape first: start-up in seconds, but "
+                        "each new shape compiles under the first request that needs it (pagedjax:compilations_total "
+                        "moves); for development, not production")
     from console.admin_cli import add_state_dir_argument
 
     add_state_dir_argument(s)
@@ -62,7 +66,7 @@ def server_settings(args: argparse.Namespace, path: Any) -> Any:
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         admin_token=token, model_name=args.served_model_name or path.resolve().name, checkpoint=path,
         shutdown_grace_s=args.shutdown_grace, admin_token_generated=generated, access_log=not args.no_access_log,
-        reset_policy=args.reset_policy)
+        reset_policy=args.reset_policy, warmup=not args.no_warmup)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without --api-key: anyone who can reach it can use /v1", settings.host)
     return settings

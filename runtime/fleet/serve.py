@@ -174,7 +174,7 @@ class Fleet:
                                                              get_if_exists=True).remote()
         serve.start(proxy_location="Disabled")
         self.spec = {"checkpoint": str(self.checkpoint.resolve()), "engine_args": _engine_args(a),
-                     "threads": threads, "warmup": True, "kv_events_endpoint": a.kv_events_endpoint,
+                     "threads": threads, "warmup": not a.no_warmup, "kv_events_endpoint": a.kv_events_endpoint,
                      "kv_events_topic": a.kv_events_topic}
         self.threads = threads
         if disaggregated(a):

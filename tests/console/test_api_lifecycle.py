@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.console.server_util import ServerHandle, _command, start_server
+from runtime.config import SchedulerConfig
+from tests.console.server_util import SMALL_ENVELOPE, ServerHandle, _command, start_server
 
 TOKENS = 200
 
@@ -45,6 +46,22 @@ def test_warming_up_then_ready(tiny_ckpt):
         printed = [line for line in server.logs if line.startswith("admin token: ")]
         assert len(printed) == 1 and server.admin_token and server.admin_token in printed[0]
         assert sum(server.admin_token in line for line in server.logs) == 1
+
+
+def test_no_warmup_is_ready_without_compiling_then_compiles_on_first_use(tiny_ckpt):
+    with start_server(tiny_ckpt, "--no-warmup") as server:
+        deadline = time.monotonic() + 10  # the line follows readiness by a moment
+        while not any("no warm-up: step shapes compile on first use" in line for line in server.logs):
+            assert time.monotonic() < deadline, server.log_text()[-2000:]
+            time.sleep(0.05)
+        assert server.metric("pagedjax:compilations_total") == 0
+        r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=120,
+                       json={"model": server.model, "prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        assert server.metric("pagedjax:compilations_total") >= 1  # the shapes it used, no more
+        env = SchedulerConfig(*(int(SMALL_ENVELOPE[f]) for f in ("--max-num-seqs", "--max-num-batched-tokens",
+                                                                 "--max-model-len")))
+        assert server.metric("pagedjax:compilations_total") < len(env.bucket_pairs())  # not a full warm-up
 
 
 def _stream(server: ServerHandle, i: int, started: threading.Semaphore) -> list[str]:

@@ -62,8 +62,10 @@ def test_smollm2_through_one_prefill_and_one_decode_replica_equals_one_engine(sm
     ref = LLMEngine.from_checkpoint(smollm2_ckpt, engine_config_from_args(p.parse_args(envelope + flags)),
                                     warmup=False, progress=False)
     rng = np.random.default_rng(11)
+    # --no-warmup: each replica compiles just the two or three step shapes these requests use
+    # (warm-up itself is the colocated test's and test_api_real_model's to check).
     with start_server(None, "--prefill-replicas", "1", "--decode-replicas", "1", "--threads-per-replica", "1",
-                      *flags, subcommand=("fleet", "serve"), env={"RAY_ADDRESS": ""}, ready_timeout=600) as srv:
+                      "--no-warmup", *flags, subcommand=("fleet", "serve"), env={"RAY_ADDRESS": ""}, ready_timeout=600) as srv:
         for params in (dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=42)):
             ids = [int(t) for t in rng.integers(3, 20000, size=40)]
             r = srv.client(timeout=300).post("/v1/completions", json={"model": srv.model, "prompt": ids,
