@@ -317,6 +317,7 @@ class ModelRunner:
                      "by vocabulary" if tp.vocab_sharded(cfg, self.tp) else
                      f"replicated (vocabulary {cfg.vocab_size} does not divide by {self.tp})")
         self.fail_next_step: Exception | None = None  # test hook: the next step raises this
+        self.last_input: StepInput | None = None  # the padded input of the last launch (benchmarks replay it)
         from runtime.structured import TokenMasks
 
         self.masks = TokenMasks(cfg.vocab_size)  # the all-allowed mask every unconstrained step passes
@@ -353,11 +354,21 @@ class ModelRunner:
             exc, self.fail_next_step = self.fail_next_step, None
             raise exc
         self.kv, self.penalty, out, plp = self._step(self.params, self.kv, self.penalty, inp)
+        self.last_input = inp
         wants_prompt = any(sq.prompt_next for sq in seqs)
         for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs,
                   *((plp.logprobs, plp.top_ids, plp.top_logprobs) if wants_prompt else ())):
             a.copy_to_host_async()
         return StepHandle(out, len(seqs), plp if wants_prompt else None)
+
+    def replay(self, inp: StepInput) -> float:
+        """Benchmarks: run the step program once more on a launched step's input (`last_input`)
+        and wait; seconds. It advances the device state as a step would (the KV slots and the
+        rows' last tokens), so the requests of that step are garbage afterwards: abort them."""
+        t0 = time.perf_counter()
+        self.kv, self.penalty, out, _ = self._step(self.params, self.kv, self.penalty, inp)
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0
 
     def run(self, seqs: list, num_seqs_bucket: int, num_tokens_bucket: int) -> dict[str, np.ndarray]:
         """Launch and wait (warm-up, tests)."""

@@ -83,14 +83,15 @@ def render_engine_sections(results: str | Path) -> list[str]:
         L += ["_not measured_ (run `pagedjax bench offline --part breakdown,overlap --out bench-results/breakdown.json`).", ""]
     if ov:
         L += ["Exposed host time: `LLMEngine.step()` in steady decode, median step wall minus the device time of "
-              "the same step (above).", ""]
-        head = ["batch", "device step ms", "async step ms", "exposed host (async)", "sync step ms", "exposed host (sync)"]
+              "the same compiled program replayed on the same step input, back to back (alternating rounds). "
+              f"SmolLM2, float32; {_machine({'machine': bd_all.get('machine'), 'loadavg_1m': ov.get('loadavg_1m')})}.",
+              ""]
+        head = ["batch", "async: step ms", "device ms", "exposed host", "sync: step ms", "device ms", "exposed host"]
         L += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         for r in ov["rows"]:
-            L.append(f"| {r['batch']} | {r['device_ms']:.1f} | {r['async_step_ms']:.1f} | "
-                     f"{r.get('async_exposed_host_ms', 0):.2f} ms ({r.get('async_exposed_share', 0) * 100:.1f}%) | "
-                     f"{r['sync_step_ms']:.1f} | {r.get('sync_exposed_host_ms', 0):.2f} ms "
-                     f"({r.get('sync_exposed_share', 0) * 100:.1f}%) |")
+            L.append("| " + " | ".join([str(r["batch"])] + [
+                f"{r[f'{k}_step_ms']:.1f} | {r[f'{k}_device_ms']:.1f} | {r[f'{k}_exposed_host_ms']:.2f} ms "
+                f"({r[f'{k}_exposed_share'] * 100:.1f}%)" for k in ("async", "sync")]) + " |")
         L.append("")
     accs = [a for a in (_load(f) for f in sorted(d.glob("accuracy-*.json"))) if a and "teacher_forced" in a]
     L += ["## Quantization accuracy (against float32)", ""]

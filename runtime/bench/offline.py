@@ -290,13 +290,14 @@ def run_offline(args: argparse.Namespace) -> int:
             from runtime.bench.breakdown import bench_breakdown, bench_overlap, format_breakdown, format_overlap
 
             batches = tuple(int(x) for x in args.breakdown_batches.split(","))
-            load = loadavg()
-            bd = bench_breakdown(engine, batches=batches, iters=args.iters)
-            result["breakdown"] = {**bd, "loadavg_1m": load}
-            print(format_breakdown(bd), flush=True)
+            if "breakdown" in parts:
+                load = loadavg()
+                bd = bench_breakdown(engine, batches=batches, iters=args.iters)
+                result["breakdown"] = {**bd, "loadavg_1m": load}
+                print(format_breakdown(bd), flush=True)
             if "overlap" in parts:
                 load = loadavg()
-                ov = bench_overlap(engine, {x["batch"]: x["full_ms"] for x in bd["rows"]}, batches=batches)
+                ov = bench_overlap(engine, batches=batches)
                 result["overlap"] = {**ov, "loadavg_1m": load}
                 print(format_overlap(ov), flush=True)
     if args.out:

@@ -5,6 +5,7 @@ invariants only; no wall-clock asserts)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from runtime.bench.accuracy import evaluate, token_logprobs
 from runtime.bench.breakdown import bench_breakdown, bench_overlap, format_breakdown, format_overlap
@@ -25,9 +26,11 @@ def test_breakdown_and_overlap_report_every_part(tiny_ckpt):
         assert set(r["host"]) == {"build_input_ms", "device_to_host_ms", "detokenize_ms", "sse_encode_ms"}
     assert "batch 8" in format_breakdown(bd)
     assert eng.pool.num_cached_blocks == 0  # the benchmark's KV writes were not left in the prefix cache
-    ov = bench_overlap(eng, {r["batch"]: r["full_ms"] for r in bd["rows"]}, batches=(2, 8), steps=3, shared_len=32)
+    ov = bench_overlap(eng, batches=(2, 8), steps=3, rounds=2, shared_len=32)
     for r in ov["rows"]:
-        assert r["async_step_ms"] > 0 and r["sync_step_ms"] > 0 and 0 <= r["async_exposed_share"] < 1
+        for key in ("async", "sync"):
+            assert r[f"{key}_step_ms"] > 0 and r[f"{key}_device_ms"] > 0 and 0 <= r[f"{key}_exposed_share"] < 1
+            assert r[f"{key}_exposed_host_ms"] == pytest.approx(max(0.0, r[f"{key}_step_ms"] - r[f"{key}_device_ms"]))
     assert "exposed host" in format_overlap(ov)
     assert eng.async_scheduling and not eng.has_unfinished() and eng.pool.num_used_blocks == 0
 
