@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -273,6 +274,15 @@ class ModelRunner:
         if self.matmul_kernel:
             params = cpu_matmul.pack_params(params)
         self.params = cast_params(params, dtype)
+        # XLA:CPU: float layer weights as separate per-layer arrays (models/llama.py
+        # unstack_weights says why); PAGEDJAX_PER_LAYER_WEIGHTS=0 keeps them stacked.
+        self.per_layer_weights = (jax.default_backend() == "cpu" and self.tp == 1
+                                  and os.environ.get("PAGEDJAX_PER_LAYER_WEIGHTS", "1") != "0")
+        if self.per_layer_weights:
+            from runtime.models.llama import unstack_weights
+            from runtime.quant import LINEAR_WEIGHTS
+
+            self.params = unstack_weights(self.params, LINEAR_WEIGHTS)
         self.max_blocks_per_seq = -(-sched.max_model_len // cache.block_size)
         if cache.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype: {cache.kv_dtype!r} is not supported by the runner "

@@ -21,6 +21,7 @@ the checkpoint tree keep their shape:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -224,9 +225,19 @@ def activation_absmax(cfg: Any, params: dict[str, Any], token_ids: list[int]) ->
 WEIGHT_ONLY_MAX_ROWS = 1
 
 
+@dataclass(frozen=True)
+class LayerPick:
+    """Inside the layer scan: a weight held as separate per-layer arrays, and the layer the
+    scan is at (runtime/models/llama.py scan_layers); `linear` multiplies by arrays[index]."""
+    arrays: tuple
+    index: jax.Array
+
+
 def linear(x: jax.Array, w: Any) -> jax.Array:
     """x [T, in] @ w [in, out]. Quantized w: each row of x gets its own scale (absmax/127),
     so one outlier token never costs the others their precision."""
+    if isinstance(w, LayerPick):  # per-layer arrays inside the layer scan (models/llama.py)
+        return jax.lax.switch(w.index, [lambda x, a=a: linear(x, a) for a in w.arrays], x)
     if not is_quantized(w):
         return x @ w
     if "p" in w:  # packed for the C++ kernel (runtime/cpu_matmul.py)

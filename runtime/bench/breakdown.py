@@ -47,15 +47,16 @@ def _layer_matmuls(cfg: Any, params: Any, x: Any) -> Any:
     ones the C++ kernel)."""
     import jax
 
-    from runtime.models.llama import mlp, qkv_linear
+    from runtime.models.llama import mlp, qkv_linear, scan_layers
     from runtime.quant import linear
 
-    def body(h, lp):
+    def body(h, xs):
+        lp, _ = xs
         q, k, v = qkv_linear(cfg, lp, h)
         h = h + linear(q, lp["wo"]) + 0 * (k.sum() + v.sum())
         return h + mlp(lp, h), None
 
-    return jax.lax.scan(body, x, params["layers"])[0]
+    return scan_layers(body, x, params["layers"], cfg.num_layers)[0]
 
 
 def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared_len: int = 320,

@@ -209,3 +209,27 @@ def test_checkpoint_with_int8_lm_head(tiny_ckpt, tmp_path):
         make_engine(plain, quantize_lm_head=True)
     with pytest.raises(ValueError, match="needs --quantization w8a8"):
         make_engine(tiny_ckpt, quantization="w8a16", quantize_lm_head=True)
+
+
+def test_per_layer_weights_give_the_stacked_model_s_logits(tiny_ckpt, monkeypatch):
+    """unstack_weights (the CPU runner's layout: one array per layer, picked by lax.switch)
+    is a layout change only: the same logits as the stacked tree, and the runner uses it on
+    CPU unless PAGEDJAX_PER_LAYER_WEIGHTS=0."""
+    from runtime.checkpoint.store import load_checkpoint
+    from runtime.models.llama import unstack_weights
+    from runtime.quant import LINEAR_WEIGHTS
+
+    cfg, params, _ = load_checkpoint(tiny_ckpt)
+    params = jax.tree.map(jnp.asarray, params)
+    split = unstack_weights(params, LINEAR_WEIGHTS)
+    assert all(isinstance(split["layers"][k], tuple) and len(split["layers"][k]) == cfg.num_layers
+               for k in LINEAR_WEIGHTS)
+    assert not isinstance(split["layers"]["attn_norm"], tuple)  # norms stay stacked (scanned)
+    ids = jnp.asarray([1, 5, 9, 33, 7, 2], jnp.int32)
+    want = jax.jit(dense_logits, static_argnums=0)(cfg, params, ids)
+    got = jax.jit(dense_logits, static_argnums=0)(cfg, split, ids)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert make_engine(tiny_ckpt, num_blocks=16).runner.per_layer_weights
+    monkeypatch.setenv("PAGEDJAX_PER_LAYER_WEIGHTS", "0")
+    eng = make_engine(tiny_ckpt, num_blocks=16)
+    assert not eng.runner.per_layer_weights and not isinstance(eng.runner.params["layers"]["wq"], tuple)
