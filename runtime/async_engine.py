@@ -1,5 +1,6 @@
-"""A background thread that owns the device and loops `LLMEngine.step()`; each request
-gets an asyncio queue the web layer awaits. Stopping drains or aborts cleanly."""
+"""A background thread that owns the device and loops `LLMEngine.step()`, and the output
+processor's thread beside it (text, stop strings, callbacks: off the device thread); each
+request gets an asyncio queue the web layer awaits. Stopping drains or aborts cleanly."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class AsyncEngine:
     # --- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            self.engine.outputs.start()
             self._thread = threading.Thread(target=self._loop, name="pagedjax-engine", daemon=True)
             self._thread.start()
 
@@ -65,6 +67,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        self.engine.outputs.stop()  # delivers what the last steps queued
 
     @property
     def running(self) -> bool:

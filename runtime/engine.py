@@ -10,9 +10,11 @@ Where a request is at any moment:
 `LLMEngine.step()` is one beat of a two-stage pipeline (async scheduling): take aborts and
 policy changes, plan step N+1 and launch it -- the device reads each decode row's input
 token from its own state, so the host need not know step N's tokens -- then read step N
-back: tokens, stop checks, incremental text, outputs to each request's callback. The host
-work of a beat thus overlaps the device's work on N+1. `AsyncEngine`
-(runtime/async_engine.py) runs it on a background thread that owns the device.
+back: tokens and the stops a token decides. The host work of a beat thus overlaps the
+device's work on N+1. Text (detokenizing, stop strings) and the callbacks are the output
+processor's (runtime/output_processor.py): inline for `step()`'s callers, on a thread of
+its own under `AsyncEngine` (runtime/async_engine.py), which runs the loop on a background
+thread that owns the device.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from runtime.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
 from runtime.metrics import EngineMetrics, StepSample
 from runtime.model_runner import ModelRunner, StepHandle, compilations
+from runtime.output_processor import OutputProcessor
 from runtime.request import Request
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded, Scheduler, SchedulerOutput
 from runtime.snapshot import EngineSnapshot, take_snapshot
 from runtime.structured import GuideCompiler
-from runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
+from runtime.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "RequestOutput", "Overloaded"]
@@ -62,6 +65,9 @@ class RequestOutput:
     error: str | None = None
     # once, with the first token: None for the first prompt token, then (logprob, top) per token
     prompt_logprobs: list[Any] | None = None
+    # engine -> output processor only: the tokens whose text this output adds, when not
+    # token_ids (an EOS or stop token ends a request without adding its text)
+    text_ids: list[int] | None = field(default=None, repr=False)
 
 
 @dataclass(eq=False)
@@ -78,9 +84,6 @@ class _InFlight:
 @dataclass(eq=False)
 class _Tracked:
     req: Request
-    detok: IncrementalDetokenizer
-    emitted: int = 0                    # characters of detok.text already sent
-    stop_hold: int = 0                  # characters held back (could begin a stop string)
     prompt_sent: bool = False           # prompt logprobs delivered
 
 
@@ -111,9 +114,10 @@ class LLMEngine:
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
         self.lock = threading.RLock()
         self._tracked: dict[str, _Tracked] = {}
-        self._aborts: list[str] = []
-        # Output callbacks outlive _finish (which drops the tracked entry) until delivered.
-        self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
+        # Requests to end at the next step boundary: (id, reason, stop string) -- aborts, and
+        # stop strings the output processor found.
+        self._ends: list[tuple[str, str, str | None]] = []
+        self.outputs = OutputProcessor(tokenizer, on_stop=lambda rid, s: self._end_later(rid, "stop", s))
         self._pending_policy: AdmissionPolicy | None = None
         # Async scheduling: the step launched last and not read back yet (see step()).
         self.async_scheduling = config.async_scheduling
@@ -214,11 +218,10 @@ class LLMEngine:
             except ValueError:
                 self.metrics.admission_rejections.labels("too_long").inc()
                 raise
-            self._tracked[req.request_id] = _Tracked(req, self.tokenizer.detokenizer(req.prompt_ids))
+            self._tracked[req.request_id] = _Tracked(req)
+            self.outputs.add(req.request_id, req.prompt_ids, req.params, on_output)
             if reservation is not None:
                 reservation.block_ids, reservation.state = [], "admitted"  # the request holds them now
-            if on_output is not None:
-                self._callbacks[req.request_id] = on_output
         return req
 
     def compile_guide(self, guide: Any) -> Any:
@@ -228,8 +231,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's blocks return to the pool at the next step boundary."""
+        self._end_later(request_id, "abort", None)
+
+    def _end_later(self, request_id: str, reason: str, stop_reason: str | None) -> None:
         with self.lock:
-            self._aborts.append(request_id)
+            self._ends.append((request_id, reason, stop_reason))
 
     def has_unfinished(self) -> bool:
         """Requests not finished yet, or a launched step not read back."""
@@ -279,7 +285,8 @@ class LLMEngine:
     # --- the loop body -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One beat: plan and launch step N+1 while step N runs on the device, then read
-        step N back (tokens, stops, text). Without async scheduling N+1 is read at once."""
+        step N back (tokens, stops). Without async scheduling N+1 is read at once. Returns
+        the text outputs, or [] where the output processor runs on its own thread."""
         outputs: list[RequestOutput] = []
         if self._inflight is not None and self._inflight.guided:
             # A structured row's next mask needs the token this step samples: read it first.
@@ -297,8 +304,7 @@ class LLMEngine:
                 self._refresh_gauges()
         for d in done:
             self._read_back(d, outputs)
-        self._deliver(outputs)
-        return outputs
+        return self.outputs.push(outputs)
 
     def set_async_scheduling(self, enabled: bool) -> None:
         """Switch the pipeline on or off (benchmarks compare the two); takes effect at the
@@ -395,11 +401,11 @@ class LLMEngine:
         if self._pending_policy is not None:
             self._policy = self.scheduler.policy = self._pending_policy
             self._pending_policy = None
-        aborts, self._aborts = self._aborts, []
-        for rid in aborts:
+        ends, self._ends = self._ends, []
+        for rid, reason, stop_reason in ends:
             t = self._tracked.get(rid)
             if t is not None and not t.req.is_finished:
-                outputs.append(self._finish(t.req, "abort"))
+                outputs.append(self._finish(t.req, reason, stop_reason=stop_reason))
 
     def _append_token(self, req: Request, result: dict, i: int, now: float) -> RequestOutput | None:
         tok = int(result["token_ids"][i])
@@ -417,70 +423,44 @@ class LLMEngine:
             self.metrics.itl.observe(now - req.last_token_time)
             self.metrics.window.itl.append((now, now - req.last_token_time))
         req.last_token_time = now
+        # The stops a token decides; stop strings are the output processor's.
         p = req.params
-        t = self._tracked[req.request_id]
-        reason, stop_reason = None, None
         if tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
-            reason, stop_reason = "stop", None
-        elif tok in p.stop_token_ids:
-            reason, stop_reason = "stop", tok
-        elif req.matcher is not None:
+            return self._finish(req, "stop", new_ids=[tok], text_ids=[])
+        if tok in p.stop_token_ids:
+            return self._finish(req, "stop", stop_reason=tok, new_ids=[tok], text_ids=[])
+        if req.matcher is not None:
             if not req.matcher.consume_token(tok):
                 return self._finish(req, "error", error=f"structured output rejected token {tok}: "
-                                                        f"{req.matcher.get_error()}", new_ids=[tok])
+                                                        f"{req.matcher.get_error()}", new_ids=[tok], text_ids=[])
             if req.matcher.is_stopped():  # the grammar is complete: nothing else may follow
-                reason = "stop"
-                t.detok.push([tok])
-        t.detok.push([tok] if reason is None else [])
-        text_end = len(t.detok.text)
-        if reason is None and p.stop and req.num_generated >= p.min_tokens:
-            for s in p.stop:
-                idx = t.detok.text.find(s, max(0, t.emitted - len(s)))
-                if idx >= 0 and idx < text_end:
-                    reason, stop_reason, text_end = "stop", s, idx
-            hold = 0 if reason else max(len(s) for s in p.stop) - 1
-            text_end = text_end if reason else max(t.emitted, len(t.detok.text) - hold)
+                return self._finish(req, "stop", new_ids=[tok])
         # (a token still pending on the device is dropped)
-        if reason is None and (req.num_generated >= p.max_tokens or len(req.token_ids) >= self.envelope.max_model_len):
-            reason = "length"
-            text_end = len(t.detok.text)
-        if reason is not None:
-            return self._finish(req, reason, stop_reason=stop_reason, text_end=text_end, new_ids=[tok])
-        return self._output(t, [tok], text_end)
+        if req.num_generated >= p.max_tokens or len(req.token_ids) >= self.envelope.max_model_len:
+            return self._finish(req, "length", new_ids=[tok])
+        return self._output(self._tracked[req.request_id], [tok])
 
-    def _output(self, t: _Tracked, ids: list[int], text_end: int, **kw: Any) -> RequestOutput:
+    def _output(self, t: _Tracked, ids: list[int], **kw: Any) -> RequestOutput:
         req = t.req
-        text = t.detok.text[t.emitted:text_end] if text_end > t.emitted else ""
-        t.emitted = max(t.emitted, text_end)
         lp = req.logprobs[-len(ids):] if (req.params.logprobs is not None and ids) else []
         plp = None
         if (req.params.prompt_logprobs is not None and not t.prompt_sent
                 and len(req.prompt_logprobs) >= req.num_prompt_tokens - 1):
             plp, t.prompt_sent = [None, *req.prompt_logprobs], True
-        return RequestOutput(req.request_id, ids, text, prompt_tokens=req.num_prompt_tokens,
+        return RequestOutput(req.request_id, ids, "", prompt_tokens=req.num_prompt_tokens,
                              completion_tokens=req.num_generated, cached_tokens=max(req.num_cached_tokens, 0),
                              logprobs=lp, prompt_logprobs=plp, **kw)
 
     def _finish(self, req: Request, reason: str, *, stop_reason: Any = None, error: str | None = None,
-                text_end: int | None = None, new_ids: list[int] | None = None) -> RequestOutput:
+                new_ids: list[int] | None = None, text_ids: list[int] | None = None) -> RequestOutput:
         self.scheduler.finish(req, reason)
         req.finish_time = time.monotonic()
         t = self._tracked.pop(req.request_id)
-        end = len(t.detok.text) if text_end is None else text_end
         self.metrics.request_success.labels(reason).inc()
         self.metrics.e2e.observe(req.finish_time - req.arrival_time)
         req.stop_reason = stop_reason
-        return self._output(t, new_ids or [], end, finished=True, finish_reason=reason,
-                            stop_reason=stop_reason, error=error)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            cb = self._callbacks.pop(out.request_id, None) if out.finished else self._callbacks.get(out.request_id)
-            if cb is not None:
-                try:
-                    cb(out)
-                except Exception:  # noqa: BLE001 -- a consumer's bug must not stop the engine
-                    log.exception("output callback for %s failed", out.request_id)
+        return self._output(t, new_ids or [], finished=True, finish_reason=reason,
+                            stop_reason=stop_reason, error=error, text_ids=text_ids)
 
     def _refresh_gauges(self, step_time: float = 0.0, num_tokens: int = 0, new_tokens: int = 0) -> None:
         m, s, pool = self.metrics, self.scheduler, self.pool

@@ -84,7 +84,9 @@ def render_engine_sections(results: str | Path) -> list[str]:
     if ov:
         L += ["Exposed host time: `LLMEngine.step()` in steady decode, median step wall minus the device time of "
               "the same compiled program replayed on the same step input, back to back (alternating rounds). "
-              f"SmolLM2, float32; {_machine({'machine': bd_all.get('machine'), 'loadavg_1m': ov.get('loadavg_1m')})}.",
+              f"SmolLM2, float32; {_machine({'machine': bd_all.get('machine'), 'loadavg_1m': ov.get('loadavg_1m')})}. "
+              + ("Text, stop strings and callbacks ran on the output processor's thread, as served."
+                 if ov.get("output_thread") else "Text and callbacks ran inside `step()`."),
               ""]
         head = ["batch", "async: step ms", "device ms", "exposed host", "sync: step ms", "device ms", "exposed host"]
         L += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]

@@ -1,0 +1,156 @@
+"""The output processor: token outputs -> text, stop strings, callbacks; inline and on its
+own thread (runtime/output_processor.py)."""
+
+import threading
+
+import pytest
+from tokenizers import Tokenizer
+
+from runtime.async_engine import AsyncEngine
+from runtime.engine import RequestOutput
+from runtime.output_processor import OutputProcessor
+from runtime.sampling import SamplingParams
+from runtime.tokenizer import TextTokenizer
+from tests.engine_util import make_engine
+from tests.tiny import tiny_tokenizer_json
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return TextTokenizer(Tokenizer.from_str(tiny_tokenizer_json()[0]), eos_token_ids=(0,))
+
+
+def ids_of(tok, text):
+    return tok.encode(text)
+
+
+def feed(proc, rid, ids, *, last=None):
+    """One token output per id, the engine's way (completion_tokens counts them); `last`:
+    finish kwargs for the final one."""
+    outs = []
+    for n, t in enumerate(ids, 1):
+        kw = dict(last or {}) if n == len(ids) and last else {}
+        outs += proc.push([RequestOutput(rid, [t], "", completion_tokens=n, **kw)])
+    return outs
+
+
+def test_text_is_the_decoded_tokens_and_an_eos_adds_none(tok):
+    got = []
+    proc = OutputProcessor(tok, on_stop=lambda *a: pytest.fail("no stop string here"))
+    proc.add("r", [5, 6], SamplingParams(), got.append)
+    ids = ids_of(tok, "the cat sat on the mat")
+    outs = feed(proc, "r", ids + [0], last=dict(finished=True, finish_reason="stop", text_ids=[]))
+    assert "".join(o.text for o in outs) == "the cat sat on the mat"
+    assert got == outs and outs[-1].finished and outs[-1].token_ids == [0]
+    assert all(o.text_ids is None for o in outs)  # the processor's outputs carry text, not text_ids
+
+
+def test_a_stop_string_ends_the_request_here_and_the_engine_s_rest_is_dropped(tok):
+    stops, got = [], []
+    proc = OutputProcessor(tok, on_stop=lambda rid, s: stops.append((rid, s)))
+    proc.add("r", [5], SamplingParams(stop=("sat",)), got.append)
+    ids = ids_of(tok, "the cat sat on")
+    n_stop = next(n for n in range(1, len(ids) + 1) if "sat" in tok.decode(ids[:n]))
+    outs = feed(proc, "r", ids[:n_stop])
+    assert stops == [("r", "sat")]
+    assert "".join(o.text for o in outs) == "the cat "
+    end = outs[-1]
+    assert end.finished and end.finish_reason == "stop" and end.stop_reason == "sat"
+    assert end.completion_tokens == n_stop
+    # the engine had launched one more step, then ends the request at its boundary
+    assert proc.push([RequestOutput("r", [ids[n_stop]], "", completion_tokens=n_stop + 1)]) == []
+    assert proc.push([RequestOutput("r", [], "", finished=True, finish_reason="stop", stop_reason="sat")]) == []
+    assert got == outs and not proc._live and not proc._stopped
+
+
+def test_the_tail_that_could_begin_a_stop_string_is_held_back_until_the_end(tok):
+    proc = OutputProcessor(tok, on_stop=lambda *a: pytest.fail("'cab' never appears"))
+    proc.add("r", [5], SamplingParams(stop=("cab",)), None)
+    outs = feed(proc, "r", ids_of(tok, "xca"))
+    assert "".join(o.text for o in outs) == "x"  # "ca" may still become "cab": len("cab") - 1 held
+    outs += proc.push([RequestOutput("r", ids_of(tok, "t"), "", completion_tokens=4)])
+    assert "".join(o.text for o in outs) == "xc"
+    outs += proc.push([RequestOutput("r", [], "", completion_tokens=4, finished=True, finish_reason="abort")])
+    assert "".join(o.text for o in outs) == "xcat"  # an end lets the held text go
+
+
+def test_min_tokens_and_a_stop_string_on_the_length_token(tok):
+    stops = []
+    proc = OutputProcessor(tok, on_stop=lambda rid, s: stops.append(s))
+    ids = ids_of(tok, "ab ab")
+    proc.add("early", [5], SamplingParams(stop=("ab",), min_tokens=len(ids)), None)
+    # "ab" appears before min_tokens: not searched; at min_tokens the second one is found
+    outs = feed(proc, "early", ids)
+    assert [o.finished for o in outs] == [False] * (len(ids) - 1) + [True]
+    assert outs[-1].stop_reason == "ab" and stops == ["ab"]
+    ids = ids_of(tok, "xy ab")
+    proc.add("len", [5], SamplingParams(stop=("ab",)), None)
+    outs = feed(proc, "len", ids, last=dict(finished=True, finish_reason="length"))
+    assert [o.finished for o in outs] == [False] * (len(ids) - 1) + [True]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == "ab"
+    assert stops == ["ab"]  # the engine had ended that one already: nothing to tell it
+    assert "".join(o.text for o in outs) == "xy "
+
+
+def test_threaded_mode_delivers_everything_off_the_pushing_thread(tok):
+    seen = []
+    proc = OutputProcessor(tok, on_stop=lambda *a: None)
+    text = "the cat sat on the mat " * 20
+    ids = ids_of(tok, text)
+    for r in range(8):
+        proc.add(f"r{r}", [5], SamplingParams(), lambda o: seen.append((o, threading.current_thread().name)))
+    proc.start()
+    for n, t in enumerate(ids, 1):
+        last = n == len(ids)
+        assert proc.push([RequestOutput(f"r{r}", [t], "", completion_tokens=n, finished=last,
+                                        finish_reason="length" if last else None) for r in range(8)]) == []
+    proc.stop()  # drains the queue
+    assert proc.idle and not proc.threaded and not proc._live
+    assert {name for _, name in seen} == {"pagedjax-outputs"}
+    for r in range(8):
+        assert "".join(o.text for o, _ in seen if o.request_id == f"r{r}") == text
+
+
+def test_served_stop_strings_match_inline_ones_with_the_processor_on_its_thread(tiny_ckpt):
+    """The same requests through LLMEngine.step() inline and through AsyncEngine (output
+    thread): same text, same finish, and every block back."""
+    eng = make_engine(tiny_ckpt)
+    p = [10, 20, 30, 40]
+    full = []
+    eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), on_output=full.append)
+    eng.run_until_done()
+    text = "".join(o.text for o in full)
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=(text[i:i + 2],))
+              for i in (1, 4, 7)]
+    inline = {}
+    for i, sp in enumerate(params):
+        eng.add_request(p, sp, request_id=f"in{i}", on_output=lambda o, i=i: inline.setdefault(i, []).append(o))
+    eng.run_until_done()
+
+    ae = AsyncEngine(eng)
+    ae.start()
+    threaded, done = {}, threading.Event()
+    names = set()
+
+    def cb(o, i):
+        names.add(threading.current_thread().name)
+        threaded.setdefault(i, []).append(o)
+        if len([1 for v in threaded.values() if v[-1].finished]) == len(params):
+            done.set()
+
+    try:
+        for i, sp in enumerate(params):
+            eng.add_request(p, sp, request_id=f"th{i}", on_output=lambda o, i=i: cb(o, i))
+        ae._wake.set()
+        assert done.wait(60)
+    finally:
+        ae.stop(grace_s=5)
+    assert names == {"pagedjax-outputs"}
+    for i, sp in enumerate(params):
+        a, b = inline[i], threaded[i]
+        assert "".join(o.text for o in a) == "".join(o.text for o in b) == text[:text.index(sp.stop[0])]
+        assert (a[-1].finish_reason, a[-1].stop_reason, a[-1].completion_tokens) == \
+               (b[-1].finish_reason, b[-1].stop_reason, b[-1].completion_tokens) == ("stop", sp.stop[0],
+                                                                                     a[-1].completion_tokens)
+    assert not eng.has_unfinished() and eng.pool.num_used_blocks == 0
+    assert eng.metrics.request_success.labels("stop")._value.get() >= 2 * len(params)
