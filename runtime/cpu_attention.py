@@ -12,8 +12,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from typing import TYPE_CHECKING
 
 from runtime.cpu_kernels import available, enabled, num_threads  # noqa: F401 (this kernel's switches)
+
+if TYPE_CHECKING:
+    from runtime.attention import SharedPrefix
 
 TARGET = "pagedjax_decode_attention"
 TARGET_INT8 = "pagedjax_decode_attention_int8"

@@ -30,15 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
-
 from runtime.batch import step_row
 from runtime import disagg
 from runtime.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
 from runtime.metrics import EngineMetrics, StepSample
 from runtime.model_runner import ModelRunner, StepHandle, compilations
-from runtime.output_processor import OutputProcessor
+from runtime.output_processor import OutputProcessor, format_logprob
 from runtime.request import Request
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded, Scheduler, SchedulerOutput
@@ -61,6 +59,8 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # (logprob, [(top id, top logprob)]) per new token; the engine hands the output processor
+    # raw rows (logprob, top ids, top logprobs as numpy) and it formats them off the device thread
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     error: str | None = None
     # once, with the first token: None for the first prompt token, then (logprob, top) per token
@@ -384,9 +384,8 @@ class LLMEngine:
             p = pos + j
             if p + 1 >= req.num_prompt_tokens:
                 break
-            if p == len(req.prompt_logprobs):
-                req.prompt_logprobs.append((float(lp[t0 + j]), [(int(a), float(b)) for a, b in
-                                                                 zip(ids[t0 + j][:k], tops[t0 + j][:k])]))
+            if p == len(req.prompt_logprobs):  # raw rows: the output processor formats them
+                req.prompt_logprobs.append((lp[t0 + j], ids[t0 + j, :k].copy(), tops[t0 + j, :k].copy()))
 
     def _fail(self, reqs: list[Request], exc: Exception, outputs: list[RequestOutput]) -> None:
         log.error("engine step failed; failing its %d requests: %s", len(reqs), exc, exc_info=exc)
@@ -410,11 +409,10 @@ class LLMEngine:
     def _append_token(self, req: Request, result: dict, i: int, now: float) -> RequestOutput | None:
         tok = int(result["token_ids"][i])
         self.scheduler.append_token(req, tok)
-        if req.params.logprobs is not None:
+        if req.params.logprobs is not None:  # raw rows (copies: the step's arrays are not kept), formatted off this thread
             k = req.params.logprobs
-            top = [(int(a), float(b)) for a, b in zip(result["top_ids"][i][:k], result["top_logprobs"][i][:k])
-                   if b > -np.inf]  # a structured output's forbidden tokens
-            req.logprobs.append((float(result["logprobs"][i]), top))
+            req.logprobs.append((result["logprobs"][i], result["top_ids"][i, :k].copy(),
+                                 result["top_logprobs"][i, :k].copy()))
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival_time)
@@ -511,6 +509,9 @@ class LLMEngine:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         reqs = [self.add_request(p, sp, **kw) for p, sp in zip(prompts, plist)]
         self.run_until_done()
+        for r in reqs:  # offline callers read the Requests: their logprobs in the client's form
+            r.logprobs = [format_logprob(e) for e in r.logprobs]
+            r.prompt_logprobs = [format_logprob(e) for e in r.prompt_logprobs]
         return reqs
 
     def generate_text(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[str]:

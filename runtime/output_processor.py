@@ -4,7 +4,7 @@ The engine's read-back is token-level: it appends each sampled token, applies th
 token decides (EOS, stop token ids, max_tokens, a finished grammar) and emits a
 `RequestOutput` with `token_ids` and no text. This processor turns those into what clients
 see: incremental detokenization, stop strings (and the characters held back while they
-might still begin one), and the callbacks. A stop string finishes the request here, first:
+might still begin one), logprobs formatted from the step's raw rows, and the callbacks. A stop string finishes the request here, first:
 its final output goes out at once, and the engine is told to drop the request at its next
 step boundary (`on_stop`); whatever the engine still sends for it is discarded.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import queue
 import threading
 from dataclasses import dataclass
@@ -39,6 +40,13 @@ class _Text:
     params: SamplingParams
     on_output: Callable[["RequestOutput"], None] | None
     emitted: int = 0                      # characters of detok.text already sent
+
+
+def format_logprob(raw: tuple) -> tuple[float, list[tuple[int, float]]]:
+    """The engine's raw row (logprob, top ids, top logprobs) -> (logprob, [(id, logprob)]); a
+    structured output's forbidden tokens (-inf) are left out of the top list."""
+    lp, ids, tops = raw
+    return float(lp), [(a, b) for a, b in zip(ids.tolist(), tops.tolist()) if b > -math.inf]
 
 
 class OutputProcessor:
@@ -115,14 +123,16 @@ class OutputProcessor:
                 text_end = max(st.emitted, len(text) - (max(len(s) for s in p.stop) - 1))
         delta = text[st.emitted:text_end] if text_end > st.emitted else ""
         st.emitted = max(st.emitted, text_end)
+        fmt = {"text": delta, "text_ids": None, "logprobs": [format_logprob(e) for e in out.logprobs]}
+        if out.prompt_logprobs is not None:
+            fmt["prompt_logprobs"] = [None if e is None else format_logprob(e) for e in out.prompt_logprobs]
         if stop is None:
-            return dataclasses.replace(out, text=delta, text_ids=None)
+            return dataclasses.replace(out, **fmt)
         if not out.finished:
             with self._lock:
                 self._stopped.add(out.request_id)
             self.on_stop(out.request_id, stop)
-        return dataclasses.replace(out, text=delta, text_ids=None, finished=True, finish_reason="stop",
-                                   stop_reason=stop)
+        return dataclasses.replace(out, **fmt, finished=True, finish_reason="stop", stop_reason=stop)
 
     # --- threaded mode ---------------------------------------------------------------------
     def start(self) -> None:

@@ -58,11 +58,13 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
-    # logprobs of generated tokens: (chosen logprob, [(id, logprob)...]) when asked
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # logprobs of generated tokens when asked: the step's raw rows (chosen logprob, top ids, top
+    # logprobs; numpy) while it runs, formatted off the device thread by the output processor
+    # (and by generate(): (chosen logprob, [(id, logprob)...]))
+    logprobs: list[tuple[Any, ...]] = field(default_factory=list)
     matcher: Any = None              # llguidance matcher of a structured output (params.guide)
-    # prompt logprobs when asked: entry i is prompt token i+1's (logprob, top [(id, logprob)...])
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # prompt logprobs when asked: entry i is prompt token i+1's, raw like `logprobs`
+    prompt_logprobs: list[tuple[Any, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:

@@ -192,8 +192,6 @@ class Fleet:
         replica class with its role in the spec (both start at once)."""
         from ray import serve
 
-        from runtime.fleet.replica import EngineReplica
-
         a = self.args
         for pool in POOLS:
             self.pool_specs[pool] = {**self.spec, "role": pool, "transfer_timeout_s": a.kv_transfer_timeout,

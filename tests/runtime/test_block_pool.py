@@ -8,7 +8,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     consumes,
     invariant,
-    precondition,
     rule,
 )
 

@@ -141,8 +141,8 @@ def test_stop_conditions_and_logprobs(engine):
 def test_stop_string_truncates_text(engine):
     p = [10, 20, 30, 40]
     outs = []
-    full = engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-                              on_output=outs.append)
+    engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                       on_output=outs.append)
     engine.run_until_done()
     text = "".join(o.text for o in outs)
     assert len(text) >= 4

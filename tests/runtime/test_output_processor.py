@@ -154,3 +154,20 @@ def test_served_stop_strings_match_inline_ones_with_the_processor_on_its_thread(
                                                                                      a[-1].completion_tokens)
     assert not eng.has_unfinished() and eng.pool.num_used_blocks == 0
     assert eng.metrics.request_success.labels("stop")._value.get() >= 2 * len(params)
+
+
+def test_logprobs_arrive_raw_and_leave_formatted(tok):
+    """The engine hands over the step's raw rows (numpy); clients get plain Python pairs, a
+    structured output's forbidden (-inf) tokens left out of the top list."""
+    import numpy as np
+
+    proc = OutputProcessor(tok, on_stop=lambda *a: pytest.fail("no stop string here"))
+    proc.add("r", [5, 6, 7], SamplingParams(logprobs=3, prompt_logprobs=2), None)
+    raw = [(np.float32(-0.5), np.array([4, 9, 2], np.int32), np.array([-0.5, -1.25, -np.inf], np.float32))]
+    plp = [None, (np.float32(-2.0), np.array([3, 8], np.int32), np.array([-0.75, -3.0], np.float32)),
+           (np.float32(-1.5), np.array([1, 2], np.int32), np.array([-1.5, -2.5], np.float32))]
+    (out,) = proc.push([RequestOutput("r", [4], "", completion_tokens=1, logprobs=raw, prompt_logprobs=plp)])
+    assert out.logprobs == [(-0.5, [(4, -0.5), (9, -1.25)])]
+    assert out.prompt_logprobs == [None, (-2.0, [(3, -0.75), (8, -3.0)]), (-1.5, [(1, -1.5), (2, -2.5)])]
+    lp, top = out.logprobs[0]
+    assert type(lp) is float and all(type(a) is int and type(b) is float for a, b in top)
