@@ -328,6 +328,76 @@ void token_tile(const Problem& p, int64_t t0, int64_t nt, int64_t h) {
   }
 }
 
+#if defined(__AVX512F__)
+// Lane L of the result = the sum of v[kSlot[L]]'s 16 lanes: 16 dot products' partial vectors
+// reduced together by a transpose-add tree (15 shuffle pairs) instead of 16 horizontal sums.
+constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: 8 partials of v[i]; 8-15: of v[i + 8]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit blocks: 4 partials of v[i], v[i + 8], v[i + 4], v[i + 12]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)  // per block: 2 partials of x[i]'s vector, then 2 of x[i + 2]'s
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x44), _mm512_shuffle_ps(x[i], x[i + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+// Decode phase 2 for one sequence and KV head: its G query rows against its own blocks,
+// 16 tokens at a time. A sequence has only G (~3) rows, too few for the cascade's row-lane
+// tiles, so here the lanes run over tokens: each row's 16 scores come out as one vector
+// (hsum16), its softmax update is vector-wide, and the accumulators stay in registers while
+// the tile's V rows stream past.
+template <int D>
+void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float (*acc)[D]) {
+  constexpr int C = D / 16;
+  const int64_t G = p.G, BS = p.BS, len = p.lens[s];
+  const int32_t* table = p.tables + s * p.MB;
+  const float* q = p.q + (s * p.H + h) * G * D;
+  alignas(64) float kf[kMaxBlock * D], vf[kMaxBlock * D];
+  alignas(64) float e[16];
+  for (int64_t b = p.suffix_start[s] / BS; b * BS < len; ++b) {
+    const int64_t n = std::min<int64_t>(BS, len - b * BS);
+    const float *kb, *vb;
+    const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t nt = std::min<int64_t>(16, n - t0);
+      const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 qv[C];
+        for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * D + 16 * c);
+        __m512 part[16];
+        for (int j = 0; j < 16; ++j) {
+          __m512 a = _mm512_setzero_ps();
+          if (j < nt) {
+            const float* kt = kb + (t0 + j) * ts;
+            for (int c = 0; c < C; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
+          }
+          part[kSlot[j]] = a;
+        }
+        const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, hsum16(part));
+        const float mx = std::max(m[g], _mm512_reduce_max_ps(sc));
+        const float alpha = m[g] == -INFINITY ? 0.0f : fast_exp(m[g] - mx);
+        const __m512 w = exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx)));  // masked lanes: exp(-inf) = 0
+        l[g] = l[g] * alpha + _mm512_reduce_add_ps(w);
+        m[g] = mx;
+        _mm512_store_ps(e, w);
+        __m512 a[C];
+        const __m512 al = _mm512_set1_ps(alpha);
+        for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc[g] + 16 * c), al);
+        for (int64_t j = 0; j < nt; ++j) {
+          const float* vt = vb + (t0 + j) * ts;
+          const __m512 wj = _mm512_set1_ps(e[j]);
+          for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vt + 16 * c), a[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc[g] + 16 * c, a[c]);
+      }
+    }
+  }
+}
+#endif
+
 template <int D>
 void one_sequence(const Problem& p, int64_t s) {
   const int64_t H = p.H, G = p.G, BS = p.BS;
@@ -358,6 +428,11 @@ void one_sequence(const Problem& p, int64_t s) {
         for (int i = 0; i < D; ++i) acc[g][i] = 0.0f;
       }
     }
+#if defined(__AVX512F__)
+    if constexpr (D % 16 == 0) {
+      own_head<D>(p, s, h, m, l, acc);
+    } else
+#endif
     for (int64_t b = first; b < nblocks; ++b) {
       const int64_t n = std::min<int64_t>(BS, len - b * BS);
       const float *kb, *vb;

@@ -40,6 +40,21 @@ def test_cpu_kernel_matches_oracle(hq, hkv, d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("bs", [8, 32, 64])
+def test_cpu_kernel_matches_oracle_at_other_block_sizes(bs):
+    """Decode reads a sequence's own blocks 16 tokens at a time: blocks of 8 (one partial
+    tile), 32 and 64 (several tiles, the last partial) must give the oracle's output."""
+    rng = np.random.default_rng(bs)
+    lens = [1, 5, 16, 17, 40, 63, 64, 65, 130]
+    batch = random_batch(rng, [1] * len(lens), lens, hq=9, hkv=3, d=64, bs=bs, pad_seqs=1,
+                         num_blocks=sum((n + bs - 1) // bs for n in lens) + 2)
+    want = oracle(*batch, sm_scale=0.125)
+    got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, batch), sm_scale=0.125, cpu_kernel=True))
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+    assert not got[len(lens):].any(), "padding rows must be zero"
+
+
+@needs_kernel
 def test_kernel_is_the_default_for_float32_and_int8_caches_only():
     rng = np.random.default_rng(1)
     q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, [1, 1], [20, 33], hq=6, hkv=2)
