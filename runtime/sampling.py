@@ -208,11 +208,29 @@ def make_sampling_inputs(rows: Sequence[SamplingRow | None], pad_to: int,
 
 
 # ----------------------------------------------------------------------------- device side
+def _first_max(x: jax.Array, m: jax.Array) -> jax.Array:
+    """Lowest index along the last axis where x == m (m broadcast), clipped to the axis."""
+    n = x.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.minimum(jnp.min(jnp.where(x == m, iota, n), -1), n - 1)
+
+
 def _argmax(x: jax.Array) -> jax.Array:
-    """Row argmax, lowest index on ties (max + min over a float iota: ~4x jnp.argmax on CPU)."""
-    m = jnp.max(x, -1, keepdims=True)
-    iota = jax.lax.broadcasted_iota(jnp.float32, x.shape, 1)
-    return jnp.minimum(jnp.min(jnp.where(x == m, iota, x.shape[-1]), -1), x.shape[-1] - 1).astype(jnp.int32)
+    """Row argmax [S, V] -> [S] int32, lowest index on ties. In two levels: the max of each
+    chunk of 128 (one read of the logits, a plain vectorized reduction), the first chunk
+    holding the row max, then the first index inside that one chunk. XLA:CPU's variadic
+    argmax reduce, or a max followed by a second full pass, read the [S, V] logits
+    twice and slowly: the decode step at 64 rows of SmolLM2 ran ~4-6% faster this way."""
+    S, V = x.shape
+    c = next((c for c in (128, 64, 32, 16) if V % c == 0 and V > c), None)
+    if c is None:
+        return _first_max(x, jnp.max(x, -1, keepdims=True)).astype(jnp.int32)
+    chunks = x.reshape(S, V // c, c)
+    chunk_max = jnp.max(chunks, -1)                        # [S, V/c]
+    m = jnp.max(chunk_max, -1, keepdims=True)               # [S, 1]
+    first = _first_max(chunk_max, m)                       # [S]
+    inner = _first_max(jnp.take_along_axis(chunks, first[:, None, None], 1)[:, 0], m)
+    return jnp.minimum(first * c + inner, V - 1).astype(jnp.int32)
 
 
 def _key(x: jax.Array) -> jax.Array:   # float32 -> uint32 in the same order

@@ -81,6 +81,25 @@ def test_greedy_is_argmax_and_ignores_the_key():
     np.testing.assert_array_equal(other.token_ids, out.token_ids)
 
 
+@pytest.mark.parametrize("V", [49152, 1000, 37])
+def test_two_level_argmax_takes_the_first_maximum(V):
+    """Greedy's argmax (chunk maxima, then inside the winning chunk) is np.argmax: ties go to
+    the lowest index, also across chunks and inside one; a row of -inf gives 0; vocabularies
+    no chunk size divides take the one-level path."""
+    from runtime.sampling import _argmax
+
+    rng = np.random.default_rng(V)
+    x = rng.standard_normal((8, V)).astype(np.float32)
+    x[1, [V - 1, V // 2, 3]] = 9.0                # a tie across chunks: the lowest wins
+    x[2, [5, 6]] = 9.0                            # a tie inside one chunk
+    x[3] = -np.inf
+    x[4, V - 1] = 9.0                             # the last token
+    x[5] = np.round(x[5])                         # many ties among integers
+    got = np.asarray(jax.jit(_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, x.argmax(-1))
+    assert got.dtype == np.int32
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
 def test_temperature_matches_softmax_distribution(temperature):
     n = 6000
