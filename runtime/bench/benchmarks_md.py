@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,8 @@ def annotate_peer(path: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
         if meta.get(key) is not None:
             machine[key] = meta.pop(key)
     d["peer"] = meta
+    # when: rows from different sessions (a noisy shared machine) must not pass for one run
+    machine["measured_at"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     d["machine"] = machine
     write_json(d, p)
     return d

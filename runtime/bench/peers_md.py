@@ -68,7 +68,7 @@ def render_peers(results: str | Path) -> list[str]:
     base = (peers.get("pagedjax") or {}).get("output_throughput")
     head = ["system", "version", "ok/failed", "output tokens", "output tok/s", "tok/s vs pagedjax", "TTFT p50 ms",
             "TTFT p99 ms", "ITL p50 ms", "prefix hit rate", "start-up s", "load avg 1m at start",
-            "CPU busy before run"]
+            "CPU busy before run", "measured (UTC)"]
     if not same_cpu:
         head.append("CPU")
     rows = []
@@ -80,12 +80,17 @@ def render_peers(results: str | Path) -> list[str]:
                _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["itl_s"]["p50"]),
                _pct((r.get("server") or {}).get("prefix_cache_hit_rate")), _num(peer.get("startup_s"), ",.0f"),
                _num(m.get("loadavg_1m"), ".2f"),
-               "-" if m.get("cpu_busy_pct_before") is None else f"{m['cpu_busy_pct_before']:.0f}%"]
+               "-" if m.get("cpu_busy_pct_before") is None else f"{m['cpu_busy_pct_before']:.0f}%",
+               m.get("measured_at") or "earlier run"]
         if not same_cpu:
             row.append(f"{m.get('cpu_model')}, {m.get('cores')} cores")
         rows.append(row)
     L += _table(head, rows)
     L.append("")
+    days = {(r.get("machine") or {}).get("measured_at", "earlier")[:10] for r in peers.values()}
+    if len(days) > 1:
+        L += ["**Rows from different sessions** (see measured): this shared machine's speed varies from one "
+              "session to the next (the same pagedjax server measured 297.5 and 231.2 tok/s two days apart), so compare rows measured together.", ""]
 
     if base:
         lines = []

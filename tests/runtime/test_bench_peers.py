@@ -4,6 +4,7 @@ from small synthetic peers-*.json files: ratios, load and CPU facts, missing sys
 from __future__ import annotations
 
 import json
+import re
 
 from runtime.bench.benchmarks_md import annotate_peer, render_benchmarks
 from runtime.bench.peers_md import load_peers, render_peers
@@ -105,6 +106,7 @@ def test_annotate_peer_records_machine_and_load(tmp_path):
     assert d["peer"] == {"system": "x", "startup_s": 5}
     assert d["machine"]["loadavg_1m"] == 0.7 and d["machine"]["cpu_busy_pct_before"] == 3.0
     assert d["machine"]["cores"] >= 1 and d["machine"]["cpu_model"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", d["machine"]["measured_at"])
     assert list(load_peers(tmp_path)) == ["x"]
 
 
@@ -128,3 +130,22 @@ def test_fleet_section_compares_the_routers_and_shows_the_plan(tmp_path):
     assert "prefix-aware **88.0%** vs default **55.0%** (one replica: 90.0%)" in text
     assert "1.30x of the default's" in text
     assert "1 replica(s) of this machine (2 with 20% headroom)" in text and "65.0 output tok/s per replica" in text
+
+
+def test_rows_from_different_sessions_are_flagged(tmp_path):
+    """A row carried over from another session (this machine's speed drifts between sessions)
+    shows when it was measured, and the table says the rows were not measured together."""
+    old = _report("llamacpp", 90.0)
+    new = {s: _report(s, t) for s, t in (("pagedjax", 200.0), ("vllm-fp32", 150.0))}
+    for r in new.values():
+        r["machine"]["measured_at"] = "2026-12-03 11:05"
+    _write(tmp_path, {"llamacpp": old, **new})
+    text = "\n".join(render_peers(tmp_path))
+    col = _row(text, "system").index("measured (UTC)")
+    assert _row(text, "pagedjax float32")[col] == "2026-12-03 11:05"
+    assert _row(text, "llama.cpp")[col] == "earlier run"
+    assert "Rows from different sessions" in text
+    del new["pagedjax"]["machine"]["measured_at"], new["vllm-fp32"]["machine"]["measured_at"]
+    _write(tmp_path, new)
+    (tmp_path / "peers-llamacpp.json").unlink()
+    assert "Rows from different sessions" not in "\n".join(render_peers(tmp_path))
