@@ -38,7 +38,7 @@ def same_output(req, want) -> bool:
     """Token for token, and logprobs equal up to float noise (the tail is computed in
     another batch shape than the colocated prompt)."""
     return req.output_ids == want.output_ids and np.allclose(
-        [lp for lp, _ in req.logprobs], [lp for lp, _ in want.logprobs], atol=1e-4)
+        [e[0] for e in req.logprobs], [e[0] for e in want.logprobs], atol=1e-4)
 
 
 def counts(pool) -> tuple[int, int, int]:
