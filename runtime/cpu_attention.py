@@ -9,10 +9,11 @@ mode) when the cache is float32 or int8.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from typing import TYPE_CHECKING
 
 from runtime.cpu_kernels import available, enabled, num_threads  # noqa: F401 (this kernel's switches)
 

