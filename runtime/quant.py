@@ -39,6 +39,8 @@ def is_quantized(w: Any) -> bool:
 def quantization_of(params: dict[str, Any]) -> str:
     """Which method a parameter tree was quantized with ("none" for float weights)."""
     w = params["layers"].get("wq", params["layers"].get("qkv"))
+    if isinstance(w, tuple):  # held per layer (models/llama.py unstack_weights)
+        w = w[0]
     if not is_quantized(w):
         return "none"
     return "w8a16" if "w8" in w else "w8a8"

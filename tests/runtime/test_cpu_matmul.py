@@ -95,6 +95,10 @@ def test_engine_serves_w8a8_through_the_kernel(tiny_ckpt, monkeypatch):
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     eng = make_engine(tiny_ckpt, quantization="w8a8")
     assert eng.runner.matmul_kernel
+    # held per layer (a custom call would otherwise get a copy of each scanned slice)
+    layers = eng.runner.params["layers"]
+    assert all(isinstance(layers[k], tuple) and len(layers[k]) == eng.runner.cfg.num_layers and "p" in layers[k][0]
+               for k in ("qkv", "gate_up", "wo", "w_down"))
     got = [r.output_ids for r in eng.generate(prompts, sp)]
     monkeypatch.setattr(cpu_matmul, "vectorized", lambda: False)
     ref = make_engine(tiny_ckpt, quantization="w8a8")

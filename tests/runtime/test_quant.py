@@ -55,7 +55,8 @@ def test_engine_serves_w8a8(tiny_ckpt):
     eng = make_engine(tiny_ckpt, quantization="w8a8")
     layers = eng.runner.params["layers"]
     if eng.runner.matmul_kernel:  # packed for the C++ kernel, q|k|v as one product
-        assert "wq" not in layers and layers["qkv"]["p"].dtype == jnp.int8
+        qkv = layers["qkv"][0] if isinstance(layers["qkv"], tuple) else layers["qkv"]  # (held per layer)
+        assert "wq" not in layers and qkv["p"].dtype == jnp.int8
     else:
         assert layers["wq"]["q"].dtype == jnp.int8
     ref = make_engine(tiny_ckpt)
