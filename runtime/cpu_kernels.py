@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (runtime/cpu_attention.cc, runtime/cpu_matmul.cc) as XLA FFI targets.
+"""The C++ CPU kernels (runtime/cpu_attention.cc, runtime/cpu_matmul.cc,
+runtime/cpu_linear_f32.cc) as XLA FFI targets.
 
 Built on first use into one library with the system C++ compiler against jaxlib's FFI
 headers, cached under ~/.cache/pagedjax/kernels (PAGEDJAX_KERNEL_CACHE) by a hash of the
@@ -23,13 +24,14 @@ import jax
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_attention.cc", HERE / "cpu_matmul.cc")
+SOURCES = (HERE / "cpu_attention.cc", HERE / "cpu_matmul.cc", HERE / "cpu_linear_f32.cc")
 HEADERS = (HERE / "cpu_parallel.h",)
 # FFI target name -> exported handler symbol
 TARGETS = {
     "pagedjax_decode_attention": "PagedjaxDecodeAttention",
     "pagedjax_decode_attention_int8": "PagedjaxDecodeAttentionInt8",
     "pagedjax_int8_linear": "PagedjaxInt8Linear",
+    "pagedjax_f32_linear": "PagedjaxF32Linear",
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC")
 _lock = threading.Lock()

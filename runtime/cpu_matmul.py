@@ -9,6 +9,11 @@ weight through `linear` below; the model splits the fused outputs.
 
 Used for w8a8 on the CPU backend when the library was built with AVX512-VNNI
 (`vectorized()`); elsewhere XLA's int8 dot stays (same numbers up to float rounding).
+
+Float32 layers have their own kernel (runtime/cpu_linear_f32.cc, AVX2 + FMA:
+`f32_vectorized()`): `pack_float_params` packs the projections into strips of 16 columns,
+{"f": float32 [..., N/16, K, 16]}, fused the same way, and `linear_f32` calls it.
+PAGEDJAX_F32_KERNEL=0 keeps XLA's dot (for A/B runs).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import numpy as np
 from runtime import cpu_kernels
 
 TARGET = "pagedjax_int8_linear"
+F32_TARGET = "pagedjax_f32_linear"
 STRIP = 64     # output columns per packed strip
+F32_STRIP = 16  # the float kernel's strip
 FUSED = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
 
 
@@ -30,6 +37,17 @@ def vectorized() -> bool:
     """The kernels are enabled and the int8 one was compiled with AVX512-VNNI."""
     lib = cpu_kernels.library() if cpu_kernels.enabled() else None
     return bool(lib is not None and lib.PagedjaxInt8LinearVectorized())
+
+
+def f32_vectorized() -> bool:
+    """The kernels are enabled, the float32 one was compiled with AVX2 + FMA, and
+    PAGEDJAX_F32_KERNEL is not 0."""
+    import os
+
+    if os.environ.get("PAGEDJAX_F32_KERNEL", "1") == "0":
+        return False
+    lib = cpu_kernels.library() if cpu_kernels.enabled() else None
+    return bool(lib is not None and lib.PagedjaxF32LinearVectorized())
 
 
 def is_packed(w: Any) -> bool:
@@ -75,6 +93,40 @@ def pack_params(params: dict[str, Any]) -> dict[str, Any]:
     if "head" in params:
         out["head"] = _pack([params["head"]])
     return out
+
+
+def pack_float(w: np.ndarray) -> dict[str, np.ndarray]:
+    """float32 [..., K, N] (N divisible by 16) -> {"f": [..., N/16, K, 16]}: strip s holds
+    columns 16s..16s+15, each k's 16 values contiguous (the kernel's operand order)."""
+    w = np.asarray(w, np.float32)
+    *lead, K, N = w.shape
+    if N % F32_STRIP:
+        raise ValueError(f"the float32 kernel packs {F32_STRIP}-column strips: {N} columns do not divide")
+    nd = len(lead)
+    g = w.reshape(*lead, K, N // F32_STRIP, F32_STRIP)
+    return {"f": np.ascontiguousarray(g.transpose(*range(nd), nd + 1, nd, nd + 2))}
+
+
+def pack_float_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A float32 tree -> the same model with its projections packed (and fused) for the float
+    kernel; unchanged when some projection's width does not divide by 16."""
+    layers = dict(params["layers"])
+    groups = {**FUSED, "wo": ("wo",), "w_down": ("w_down",)}
+    if any(np.shape(layers[n])[-1] % F32_STRIP for names in groups.values() for n in names):
+        return params
+    for name, names in groups.items():
+        w = np.concatenate([np.asarray(layers.pop(n), np.float32) for n in names], axis=-1)
+        layers[name] = pack_float(w)
+    return {**params, "layers": layers}
+
+
+def linear_f32(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """x [T, K] @ a packed float32 weight -> [T, N] float32."""
+    if cpu_kernels.library() is None:  # (also registers the target in this process)
+        raise ValueError("a packed float32 weight needs the C++ CPU kernels, which are not available here")
+    n = w["f"].shape[-3] * F32_STRIP
+    call = jax.ffi.ffi_call(F32_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
+    return call(x.astype(jnp.float32), w["f"], num_threads=np.int64(cpu_kernels.num_threads()))
 
 
 def linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:

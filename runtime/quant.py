@@ -240,6 +240,10 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
     so one outlier token never costs the others their precision."""
     if isinstance(w, LayerPick):  # per-layer arrays inside the layer scan (models/llama.py)
         return jax.lax.switch(w.index, [lambda x, a=a: linear(x, a) for a in w.arrays], x)
+    if isinstance(w, dict) and "f" in w:  # float32 packed for the C++ kernel (runtime/cpu_matmul.py)
+        from runtime import cpu_matmul
+
+        return cpu_matmul.linear_f32(x, w).astype(x.dtype)
     if not is_quantized(w):
         return x @ w
     if "p" in w:  # packed for the C++ kernel (runtime/cpu_matmul.py)

@@ -7,7 +7,8 @@ breakdown  one jitted decode step at S sequences sharing a system prompt (the wo
            with attention replaced by a no-op), the KV write, the rest (norms, RoPE,
            embedding and penalty-state updates, padding); plus the host's per-step work:
            building the padded input, the device->host copy, detokenizing and SSE encoding.
-           Floors: matmuls at the machine's measured XLA dot rate for S rows (or one read of
+           Floors: matmuls at the machine's measured rate of the product the layers use (XLA's
+           dot, or the C++ float32 / int8 kernel) for S rows (or one read of
            their weights, if slower), attention/sampling/KV write at its measured read
            bandwidth (the shared prefix read once).
 overlap    the engine itself in steady decode at S sequences: wall time per step with async
@@ -130,7 +131,9 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
         # the product the layers use (w8a8: int8 x int8 -> int32 with the per-row activation
         # quantization, w8a16: dequantize + float; both the new matmul floor; packed: the kernel)
         ones8, ones_s = np.ones((d, 4 * d), np.int8), np.ones((4 * d,), np.float32)
-        w = jnp.ones((d, 4 * d), x.dtype) if method == "none" else jax.tree.map(
+        f32k = bool(getattr(runner, "f32_kernel", False))
+        w = (jax.tree.map(jnp.asarray, cpu_matmul.pack_float(np.ones((d, 4 * d), np.float32))) if f32k
+             else jnp.ones((d, 4 * d), x.dtype)) if method == "none" else jax.tree.map(
             jnp.asarray, cpu_matmul.pack_weight(ones8, ones_s) if packed
             else {("q" if method == "w8a8" else "w8"): ones8, "s": ones_s})
         dot = jax.jit(lambda a: linear(a, w))
@@ -187,6 +190,7 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
     engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
     return {"model": cfg.name, "dtype": str(runner.params["embed"].dtype), "quantization": method,
             "lm_head_int8": "head" in runner.params, "matmul_kernel": packed,
+            "f32_kernel": bool(getattr(runner, "f32_kernel", False)),
             "attention_kernel": bool(getattr(runner, "attention_kernel", False)),
             "kv_cache_dtype": runner.cache_cfg.kv_dtype, "iters": iters,
             "read_bandwidth_gb_s": bw / 1e9, "rows": rows_out}
@@ -201,7 +205,8 @@ def format_breakdown(r: dict[str, Any]) -> str:
         p, f, h = x["parts"], x["floors"], x["host"]
         lines.append(f"  batch {x['batch']} (context {x['context_len']}, {x['shared_len']} shared): full step "
                      f"{x['full_ms']:.1f} ms = {x['full_ms'] / x['matmul_floor_ms']:.2f}x its matmul floor "
-                     f"{x['matmul_floor_ms']:.1f} ms (XLA dot {x['dot_gflops']:.0f} GFLOP/s at {x['batch']} rows)")
+                     f"{x['matmul_floor_ms']:.1f} ms ({'C++ float32 kernel' if r.get('f32_kernel') else 'XLA dot'} "
+                     f"{x['dot_gflops']:.0f} GFLOP/s at {x['batch']} rows)")
         for k in ("matmuls_ms", "lm_head_ms", "attention_ms", "sampling_ms", "kv_write_ms", "other_ms"):
             fl = f.get(k)
             lines.append(f"    {k[:-3]:<10} {p[k]:>8.2f} ms" + (f"   floor {fl:>7.2f} ms" if fl is not None else ""))

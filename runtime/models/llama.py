@@ -163,7 +163,7 @@ def unstack_weights(params: Params, names: Sequence[str]) -> Params:
     a few rows the product only reads its weight once, so the copy doubles the memory
     traffic of the step: 30 layers of 576x3072 float32 at one row read at 15-18 GB/s
     stacked against 23-25 GB/s per layer with lax.switch picking the array (2-core EPYC).
-    Weights packed for the C++ int8 kernel (dicts with "p", runtime/cpu_matmul.py, fused
+    Weights packed for the C++ kernels (dicts with "p" or "f", runtime/cpu_matmul.py, fused
     names "qkv" / "gate_up" included) become tuples of per-layer dicts for the same reason:
     a custom call's operand is a whole buffer, so a scanned slice is always copied first."""
     from runtime.cpu_matmul import FUSED
@@ -171,8 +171,8 @@ def unstack_weights(params: Params, names: Sequence[str]) -> Params:
     layers = dict(params["layers"])
     for k in (*names, *FUSED):
         a = layers.get(k)
-        if isinstance(a, dict) and "p" in a:
-            n = a["p"].shape[0]
+        if isinstance(a, dict) and ("p" in a or "f" in a):
+            n = (a.get("p") if "p" in a else a["f"]).shape[0]
             layers[k] = tuple({kk: vv[i] for kk, vv in a.items()} for i in range(n))
         elif a is not None and not isinstance(a, (dict, tuple)):
             layers[k] = tuple(a[i] for i in range(a.shape[0]))

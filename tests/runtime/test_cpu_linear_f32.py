@@ -1,0 +1,77 @@
+"""The C++ float32 linear kernel (runtime/cpu_linear_f32.cc): the packed layout, the numbers
+against a float64 reference, shape checks, and an engine serving float32 through it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from runtime import cpu_matmul
+from runtime.sampling import SamplingParams
+from tests.engine_util import make_engine
+
+needs_f32 = pytest.mark.skipif(not cpu_matmul.f32_vectorized(),
+                               reason="no AVX2 + FMA kernel here: XLA's dot serves float32")
+
+
+def test_float_pack_layout():
+    w = np.arange(5 * 48, dtype=np.float32).reshape(5, 48)
+    f = cpu_matmul.pack_float(w)["f"]
+    assert f.shape == (3, 5, 16)
+    for s in range(3):
+        np.testing.assert_array_equal(f[s], w[:, 16 * s:16 * s + 16])
+    stacked = cpu_matmul.pack_float(np.stack([w, -w]))["f"]  # a leading layer axis stays in front
+    assert stacked.shape == (2, 3, 5, 16) and (stacked[1] == -f).all()
+    with pytest.raises(ValueError, match="do not divide"):
+        cpu_matmul.pack_float(np.ones((4, 40), np.float32))
+
+
+@needs_f32
+@pytest.mark.parametrize("M,K,N", [(1, 64, 16), (5, 3, 48), (7, 100, 96), (48, 64, 32), (49, 576, 64),
+                                   (130, 17, 160)])
+def test_float_kernel_matches_a_float64_reference(M, K, N):
+    """Every row-tile remainder (1-6 rows), panel edges (48 rows), odd K."""
+    rng = np.random.default_rng(M * 100 + K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    packed = jax.tree.map(jnp.asarray, cpu_matmul.pack_float(w))
+    got = np.asarray(jax.jit(cpu_matmul.linear_f32)(jnp.asarray(x), packed))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    assert got.shape == (M, N)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@needs_f32
+def test_float_kernel_rejects_shapes_that_disagree():
+    packed = jax.tree.map(jnp.asarray, cpu_matmul.pack_float(np.ones((64, 32), np.float32)))
+    with pytest.raises(Exception, match="float32 linear"):
+        jax.jit(cpu_matmul.linear_f32)(jnp.ones((4, 60), jnp.float32), packed).block_until_ready()
+
+
+@needs_f32
+def test_engine_serves_float32_through_the_kernel(tiny_ckpt, monkeypatch):
+    """Packed, fused, per-layer float weights: the same greedy tokens and logprobs (to float
+    rounding) as XLA's dot, and the compiled step calls the kernel; PAGEDJAX_F32_KERNEL=0
+    turns it off."""
+    prompts = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(50, 140))]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+    eng = make_engine(tiny_ckpt)
+    assert eng.runner.f32_kernel
+    layers = eng.runner.params["layers"]
+    assert all(isinstance(layers[k], tuple) and "f" in layers[k][0] for k in ("qkv", "gate_up", "wo", "w_down"))
+    got = eng.generate(prompts, sp)
+    monkeypatch.setenv("PAGEDJAX_F32_KERNEL", "0")
+    ref = make_engine(tiny_ckpt)
+    assert not ref.runner.f32_kernel and "wq" in ref.runner.params["layers"]
+    want = ref.generate(prompts, sp)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose([e[0] for e in a.logprobs], [e[0] for e in b.logprobs], atol=1e-4)
+    from runtime.batch import build_step_input
+    from runtime.bench.offline import decode_rows
+
+    r = eng.runner
+    inp = build_step_input(decode_rows(r, 2, 20), 2, 2, r.max_blocks_per_seq, r.cache_cfg.block_size, r.scratch_row)
+    assert cpu_matmul.F32_TARGET in r._step.lower(r.params, r.kv, r.penalty, inp).as_text()
