@@ -108,9 +108,20 @@ ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 
 }  // namespace
 
-// 1 when the library was compiled with AVX2 + FMA (runtime/cpu_matmul.py uses the kernel
-// for float32 layers only then).
+// 1 when the library was compiled with AVX2 + FMA.
 extern "C" int PagedjaxF32LinearVectorized() { return kVectorized ? 1 : 0; }
+
+// 1 where the kernel serves float32 layers by default (runtime/cpu_matmul.py): AVX2 CPUs
+// without AVX-512, where it was measured faster than XLA. On AVX-512 CPUs XLA's dot has
+// twice the vector width to work with (Intel's two 512-bit FMA ports) and stays the default
+// until measured there (PAGEDJAX_F32_KERNEL=1 turns the kernel on for that A/B).
+extern "C" int PagedjaxF32LinearPreferred() {
+#if defined(__AVX512F__)
+  return 0;
+#else
+  return kVectorized ? 1 : 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxF32Linear, F32Linear,
                               ffi::Ffi::Bind()

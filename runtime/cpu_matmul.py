@@ -11,9 +11,9 @@ Used for w8a8 on the CPU backend when the library was built with AVX512-VNNI
 (`vectorized()`); elsewhere XLA's int8 dot stays (same numbers up to float rounding).
 
 Float32 layers have their own kernel (runtime/cpu_linear_f32.cc, AVX2 + FMA:
-`f32_vectorized()`): `pack_float_params` packs the projections into strips of 16 columns,
-{"f": float32 [..., N/16, K, 16]}, fused the same way, and `linear_f32` calls it.
-PAGEDJAX_F32_KERNEL=0 keeps XLA's dot (for A/B runs).
+`f32_vectorized()`, on by default where `f32_default()`): `pack_float_params` packs the
+projections into strips of 16 columns, {"f": float32 [..., N/16, K, 16]}, fused the same
+way, and `linear_f32` calls it.
 """
 
 from __future__ import annotations
@@ -40,14 +40,21 @@ def vectorized() -> bool:
 
 
 def f32_vectorized() -> bool:
-    """The kernels are enabled, the float32 one was compiled with AVX2 + FMA, and
-    PAGEDJAX_F32_KERNEL is not 0."""
-    import os
-
-    if os.environ.get("PAGEDJAX_F32_KERNEL", "1") == "0":
-        return False
+    """The kernels are enabled and the float32 one was compiled with AVX2 + FMA."""
     lib = cpu_kernels.library() if cpu_kernels.enabled() else None
     return bool(lib is not None and lib.PagedjaxF32LinearVectorized())
+
+
+def f32_default() -> bool:
+    """Whether float32 layers go through the float kernel: PAGEDJAX_F32_KERNEL=1 / 0 forces
+    it on / off; unset, on for AVX2 CPUs without AVX-512 (where it was measured faster than
+    XLA's dot; see cpu_linear_f32.cc)."""
+    import os
+
+    force = os.environ.get("PAGEDJAX_F32_KERNEL")
+    if not f32_vectorized() or force == "0":
+        return False
+    return force == "1" or bool(cpu_kernels.library().PagedjaxF32LinearPreferred())
 
 
 def is_packed(w: Any) -> bool:

@@ -54,9 +54,10 @@ def test_float_kernel_rejects_shapes_that_disagree():
 def test_engine_serves_float32_through_the_kernel(tiny_ckpt, monkeypatch):
     """Packed, fused, per-layer float weights: the same greedy tokens and logprobs (to float
     rounding) as XLA's dot, and the compiled step calls the kernel; PAGEDJAX_F32_KERNEL=0
-    turns it off."""
+    turns it off. Unforced, it is on exactly where the library says it is preferred."""
     prompts = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(50, 140))]
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+    monkeypatch.setenv("PAGEDJAX_F32_KERNEL", "1")  # (the default on AVX2-only CPUs)
     eng = make_engine(tiny_ckpt)
     assert eng.runner.f32_kernel
     layers = eng.runner.params["layers"]
@@ -75,3 +76,7 @@ def test_engine_serves_float32_through_the_kernel(tiny_ckpt, monkeypatch):
     r = eng.runner
     inp = build_step_input(decode_rows(r, 2, 20), 2, 2, r.max_blocks_per_seq, r.cache_cfg.block_size, r.scratch_row)
     assert cpu_matmul.F32_TARGET in r._step.lower(r.params, r.kv, r.penalty, inp).as_text()
+    monkeypatch.delenv("PAGEDJAX_F32_KERNEL")
+    from runtime import cpu_kernels
+
+    assert make_engine(tiny_ckpt).runner.f32_kernel == bool(cpu_kernels.library().PagedjaxF32LinearPreferred())

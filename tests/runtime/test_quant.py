@@ -237,4 +237,5 @@ def test_per_layer_weights_give_the_stacked_model_s_logits(tiny_ckpt, monkeypatc
     assert make_engine(tiny_ckpt, num_blocks=16).runner.per_layer_weights
     monkeypatch.setenv("PAGEDJAX_PER_LAYER_WEIGHTS", "0")
     eng = make_engine(tiny_ckpt, num_blocks=16)
-    assert not eng.runner.per_layer_weights and not isinstance(eng.runner.params["layers"]["wq"], tuple)
+    layers = eng.runner.params["layers"]
+    assert not eng.runner.per_layer_weights and not isinstance(layers.get("wq", layers.get("qkv")), tuple)
