@@ -15,14 +15,22 @@ from runtime.bench.report import _load, _ms, _num, _pct, _table, write_json  # n
 
 # --- machine and BENCHMARKS.md -----------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
-    cpu = "unknown"
+    cpu, flags = "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    # The vector units beside the name: "AMD EPYC" has been both a Zen 3 (AVX2) and a Zen 4
+    # (AVX-512) here, and the kernels differ between them.
+    isa = ([x for x, f in (("avx512", "avx512f"), ("vnni", "avx512_vnni"), ("bf16", "avx512_bf16"),
+                           ("amx", "amx_tile")) if f in flags] if "avx512f" in flags
+           else ["avx2"] if "avx2" in flags else [])
+    if isa:
+        cpu = f"{cpu} ({' '.join(isa)})"
     ram = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
