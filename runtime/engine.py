@@ -117,7 +117,12 @@ class LLMEngine:
         # Requests to end at the next step boundary: (id, reason, stop string) -- aborts, and
         # stop strings the output processor found.
         self._ends: list[tuple[str, str, str | None]] = []
-        self.outputs = OutputProcessor(tokenizer, on_stop=lambda rid, s: self._end_later(rid, "stop", s))
+        self.outputs = OutputProcessor(tokenizer, on_stop=lambda rid, s: self._end_later(rid, "stop", s),
+                                       on_end=self._count_end)
+        # Requests with stop strings the engine ended by length: counted in request_success once
+        # the output processor says whether a stop string came on that last token (_count_end).
+        self._uncounted: set[str] = set()
+        self._uncounted_lock = threading.Lock()
         self._pending_policy: AdmissionPolicy | None = None
         # Async scheduling: the step launched last and not read back yet (see step()).
         self.async_scheduling = config.async_scheduling
@@ -232,6 +237,14 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's blocks return to the pool at the next step boundary."""
         self._end_later(request_id, "abort", None)
+
+    def _count_end(self, request_id: str, reason: str) -> None:
+        """(output processor) The client-visible end of a request _finish left uncounted."""
+        with self._uncounted_lock:
+            if request_id not in self._uncounted:
+                return
+            self._uncounted.discard(request_id)
+        self.metrics.request_success.labels(reason).inc()
 
     def _end_later(self, request_id: str, reason: str, stop_reason: str | None) -> None:
         with self.lock:
@@ -454,7 +467,11 @@ class LLMEngine:
         self.scheduler.finish(req, reason)
         req.finish_time = time.monotonic()
         t = self._tracked.pop(req.request_id)
-        self.metrics.request_success.labels(reason).inc()
+        if reason == "length" and req.params.stop:
+            with self._uncounted_lock:
+                self._uncounted.add(req.request_id)
+        else:
+            self.metrics.request_success.labels(reason).inc()
         self.metrics.e2e.observe(req.finish_time - req.arrival_time)
         req.stop_reason = stop_reason
         return self._output(t, new_ids or [], finished=True, finish_reason=reason,

@@ -50,9 +50,13 @@ def format_logprob(raw: tuple) -> tuple[float, list[tuple[int, float]]]:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: TextTokenizer, on_stop: Callable[[str, str], None]):
+    def __init__(self, tokenizer: TextTokenizer, on_stop: Callable[[str, str], None],
+                 on_end: Callable[[str, str], None] | None = None):
         self.tokenizer = tokenizer
         self.on_stop = on_stop            # (request id, stop string): the engine drops the request
+        # (request id, reason): how a request with stop strings that the engine ended by length
+        # ended for its client ("stop" when a stop string came on that last token), once
+        self.on_end = on_end or (lambda rid, reason: None)
         self._lock = threading.Lock()     # guards _live/_stopped: add() comes from web threads
         self._live: dict[str, _Text] = {}
         self._stopped: set[str] = set()   # finished here by a stop string; the engine's end not seen yet
@@ -102,10 +106,13 @@ class OutputProcessor:
     def _text(self, out: "RequestOutput") -> "RequestOutput | None":
         with self._lock:
             st = self._live.get(out.request_id)
-            if st is None or out.request_id in self._stopped:
-                if out.finished:  # the engine's own end of a request a stop string ended here
-                    self._stopped.discard(out.request_id)
-                return None
+            stopped = out.request_id in self._stopped
+            if stopped and out.finished:  # the engine's own end of a request a stop string ended here
+                self._stopped.discard(out.request_id)
+        if st is None or stopped:
+            if out.finished and out.finish_reason == "length":  # (stopped: max_tokens came before the stop)
+                self.on_end(out.request_id, "stop" if stopped else "length")
+            return None
         ids = out.token_ids if out.text_ids is None else out.text_ids
         if ids:
             st.detok.push(ids)
@@ -126,6 +133,8 @@ class OutputProcessor:
         fmt = {"text": delta, "text_ids": None, "logprobs": [format_logprob(e) for e in out.logprobs]}
         if out.prompt_logprobs is not None:
             fmt["prompt_logprobs"] = [None if e is None else format_logprob(e) for e in out.prompt_logprobs]
+        if out.finished and p.stop and out.finish_reason == "length":
+            self.on_end(out.request_id, "length" if stop is None else "stop")
         if stop is None:
             return dataclasses.replace(out, **fmt)
         if not out.finished:

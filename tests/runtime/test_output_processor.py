@@ -75,8 +75,8 @@ def test_the_tail_that_could_begin_a_stop_string_is_held_back_until_the_end(tok)
 
 
 def test_min_tokens_and_a_stop_string_on_the_length_token(tok):
-    stops = []
-    proc = OutputProcessor(tok, on_stop=lambda rid, s: stops.append(s))
+    stops, ends = [], []
+    proc = OutputProcessor(tok, on_stop=lambda rid, s: stops.append(s), on_end=lambda rid, r: ends.append((rid, r)))
     ids = ids_of(tok, "ab ab")
     proc.add("early", [5], SamplingParams(stop=("ab",), min_tokens=len(ids)), None)
     # "ab" appears before min_tokens: not searched; at min_tokens the second one is found
@@ -90,6 +90,10 @@ def test_min_tokens_and_a_stop_string_on_the_length_token(tok):
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == "ab"
     assert stops == ["ab"]  # the engine had ended that one already: nothing to tell it
     assert "".join(o.text for o in outs) == "xy "
+    proc.add("plain", [5], SamplingParams(stop=("zz",)), None)
+    feed(proc, "plain", ids, last=dict(finished=True, finish_reason="length"))
+    # the client-visible end of each length-ended request with stop strings, once
+    assert ends == [("len", "stop"), ("plain", "length")]
 
 
 def test_threaded_mode_delivers_everything_off_the_pushing_thread(tok):
@@ -171,3 +175,29 @@ def test_logprobs_arrive_raw_and_leave_formatted(tok):
     assert out.prompt_logprobs == [None, (-2.0, [(3, -0.75), (8, -3.0)]), (-1.5, [(1, -1.5), (2, -2.5)])]
     lp, top = out.logprobs[0]
     assert type(lp) is float and all(type(a) is int and type(b) is float for a, b in top)
+
+
+def test_metrics_count_the_end_the_client_saw(tiny_ckpt):
+    """A stop string on the max_tokens token: the client sees "stop", and so do the metrics
+    (request_success), inline and with the processor on its own thread."""
+    eng = make_engine(tiny_ckpt)
+    p = [10, 20, 30, 40]
+    full = []
+    eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), on_output=full.append)
+    eng.run_until_done()
+    last = "".join(o.text for o in full)  # the whole text: complete only with the 8th token
+    assert last and full[-1].text
+
+    def counts():
+        return {r: eng.metrics.request_success.labels(r)._value.get() for r in ("stop", "length")}
+
+    before = counts()
+    got = []
+    eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=(last,)),
+                    on_output=got.append)
+    eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=("\x00never",)))
+    eng.run_until_done()
+    assert got[-1].finish_reason == "stop" and got[-1].stop_reason == last
+    after = counts()
+    assert (after["stop"] - before["stop"], after["length"] - before["length"]) == (1, 1)
+    assert not eng._uncounted
