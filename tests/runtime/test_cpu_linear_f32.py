@@ -80,3 +80,22 @@ def test_engine_serves_float32_through_the_kernel(tiny_ckpt, monkeypatch):
     from runtime import cpu_kernels
 
     assert make_engine(tiny_ckpt).runner.f32_kernel == bool(cpu_kernels.library().PagedjaxF32LinearPreferred())
+
+
+@needs_f32
+def test_packed_lm_head_gives_xla_s_logits_at_the_rows_it_serves():
+    """The runner's packed head copy ("head_f32") serves 2-64 rows; 1 row and more than 64
+    keep XLA's product; the logits agree either way."""
+    from runtime.models.llama import init_params, lm_head
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config(272)  # (a vocabulary the kernel's 16-column strips divide)
+    params = jax.tree.map(jnp.asarray, init_params(cfg, seed=3))
+    packed = {**params, "head_f32": jax.tree.map(jnp.asarray, cpu_matmul.pack_float(np.asarray(params["embed"]).T))}
+    rng = np.random.default_rng(0)
+    for rows in (1, 2, 64, 65):
+        h = jnp.asarray(rng.standard_normal((rows, cfg.hidden_size)).astype(np.float32))
+        want = np.asarray(jax.jit(lm_head, static_argnums=0)(cfg, params, h))
+        fn = jax.jit(lm_head, static_argnums=0)
+        np.testing.assert_allclose(np.asarray(fn(cfg, packed, h)), want, rtol=1e-5, atol=1e-5)
+        assert (cpu_matmul.F32_TARGET in fn.lower(cfg, packed, h).as_text()) == (2 <= rows <= 64)
