@@ -31,6 +31,7 @@ F32_TARGET = "pagedjax_f32_linear"
 STRIP = 64     # output columns per packed strip
 F32_STRIP = 16  # the float kernel's strip
 FUSED = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
+PACKED = {**FUSED, "wo": ("wo",), "w_down": ("w_down",)}  # packed name -> the projections it holds
 
 
 def vectorized() -> bool:
@@ -92,10 +93,8 @@ def _pack(ws: list[dict[str, Any]]) -> dict[str, np.ndarray]:
 def pack_params(params: dict[str, Any]) -> dict[str, Any]:
     """A w8a8 tree -> the same model with packed (and fused) projections and int8 head."""
     layers = dict(params["layers"])
-    for fused, names in FUSED.items():
-        layers[fused] = _pack([layers.pop(n) for n in names])
-    for name in ("wo", "w_down"):
-        layers[name] = _pack([layers[name]])
+    for name, names in PACKED.items():
+        layers[name] = _pack([layers.pop(n) for n in names])
     out = {**params, "layers": layers}
     if "head" in params:
         out["head"] = _pack([params["head"]])
@@ -114,17 +113,22 @@ def pack_float(w: np.ndarray) -> dict[str, np.ndarray]:
     return {"f": np.ascontiguousarray(g.transpose(*range(nd), nd + 1, nd, nd + 2))}
 
 
-def pack_float_params(params: dict[str, Any]) -> dict[str, Any]:
+def pack_float_params(params: dict[str, Any], tied: bool) -> dict[str, Any]:
     """A float32 tree -> the same model with its projections packed (and fused) for the float
-    kernel; unchanged when some projection's width does not divide by 16."""
+    kernel, plus a packed copy of the LM head ("head_f32": the embedding transposed when
+    `tied`) where the vocabulary divides by 16 (models/llama.py lm_head says when it serves);
+    unchanged when some projection's width does not divide by 16."""
     layers = dict(params["layers"])
-    groups = {**FUSED, "wo": ("wo",), "w_down": ("w_down",)}
-    if any(np.shape(layers[n])[-1] % F32_STRIP for names in groups.values() for n in names):
+    if any(np.shape(layers[n])[-1] % F32_STRIP for names in PACKED.values() for n in names):
         return params
-    for name, names in groups.items():
+    for name, names in PACKED.items():
         w = np.concatenate([np.asarray(layers.pop(n), np.float32) for n in names], axis=-1)
         layers[name] = pack_float(w)
-    return {**params, "layers": layers}
+    out = {**params, "layers": layers}
+    head = np.asarray(params["embed"]).T if tied else np.asarray(params["lm_head"])
+    if head.shape[-1] % F32_STRIP == 0:
+        out["head_f32"] = pack_float(head)
+    return out
 
 
 def linear_f32(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:

@@ -278,12 +278,8 @@ class ModelRunner:
         self.f32_kernel = (quantization == "none" and jnp.dtype(dtype) == jnp.float32 and self.tp == 1
                            and jax.default_backend() == "cpu" and cpu_matmul.f32_default())
         if self.f32_kernel:
-            params = cpu_matmul.pack_float_params(params)
+            params = cpu_matmul.pack_float_params(params, cfg.tie_word_embeddings)
             self.f32_kernel = "qkv" in params["layers"]
-            # and a packed copy of the LM head (the kernel is 1.1-2x XLA's at 2-64 rows: models/llama.py lm_head)
-            head = np.asarray(params["embed"]).T if cfg.tie_word_embeddings else np.asarray(params["lm_head"])
-            if self.f32_kernel and head.shape[-1] % cpu_matmul.F32_STRIP == 0:
-                params = {**params, "head_f32": cpu_matmul.pack_float(head)}
         self.params = cast_params(params, dtype)
         # XLA:CPU: float layer weights as separate per-layer arrays (models/llama.py
         # unstack_weights says why); PAGEDJAX_PER_LAYER_WEIGHTS=0 keeps them stacked.

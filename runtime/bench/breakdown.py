@@ -83,6 +83,7 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
 
     method = quantization_of(runner.params)
     packed = bool(getattr(runner, "matmul_kernel", False))
+    f32k = bool(getattr(runner, "f32_kernel", False))
     layer_w = [w for k, w in runner.params["layers"].items() if k in (*LINEAR_WEIGHTS, *cpu_matmul.FUSED)]
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     layer_flops_per_row = 2 * L * (d * qkv + cfg.num_heads * cfg.head_dim * d + 3 * d * cfg.intermediate_size)
@@ -131,7 +132,6 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
         # the product the layers use (w8a8: int8 x int8 -> int32 with the per-row activation
         # quantization, w8a16: dequantize + float; both the new matmul floor; packed: the kernel)
         ones8, ones_s = np.ones((d, 4 * d), np.int8), np.ones((4 * d,), np.float32)
-        f32k = bool(getattr(runner, "f32_kernel", False))
         w = (jax.tree.map(jnp.asarray, cpu_matmul.pack_float(np.ones((d, 4 * d), np.float32))) if f32k
              else jnp.ones((d, 4 * d), x.dtype)) if method == "none" else jax.tree.map(
             jnp.asarray, cpu_matmul.pack_weight(ones8, ones_s) if packed
@@ -191,7 +191,7 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
     engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
     return {"model": cfg.name, "dtype": str(runner.params["embed"].dtype), "quantization": method,
             "lm_head_int8": "head" in runner.params, "matmul_kernel": packed,
-            "f32_kernel": bool(getattr(runner, "f32_kernel", False)),
+            "f32_kernel": f32k,
             "attention_kernel": bool(getattr(runner, "attention_kernel", False)),
             "kv_cache_dtype": runner.cache_cfg.kv_dtype, "iters": iters,
             "read_bandwidth_gb_s": bw / 1e9, "rows": rows_out}
