@@ -3,11 +3,12 @@
 // weights and calls it from the jitted step.
 //
 // Why not XLA: XLA:CPU's float32 dot runs a 64-row SmolLM2 projection (64 x 576 by 576 x
-// 1536) at 50-100 GFLOP/s on a 2-core EPYC whose FMA units do ~190. This is the textbook
-// register tile instead: 6 rows x 16 columns of accumulators (12 ymm) over the whole K, the
-// weights packed so that each k's 16 columns are one contiguous 64-byte line, the rows'
-// values broadcast from memory. It is AVX2 + FMA code: on Zen 4 (512-bit ops run as two
-// 256-bit halves) that is the same FLOP rate as AVX-512.
+// 1536) at 50-150 GFLOP/s on the 2-core machines here, well under their FMA peak. This is
+// the textbook register tile instead: rows x 16-column strips of accumulators over the whole
+// K, the weights packed so that each k's 16 columns are one contiguous 64-byte line, the
+// rows' values broadcast from memory. Two builds of the same loop: AVX-512 (12 rows x 2
+// strips) and AVX2 + FMA (6 rows x 1 strip); each output is the same k-ordered FMA chain, so
+// both give the same bits.
 //
 // Layout: x [M, K] float32; w [S, K, 16] float32 packed by runtime/cpu_matmul.py: strip s
 // holds columns 16s..16s+15 (N = 16 S: the packer only takes N divisible by 16). Out [M, N].
@@ -24,17 +25,52 @@ namespace {
 
 using pagedjax::run_parallel;
 
-constexpr int64_t kCols = 16;   // output columns per packed strip (2 ymm)
-constexpr int64_t kRows = 6;    // rows per register tile: 12 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kCols = 16;   // output columns per packed strip (one zmm, two ymm)
 constexpr int64_t kPanel = 48;  // rows per work item: its x rows (48 x K floats) stay in L2
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 
+// AVX-512: 12 rows x 2 strips (32 columns) of accumulators = 24 zmm, + 2 weights + 1
+// broadcast of the 32 registers. Per k: 24 FMAs against 14 loads, so the two FMA ports, not
+// the two load ports, set the pace (a 1-strip tile would need a broadcast per FMA).
 constexpr bool kVectorized = true;
+constexpr int64_t kRows = 12;
+constexpr int64_t kStrips = 2;
 
-template <int R>
+template <int R, int P>
 inline void tile(const float* x, int64_t K, const float* w, float* out, int64_t N) {
+  const float* w1 = w + K * kCols;  // the next strip (read only when P == 2)
+  __m512 a0[R], a1[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 v0 = _mm512_loadu_ps(w + kCols * k);
+    const __m512 v1 = P == 2 ? _mm512_loadu_ps(w1 + kCols * k) : v0;
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+      a0[r] = _mm512_fmadd_ps(xb, v0, a0[r]);
+      if constexpr (P == 2) a1[r] = _mm512_fmadd_ps(xb, v1, a1[r]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * N, a0[r]);
+    if constexpr (P == 2) _mm512_storeu_ps(out + r * N + kCols, a1[r]);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// AVX2: 6 rows x 1 strip = 12 ymm accumulators + 2 weights + 1 broadcast of the 16.
+constexpr bool kVectorized = true;
+constexpr int64_t kRows = 6;
+constexpr int64_t kStrips = 1;
+
+template <int R, int P>
+inline void tile(const float* x, int64_t K, const float* w, float* out, int64_t N) {
+  static_assert(P == 1);
   // (two flat arrays, not acc[R][2]: GCC kept the 2-D one in memory, a store per FMA)
   __m256 a0[R], a1[R];
 #pragma GCC unroll 6
@@ -56,9 +92,12 @@ inline void tile(const float* x, int64_t K, const float* w, float* out, int64_t 
 }
 #else  // no AVX2: the same numbers (sums in the same order), one multiply at a time
 constexpr bool kVectorized = false;
+constexpr int64_t kRows = 6;
+constexpr int64_t kStrips = 1;
 
-template <int R>
+template <int R, int P>
 inline void tile(const float* x, int64_t K, const float* w, float* out, int64_t N) {
+  static_assert(P == 1);
   float acc[R][kCols] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < R; ++r)
@@ -67,21 +106,21 @@ inline void tile(const float* x, int64_t K, const float* w, float* out, int64_t 
 }
 #endif
 
-// Rows [m0, m1) of strip s.
+// One tile of `rows` (1..kRows) rows over P strips: the row count picks the instantiation.
+template <int P, int R = kRows>
+inline void tile_rows(int64_t rows, const float* x, int64_t K, const float* w, float* out, int64_t N) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<P, R - 1>(rows, x, K, w, out, N);
+  }
+  tile<R, P>(x, K, w, out, N);
+}
+
+// Rows [m0, m1) of strips s..s+P-1 (P = kStrips, or 1 for an odd last strip).
+template <int P>
 void panel(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t s, int64_t m0, int64_t m1) {
   const float* ws = w + s * K * kCols;
-  for (int64_t m = m0; m < m1; m += kRows) {
-    const float* xm = x + m * K;
-    float* om = out + m * N + s * kCols;
-    switch (std::min(kRows, m1 - m)) {
-      case 6: tile<6>(xm, K, ws, om, N); break;
-      case 5: tile<5>(xm, K, ws, om, N); break;
-      case 4: tile<4>(xm, K, ws, om, N); break;
-      case 3: tile<3>(xm, K, ws, om, N); break;
-      case 2: tile<2>(xm, K, ws, om, N); break;
-      default: tile<1>(xm, K, ws, om, N); break;
-    }
-  }
+  for (int64_t m = m0; m < m1; m += kRows)
+    tile_rows<P>(std::min(kRows, m1 - m), x + m * K, K, ws, out + m * N + s * kCols, N);
 }
 
 ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -95,13 +134,17 @@ ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (M == 0) return ffi::Error::Success();
   const float *xs = x.typed_data(), *ws = w.typed_data();
   float* o = out->typed_data();
-  const int64_t panels = (M + kPanel - 1) / kPanel;
-  // Items walk the row panels of one strip before the next strip: each strip's weights come
+  const int64_t panels = (M + kPanel - 1) / kPanel, groups = (S + kStrips - 1) / kStrips;
+  // Items walk the row panels of one strip group before the next: each strip's weights come
   // from memory once per call (the head's 113 MB would otherwise stream once per panel), and
   // the panels' rows (M x K floats) are re-read from L2/L3.
-  run_parallel(pool, num_threads, panels * S, [=](int64_t i) {
-    const int64_t s = i / panels, pn = i % panels;
-    panel(xs, ws, o, K, N, s, pn * kPanel, std::min(M, (pn + 1) * kPanel));
+  run_parallel(pool, num_threads, panels * groups, [=](int64_t i) {
+    const int64_t s = (i / panels) * kStrips, m0 = (i % panels) * kPanel, m1 = std::min(M, m0 + kPanel);
+    if (S - s >= kStrips) {
+      panel<kStrips>(xs, ws, o, K, N, s, m0, m1);
+    } else {
+      panel<1>(xs, ws, o, K, N, s, m0, m1);
+    }
   });
   return ffi::Error::Success();
 }
@@ -111,17 +154,11 @@ ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // 1 when the library was compiled with AVX2 + FMA.
 extern "C" int PagedjaxF32LinearVectorized() { return kVectorized ? 1 : 0; }
 
-// 1 where the kernel serves float32 layers by default (runtime/cpu_matmul.py): AVX2 CPUs
-// without AVX-512, where it was measured faster than XLA. On AVX-512 CPUs XLA's dot has
-// twice the vector width to work with (Intel's two 512-bit FMA ports) and stays the default
-// until measured there (PAGEDJAX_F32_KERNEL=1 turns the kernel on for that A/B).
-extern "C" int PagedjaxF32LinearPreferred() {
-#if defined(__AVX512F__)
-  return 0;
-#else
-  return kVectorized ? 1 : 0;
-#endif
-}
+// 1 where the kernel serves float32 layers by default (runtime/cpu_matmul.py): wherever it
+// is vectorized. Measured faster than XLA's dot at 1-512 rows with the AVX2 tile on a Zen 3
+// EPYC and with the AVX-512 tile on an Ice Lake Xeon (BENCHMARKS.md); Zen 4 (AVX-512 on
+// 256-bit units) was not measured. PAGEDJAX_F32_KERNEL=0 gives XLA's dot for an A/B.
+extern "C" int PagedjaxF32LinearPreferred() { return kVectorized ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxF32Linear, F32Linear,
                               ffi::Ffi::Bind()

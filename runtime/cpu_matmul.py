@@ -10,7 +10,7 @@ weight through `linear` below; the model splits the fused outputs.
 Used for w8a8 on the CPU backend when the library was built with AVX512-VNNI
 (`vectorized()`); elsewhere XLA's int8 dot stays (same numbers up to float rounding).
 
-Float32 layers have their own kernel (runtime/cpu_linear_f32.cc, AVX2 + FMA:
+Float32 layers have their own kernel (runtime/cpu_linear_f32.cc, AVX-512 or AVX2 + FMA:
 `f32_vectorized()`, on by default where `f32_default()`): `pack_float_params` packs the
 projections into strips of 16 columns, {"f": float32 [..., N/16, K, 16]}, fused the same
 way, and `linear_f32` calls it.
@@ -41,15 +41,15 @@ def vectorized() -> bool:
 
 
 def f32_vectorized() -> bool:
-    """The kernels are enabled and the float32 one was compiled with AVX2 + FMA."""
+    """The kernels are enabled and the float32 one was compiled with AVX2 + FMA or AVX-512."""
     lib = cpu_kernels.library() if cpu_kernels.enabled() else None
     return bool(lib is not None and lib.PagedjaxF32LinearVectorized())
 
 
 def f32_default() -> bool:
     """Whether float32 layers go through the float kernel: PAGEDJAX_F32_KERNEL=1 / 0 forces
-    it on / off; unset, on for AVX2 CPUs without AVX-512 (where it was measured faster than
-    XLA's dot; see cpu_linear_f32.cc)."""
+    it on / off; unset, on wherever it is vectorized (measured faster than XLA's dot with the
+    AVX2 and the AVX-512 tile; see cpu_linear_f32.cc)."""
     import os
 
     force = os.environ.get("PAGEDJAX_F32_KERNEL")

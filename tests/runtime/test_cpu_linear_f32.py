@@ -32,7 +32,7 @@ def test_float_pack_layout():
 @pytest.mark.parametrize("M,K,N", [(1, 64, 16), (5, 3, 48), (7, 100, 96), (48, 64, 32), (49, 576, 64),
                                    (130, 17, 160)])
 def test_float_kernel_matches_a_float64_reference(M, K, N):
-    """Every row-tile remainder (1-6 rows), panel edges (48 rows), odd K."""
+    """Panel edges (48 rows), odd K, odd and even strip counts (the AVX-512 tile pairs strips)."""
     rng = np.random.default_rng(M * 100 + K)
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = rng.standard_normal((K, N)).astype(np.float32)
@@ -42,6 +42,18 @@ def test_float_kernel_matches_a_float64_reference(M, K, N):
     assert got.shape == (M, N)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
 
+
+
+@needs_f32
+@pytest.mark.parametrize("M", range(1, 14))
+def test_float_kernel_every_row_remainder(M):
+    """Every row count of a register tile (6 rows on AVX2, 12 on AVX-512) and one past it, over
+    three strips (one pair and one single on AVX-512)."""
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, 9)).astype(np.float32)
+    w = rng.standard_normal((9, 48)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_matmul.linear_f32)(jnp.asarray(x), jax.tree.map(jnp.asarray, cpu_matmul.pack_float(w))))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-4)
 
 @needs_f32
 def test_float_kernel_rejects_shapes_that_disagree():
