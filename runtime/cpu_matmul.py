@@ -115,20 +115,26 @@ def pack_float(w: np.ndarray) -> dict[str, np.ndarray]:
 
 def pack_float_params(params: dict[str, Any], tied: bool) -> dict[str, Any]:
     """A float32 tree -> the same model with its projections packed (and fused) for the float
-    kernel, plus a packed copy of the LM head ("head_f32": the embedding transposed when
-    `tied`) where the vocabulary divides by 16 (models/llama.py lm_head says when it serves);
-    unchanged when some projection's width does not divide by 16."""
+    kernel, plus the packed head (`with_float_head`); unchanged when some projection's width
+    does not divide by 16."""
     layers = dict(params["layers"])
     if any(np.shape(layers[n])[-1] % F32_STRIP for names in PACKED.values() for n in names):
         return params
     for name, names in PACKED.items():
         w = np.concatenate([np.asarray(layers.pop(n), np.float32) for n in names], axis=-1)
         layers[name] = pack_float(w)
-    out = {**params, "layers": layers}
+    return with_float_head({**params, "layers": layers}, tied)
+
+
+def with_float_head(params: dict[str, Any], tied: bool) -> dict[str, Any]:
+    """params plus a packed float32 copy of the LM head ("head_f32": the embedding transposed
+    when `tied`) where the vocabulary divides by 16; models/llama.py lm_head says when it
+    serves. Float32 trees get it from pack_float_params, w8a8 ones whose head stays float
+    from the runner."""
     head = np.asarray(params["embed"]).T if tied else np.asarray(params["lm_head"])
-    if head.shape[-1] % F32_STRIP == 0:
-        out["head_f32"] = pack_float(head)
-    return out
+    if head.shape[-1] % F32_STRIP:
+        return params
+    return {**params, "head_f32": pack_float(np.asarray(head, np.float32))}
 
 
 def linear_f32(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:

@@ -273,8 +273,10 @@ class ModelRunner:
         self.matmul_kernel = quantization == "w8a8" and cpu_matmul.vectorized() and self.tp == 1
         if self.matmul_kernel:
             params = cpu_matmul.pack_params(params)
-        # float32 weights on an AVX2 CPU: the C++ float kernel (faster than XLA's dot at 1-64 rows
-        # there; cpu_matmul.f32_default says where it is the default)
+            if "head" not in params and cpu_matmul.f32_default():  # the head stays float: the float kernel's copy
+                params = cpu_matmul.with_float_head(params, cfg.tie_word_embeddings)
+        # float32 weights: the C++ float kernel (faster than XLA's dot at 1-512 rows on the
+        # CPUs measured; cpu_matmul.f32_default says where it is the default)
         self.f32_kernel = (quantization == "none" and jnp.dtype(dtype) == jnp.float32 and self.tp == 1
                            and jax.default_backend() == "cpu" and cpu_matmul.f32_default())
         if self.f32_kernel:

@@ -111,3 +111,22 @@ def test_engine_serves_w8a8_through_the_kernel(tiny_ckpt, monkeypatch):
     inp = build_step_input(decode_rows(r, 2, 20), 2, 2, r.max_blocks_per_seq, r.cache_cfg.block_size, r.scratch_row)
     hlo = r._step.lower(r.params, r.kv, r.penalty, inp).as_text()
     assert cpu_matmul.TARGET in hlo
+    # the LM head stays float; where the float kernel is on, its packed copy serves 2-64 rows
+    packs_head = cpu_matmul.f32_default() and r.cfg.vocab_size % cpu_matmul.F32_STRIP == 0
+    assert ("head_f32" in r.params) == (cpu_matmul.F32_TARGET in hlo) == packs_head
+
+
+@needs_vnni
+def test_w8a8_keeps_a_float_head_with_the_float_kernels_copy(tiny_ckpt, monkeypatch):
+    """A w8a8 tree without an int8 head gets the float kernel's packed head (vocabulary 32
+    here, divisible by its 16-column strips); its logits are the float head's."""
+    from runtime.models.llama import lm_head
+
+    monkeypatch.setenv("PAGEDJAX_F32_KERNEL", "1")
+    r = make_engine(tiny_ckpt, quantization="w8a8").runner
+    embed = np.asarray(r.params["embed"])[:32]
+    params = cpu_matmul.with_float_head({**r.params, "embed": jnp.asarray(embed)}, tied=True)
+    assert params["head_f32"]["f"].shape == (2, embed.shape[1], 16)
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((3, embed.shape[1])).astype(np.float32))
+    got = np.asarray(jax.jit(lambda p, x: lm_head(r.cfg, p, x))(jax.tree.map(jnp.asarray, params), h))
+    np.testing.assert_allclose(got, np.asarray(h) @ embed.T, rtol=1e-5, atol=1e-5)
