@@ -36,7 +36,7 @@ from runtime.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
 from runtime.metrics import EngineMetrics, StepSample
 from runtime.model_runner import ModelRunner, StepHandle, compilations
-from runtime.output_processor import OutputProcessor, format_logprob
+from runtime.output_processor import OutputProcessor
 from runtime.request import Request
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded, Scheduler, SchedulerOutput
@@ -526,10 +526,7 @@ class LLMEngine:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         reqs = [self.add_request(p, sp, **kw) for p, sp in zip(prompts, plist)]
         self.run_until_done()
-        for r in reqs:  # offline callers read the Requests: their logprobs in the client's form
-            r.logprobs = [format_logprob(e) for e in r.logprobs]
-            r.prompt_logprobs = [format_logprob(e) for e in r.prompt_logprobs]
-        return reqs
+        return reqs  # (logprobs stay raw rows: Request.formatted_logprobs() gives the client's form)
 
     def generate_text(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[str]:
         chunks: list[RequestOutput] = []

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import queue
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from runtime.request import format_logprob
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
 
@@ -40,13 +40,6 @@ class _Text:
     params: SamplingParams
     on_output: Callable[["RequestOutput"], None] | None
     emitted: int = 0                      # characters of detok.text already sent
-
-
-def format_logprob(raw: tuple) -> tuple[float, list[tuple[int, float]]]:
-    """The engine's raw row (logprob, top ids, top logprobs) -> (logprob, [(id, logprob)]); a
-    structured output's forbidden tokens (-inf) are left out of the top list."""
-    lp, ids, tops = raw
-    return float(lp), [(a, b) for a, b in zip(ids.tolist(), tops.tolist()) if b > -math.inf]
 
 
 class OutputProcessor:

@@ -10,6 +10,7 @@ own last-token state, so the host never waits for it.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,8 +60,8 @@ class Request:
     last_token_time: float | None = None
     finish_time: float | None = None
     # logprobs of generated tokens when asked: the step's raw rows (chosen logprob, top ids, top
-    # logprobs; numpy) while it runs, formatted off the device thread by the output processor
-    # (and by generate(): (chosen logprob, [(id, logprob)...]))
+    # logprobs; numpy), always; the client's form is `formatted_logprobs()` (the output
+    # processor formats the same rows off the device thread)
     logprobs: list[tuple[Any, ...]] = field(default_factory=list)
     matcher: Any = None              # llguidance matcher of a structured output (params.guide)
     # prompt logprobs when asked: entry i is prompt token i+1's, raw like `logprobs`
@@ -95,6 +96,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending
+
+    def formatted_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """The generated tokens' logprobs in the client's form: (chosen, [(id, logprob)...])."""
+        return [format_logprob(e) for e in self.logprobs]
+
+    def formatted_prompt_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Prompt tokens 1.. in the same form (token 0 has none)."""
+        return [format_logprob(e) for e in self.prompt_logprobs]
 
     def append_token(self, token: int) -> None:
         """The host learns a generated token (resolving the pending one, if any)."""
@@ -138,3 +147,10 @@ class Request:
             parent = self.block_hashes[-1] if i else None
             self.block_hashes.append(
                 hash_block(parent, toks[i * block_size:(i + 1) * block_size], self.extra_keys))
+
+
+def format_logprob(raw: tuple) -> tuple[float, list[tuple[int, float]]]:
+    """The engine's raw row (logprob, top ids, top logprobs) -> (logprob, [(id, logprob)]); a
+    structured output's forbidden tokens (-inf) are left out of the top list."""
+    lp, ids, tops = raw
+    return float(lp), [(a, b) for a, b in zip(ids.tolist(), tops.tolist()) if b > -math.inf]

@@ -576,7 +576,7 @@ def engine_check(ckpt: Path, backends: tuple[str, ...], max_tokens: int,
                     params, tok, warmup=False, progress=False)
     reqs = eng.generate(prompts, sp)
     runs[backend] = {"ids": [list(r.output_ids) for r in reqs],
-                     "logprobs": [list(r.logprobs) for r in reqs],
+                     "logprobs": [r.formatted_logprobs() for r in reqs],
                      "seconds": time.time() - t0}
     res[f"{backend}_seconds"] = runs[backend]["seconds"]
     res[f"{backend}_ids"] = runs[backend]["ids"]

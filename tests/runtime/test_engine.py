@@ -134,8 +134,20 @@ def test_stop_conditions_and_logprobs(engine):
     assert len(r.output_ids) == full.output_ids.index(stop_tok) + 1
     r = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
     assert len(r.logprobs) == 5
-    chosen, top = r.logprobs[0]
+    chosen, top = r.formatted_logprobs()[0]
     assert len(top) == 3 and top[0][0] == r.output_ids[0] and abs(top[0][1] - chosen) < 1e-5
+
+
+def test_request_logprobs_stay_raw_and_format_as_the_client_sees_them(engine):
+    """One representation: a Request holds the step's raw rows before and after generate();
+    formatted_logprobs() is exactly what its streamed outputs carried."""
+    outs = []
+    sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    r = engine.generate([[10, 20, 30, 40]], sp, on_output=outs.append)[0]
+    assert len(r.logprobs) == 4 and all(isinstance(e[1], np.ndarray) for e in r.logprobs)
+    assert r.formatted_logprobs() == [e for o in outs for e in o.logprobs]
+    streamed_prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+    assert [None, *r.formatted_prompt_logprobs()] == streamed_prompt and len(streamed_prompt) == 4
 
 
 def test_stop_string_truncates_text(engine):

@@ -148,7 +148,7 @@ def test_paged_int8_cache_agrees_with_the_accuracy_emulation(smollm2_ckpt):
     emu = np.asarray(jax.nn.log_softmax(kv_roundtrip_logits(cfg, params, jnp.asarray(ids), "int8")[-1]))
     flt = np.asarray(jax.nn.log_softmax(dense_logits(cfg, params, jnp.asarray(ids))[-1]))
     req = eng.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))[0]
-    chosen, top = req.logprobs[0]
+    chosen, top = req.formatted_logprobs()[0]
     assert req.output_ids[0] == int(np.argmax(emu))
     assert abs(chosen - emu[req.output_ids[0]]) < 0.15
     assert len(top) == 5 and all(abs(lp - emu[tid]) < 0.15 for tid, lp in top)

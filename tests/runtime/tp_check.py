@@ -57,8 +57,8 @@ def workload(eng, n_tokens: int, vocab: int, quick: bool) -> dict:
     reqs = eng.generate(prompts[:1], params)  # first alone: its blocks become the others' prefix hits
     reqs += eng.generate(prompts[1:], params)
     out = dict(tokens=[r.output_ids for r in reqs],
-               logprobs=[[lp for lp, _ in r.logprobs] for r in reqs],
-               top=[[[v for _, v in top5] for _, top5 in r.logprobs] for r in reqs],
+               logprobs=[[lp for lp, _ in r.formatted_logprobs()] for r in reqs],
+               top=[[[v for _, v in top5] for _, top5 in r.formatted_logprobs()] for r in reqs],
                prefix_hits=eng.scheduler.counters.prefix_hits)
     if not quick:
         # Preemption: the 16-block pool holds ~3 of these 6 requests at once.
