@@ -548,13 +548,15 @@ void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float 
 }
 #endif
 
+// Phase 2 (decode): sequence s's own blocks for KV head h (one work item: a batch of one
+// sequence still splits over its KV heads, so both cores work at batch 1).
 template <int D>
-void one_sequence(const Problem& p, int64_t s) {
+void one_head(const Problem& p, int64_t s, int64_t h) {
   const int64_t H = p.H, G = p.G, BS = p.BS;
   float* out = p.out + s * H * G * D;
   const int32_t len = p.lens[s];
   if (len <= 0) {
-    std::fill(out, out + H * G * D, 0.0f);
+    std::fill(out + h * G * D, out + (h + 1) * G * D, 0.0f);
     return;
   }
   const int32_t* table = p.tables + s * p.MB;
@@ -564,7 +566,7 @@ void one_sequence(const Problem& p, int64_t s) {
   alignas(64) float acc[kMaxGroup][D];
   alignas(64) float sc[kMaxGroup][kMaxBlock];
   float m[kMaxGroup], l[kMaxGroup];
-  for (int64_t h = 0; h < H; ++h) {
+  {
     const float* q = p.q + (s * H + h) * G * D;
     for (int64_t g = 0; g < G; ++g) {
       if (first > 0) {
@@ -652,7 +654,7 @@ void run(ffi::ThreadPool& pool, int64_t threads, const Problem& p) {
         if (p.suffix_start[s] > 0 && p.lens[s] > 0)
           for (int64_t g = 0; g < p.G; ++g) rows.push_back(s * p.G + g);
     if (!rows.empty()) cascade<D>(pool, threads, p, rows);
-    run_parallel(pool, threads, p.S, [&](int64_t s) { one_sequence<D>(p, s); });  // phase 2: own blocks
+    run_parallel(pool, threads, p.S * p.H, [&](int64_t i) { one_head<D>(p, i / p.H, i % p.H); });  // phase 2
     return;
   }
   // prefill: tiles of consecutive tokens of one sequence (16 / G tokens: all 16 lanes busy)
