@@ -18,6 +18,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
+
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
@@ -315,10 +317,12 @@ def sse_response(events: AsyncIterator[bytes]) -> Stream:
 
 async def _respond(request: Request, gen: Generation, stream: bool, include_usage: bool,
                    full: Callable[[], object], head: Callable[[], list[object]],
-                   chunk: Callable[[Job, Any], object], usage_chunk: Callable[[S.Usage], object]) -> Response:
+                   chunk: Callable[[Job, Any], object], usage_chunk: Callable[[S.Usage], object],
+                   continuous_usage: bool = False) -> Response:
     """Non-streaming: wait for every choice, answer `full()`. Streaming: `head()` events,
     then the `chunk(job, output)` events of each output, an error event for a choice that failed,
-    the usage chunk when asked, and `[DONE]`."""
+    the usage chunk when asked, and `[DONE]`; `continuous_usage` puts the usage so far on every
+    head and output chunk too."""
     if not stream:
         await run_watching_disconnect(request, gen.collect())
         bad = next((j for j in gen.jobs if j.finish_reason in ("abort", "error")), None)
@@ -326,17 +330,20 @@ async def _respond(request: Request, gen: Generation, stream: bool, include_usag
             raise _failure(bad)
         return Response(S.encode(full()), media_type="application/json")
 
+    def sse(obj: Any) -> bytes:
+        return _sse(msgspec.structs.replace(obj, usage=gen.usage()) if continuous_usage else obj)
+
     async def events() -> AsyncIterator[bytes]:
         try:
             for obj in head():
-                yield _sse(obj)
+                yield sse(obj)
             async for job, out in gen.outputs():
                 if out.finished and out.finish_reason in ("abort", "error"):
                     e = _failure(job)
                     yield _sse(error_body(e.status_code, e.message, code=e.code))
                 elif out.text or out.finished or out.logprobs or out.prompt_logprobs:
                     for obj in chunk(job, out):
-                        yield _sse(obj)
+                        yield sse(obj)
             if include_usage:
                 yield _sse(usage_chunk(gen.usage()))
             yield b"data: [DONE]\n\n"
@@ -369,7 +376,7 @@ async def completions(request: Request) -> Response:
         return S.CompletionResponse(rid, created, model, choices, usage)
 
     return await _respond(
-        request, gen, body.stream, _include_usage(body),
+        request, gen, body.stream, _include_usage(body), continuous_usage=_continuous_usage(body),
         full=lambda: resp([fmt.completion_choice(j) for j in gen.jobs], gen.usage()),
         # with prompt logprobs the echo waits for them (they come with the first token)
         head=lambda: [resp([fmt.completion_echo(j)]) for j in gen.jobs] if body.echo and not echo_lp else [],
@@ -404,7 +411,7 @@ async def chat_completions(request: Request) -> Response:
         return S.ChatCompletionChunk(rid, created, model, choices, usage)
 
     return await _respond(
-        request, gen, body.stream, _include_usage(body),
+        request, gen, body.stream, _include_usage(body), continuous_usage=_continuous_usage(body),
         full=lambda: S.ChatCompletionResponse(rid, created, model, [fmt.chat_choice(j) for j in gen.jobs],
                                               gen.usage()),
         head=lambda: [chunk([S.ChatChunkChoice(j.index, S.ChatDelta("assistant", ""), None, None)
@@ -415,6 +422,10 @@ async def chat_completions(request: Request) -> Response:
 
 def _include_usage(body: S.CompletionRequest | S.ChatCompletionRequest) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def _continuous_usage(body: S.CompletionRequest | S.ChatCompletionRequest) -> bool:
+    return _include_usage(body) and bool(body.stream_options.continuous_usage_stats)
 
 
 @get("/models", operation_class=S.operation(None, S.ModelList), summary="List the served model")

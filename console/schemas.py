@@ -32,6 +32,8 @@ StopField = Annotated[str, Meta(min_length=1)] | Annotated[list[Annotated[str, M
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    # vLLM's extension (guidellm sends it): with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):

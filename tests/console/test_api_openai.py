@@ -54,6 +54,29 @@ def test_completion_streaming_matches_non_streaming(client, server):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): each chunk carries the
+    usage so far, completion tokens never going down, the last equal to the final usage chunk;
+    without include_usage it adds nothing."""
+    import json
+
+    def chunks(options):
+        body = {"model": server.model, "messages": [{"role": "user", "content": REPEAT}], "max_tokens": 6,
+                "stream": True, "ignore_eos": True, "stream_options": options}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.headers,
+                          timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    got = chunks({"include_usage": True, "continuous_usage_stats": True})
+    assert all(c["usage"] is not None for c in got)
+    done = [c["usage"]["completion_tokens"] for c in got]
+    assert done == sorted(done) and done[0] == 0 and done[-1] == 6
+    assert got[-1]["choices"] == [] and got[-2]["usage"] == got[-1]["usage"]
+    assert all(c["usage"]["prompt_tokens"] == got[-1]["usage"]["prompt_tokens"] > 0 for c in got)
+    assert all(c.get("usage") is None for c in chunks({"continuous_usage_stats": True}))
+
+
 def test_raw_sse_framing(server):
     body = {"model": server.model, "prompt": REPEAT, "max_tokens": 5, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
