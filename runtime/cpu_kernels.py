@@ -98,4 +98,6 @@ def enabled() -> bool:
 
 def num_threads() -> int:
     """Workers per call: the caller plus pool helpers, one per core XLA may use."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    from runtime.config import usable_cpus
+
+    return usable_cpus()
