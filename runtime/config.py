@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,12 +19,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3":
 # A quantized KV cache keeps one float32 scale per token, per KV head, for K and for V.
 QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
 KV_SCALE_BYTES = 4
-
-
-def usable_cpus() -> int:
-    """The cores this process may run on (its affinity, not the machine's count): what the
-    CPU kernels split over, the bandwidth probe reads with and the fleet divides."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
 def _check(cond: bool, name: str, msg: str) -> None:

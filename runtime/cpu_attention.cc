@@ -566,70 +566,72 @@ void one_head(const Problem& p, int64_t s, int64_t h) {
   alignas(64) float acc[kMaxGroup][D];
   alignas(64) float sc[kMaxGroup][kMaxBlock];
   float m[kMaxGroup], l[kMaxGroup];
-  const float* q = p.q + (s * H + h) * G * D;
-  for (int64_t g = 0; g < G; ++g) {
-    if (first > 0) {
-      const float* st = p.state + ((s * H + h) * G + g) * (2 + D);
-      m[g] = st[0];
-      l[g] = st[1];
-      for (int i = 0; i < D; ++i) acc[g][i] = st[2 + i];
-    } else {
-      m[g] = -INFINITY;
-      l[g] = 0.0f;
-      for (int i = 0; i < D; ++i) acc[g][i] = 0.0f;
+  {
+    const float* q = p.q + (s * H + h) * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      if (first > 0) {
+        const float* st = p.state + ((s * H + h) * G + g) * (2 + D);
+        m[g] = st[0];
+        l[g] = st[1];
+        for (int i = 0; i < D; ++i) acc[g][i] = st[2 + i];
+      } else {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int i = 0; i < D; ++i) acc[g][i] = 0.0f;
+      }
     }
-  }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  if constexpr (D % 16 == 0) {
-    own_head<D>(p, s, h, m, l, acc);
-  } else
+    if constexpr (D % 16 == 0) {
+      own_head<D>(p, s, h, m, l, acc);
+    } else
 #endif
-  for (int64_t b = first; b < nblocks; ++b) {
-    const int64_t n = std::min<int64_t>(BS, len - b * BS);
-    const float *kb, *vb;
-    const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
-    for (int64_t t = 0; t < n; ++t) {  // scores: each K row read once for the whole group
-      const float* kt = kb + t * ts;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        float d = 0.0f;
+    for (int64_t b = first; b < nblocks; ++b) {
+      const int64_t n = std::min<int64_t>(BS, len - b * BS);
+      const float *kb, *vb;
+      const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
+      for (int64_t t = 0; t < n; ++t) {  // scores: each K row read once for the whole group
+        const float* kt = kb + t * ts;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = q + g * D;
+          float d = 0.0f;
 #pragma omp simd reduction(+ : d)
-        for (int i = 0; i < D; ++i) d += qg[i] * kt[i];
-        sc[g][t] = d;
+          for (int i = 0; i < D; ++i) d += qg[i] * kt[i];
+          sc[g][t] = d;
+        }
       }
-    }
-    for (int64_t g = 0; g < G; ++g) {  // online softmax over this block
-      float mx = m[g];
-      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[g][t]);
-      const float alpha = m[g] == -INFINITY ? 0.0f : fast_exp(m[g] - mx);
-      float sum = 0.0f;
+      for (int64_t g = 0; g < G; ++g) {  // online softmax over this block
+        float mx = m[g];
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[g][t]);
+        const float alpha = m[g] == -INFINITY ? 0.0f : fast_exp(m[g] - mx);
+        float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < n; ++t) {
-        const float e = fast_exp(sc[g][t] - mx);
-        sc[g][t] = e;
-        sum += e;
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = mx;
-      if (alpha != 1.0f) {
+        for (int64_t t = 0; t < n; ++t) {
+          const float e = fast_exp(sc[g][t] - mx);
+          sc[g][t] = e;
+          sum += e;
+        }
+        l[g] = l[g] * alpha + sum;
+        m[g] = mx;
+        if (alpha != 1.0f) {
 #pragma omp simd
-        for (int i = 0; i < D; ++i) acc[g][i] *= alpha;
+          for (int i = 0; i < D; ++i) acc[g][i] *= alpha;
+        }
+      }
+      for (int64_t t = 0; t < n; ++t) {  // values: each V row read once for the whole group
+        const float* vt = vb + t * ts;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = sc[g][t];
+#pragma omp simd
+          for (int i = 0; i < D; ++i) acc[g][i] += w * vt[i];
+        }
       }
     }
-    for (int64_t t = 0; t < n; ++t) {  // values: each V row read once for the whole group
-      const float* vt = vb + t * ts;
-      for (int64_t g = 0; g < G; ++g) {
-        const float w = sc[g][t];
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = 1.0f / std::max(l[g], 1e-30f);
+      float* o = out + (h * G + g) * D;
 #pragma omp simd
-        for (int i = 0; i < D; ++i) acc[g][i] += w * vt[i];
-      }
+      for (int i = 0; i < D; ++i) o[i] = acc[g][i] * inv;
     }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.0f / std::max(l[g], 1e-30f);
-    float* o = out + (h * G + g) * D;
-#pragma omp simd
-    for (int i = 0; i < D; ++i) o[i] = acc[g][i] * inv;
   }
 }
 

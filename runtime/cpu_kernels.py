@@ -98,6 +98,4 @@ def enabled() -> bool:
 
 def num_threads() -> int:
     """Workers per call: the caller plus pool helpers, one per core XLA may use."""
-    from runtime.config import usable_cpus
-
-    return usable_cpus()
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))

@@ -147,13 +147,12 @@ class Fleet:
         import ray
         from ray import serve
 
-        from runtime.config import usable_cpus
         from runtime.fleet.hub import FleetHub
         from runtime.fleet.replica import HUB_NAME, NAMESPACE, EngineReplica
 
         a = self.args
         address = a.address or os.environ.get("RAY_ADDRESS") or None
-        cores = usable_cpus()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         # The most replicas this fleet may run (disaggregated: both pools, with the room
         # --max-replicas leaves for the console to grow them).
         total = (max(a.prefill_replicas + a.decode_replicas, a.max_replicas or 0) if disaggregated(a)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.config import DTYPE_BYTES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES, GiB, ModelConfig, usable_cpus
+from runtime.config import DTYPE_BYTES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES, GiB, ModelConfig
 
 GB = 10**9
 BLOCK_SIZE = 16
@@ -100,7 +100,7 @@ def read_bandwidth(size_mb: int = 512, repeats: int = 5) -> float:
     from concurrent.futures import ThreadPoolExecutor
 
     a = np.ones(max(1, size_mb * (1 << 20) // 4), dtype=np.float32)
-    n = usable_cpus()
+    n = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
     parts = np.array_split(a, n)
     with ThreadPoolExecutor(n) as pool:
         return a.nbytes / _best_seconds(lambda: list(pool.map(np.max, parts)), repeats)
