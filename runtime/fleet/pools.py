@@ -8,7 +8,9 @@ replica its prefix matches -> receive + import + generate on the reserved decode
 streamed like a colocated request. A stage that fails frees both sides and the request is
 tried once more with a new reservation; then it ends with kv_transfer_failed (503). A
 replica found dead on the way is dropped from the routing view at once, so the retry does
-not go back to it.
+not go back to it. Until the import starts, the gateway renews the reservation's lease
+(--kv-reservation-lease): a gateway that is gone stops renewing, and the decode replica
+frees the blocks within the lease.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class Pools:
         for attempt in (1, 2):
             res = await self._reserve(request_id, req, base)  # Overloaded / ValueError: nothing held anywhere
             dec, pre, sent, gen = res["replica"], None, None, None
+            keeper = asyncio.ensure_future(self._keep(dec, res))
             try:
                 if res["num_transfer"]:
                     pre = self._pick_prefill(f"{request_id}/prefill{attempt}", req)
@@ -164,6 +167,7 @@ class Pools:
                     if "error" in out:
                         raise _StageFailed(out["error"])
                     sent = out["handle"]
+                keeper.cancel()  # the import takes the reservation over as it starts
                 gen = self.handles["decode"].options(stream=True).import_and_generate.remote(
                     {**base, "replica_hint": dec, "reservation_id": res["reservation_id"], "handle": sent})
                 try:
@@ -178,6 +182,7 @@ class Pools:
                 self._failed(request_id, attempt, str(exc), errors)
                 continue
             finally:
+                keeper.cancel()
                 if res is not None:  # released on every path that did not hand it over
                     asyncio.ensure_future(_quiet(self.handles["decode"].release.remote(
                         {"replica_hint": dec, "reservation_id": res["reservation_id"]})))
@@ -198,6 +203,21 @@ class Pools:
                                        error=f"{KV_TRANSFER_FAILED}: the KV transfer failed twice "
                                              f"({' / then: '.join(errors)})"))
         return request_id, queue
+
+    async def _keep(self, replica: str, res: dict[str, Any]) -> None:
+        """Renew a reservation's lease on its decode replica until cancelled (handed over or
+        released): five times a lease, so two lost renewals in a row do not lose it."""
+        while True:
+            await asyncio.sleep(res["lease_s"] / 5)
+            try:
+                if not await self.handles["decode"].renew.remote({"replica_hint": replica,
+                                                                   "reservation_id": res["reservation_id"]}):
+                    log.warning("reservation %s on %s is gone (its import will fail and be retried)",
+                                res["reservation_id"], replica)
+                    return
+            except Exception as exc:  # noqa: BLE001 -- a dead replica shows in the import stage
+                log.warning("renewing reservation %s on %s failed: %s", res["reservation_id"], replica,
+                            type(exc).__name__)
 
     def _failed(self, request_id: str, attempt: int, why: str, errors: list[str]) -> None:
         errors.append(why)
@@ -225,5 +245,5 @@ class Pools:
 async def _quiet(ref: Any) -> None:
     try:
         await ref
-    except Exception as exc:  # noqa: BLE001 -- the replica is gone; its TTL covers the rest
+    except Exception as exc:  # noqa: BLE001 -- the replica is gone; its lease covers the rest
         log.warning("disaggregated clean-up call failed: %s", type(exc).__name__)

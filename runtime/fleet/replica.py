@@ -29,14 +29,17 @@ log = logging.getLogger("pagedjax.fleet.replica")
 HUB_NAME = "pagedjax-fleet-hub"
 RECENT_S = 10.0  # how long a taken request id stays in the stats
 NAMESPACE = "pagedjax"
-# Disaggregated mode: a decode replica releases a reservation never imported after this
-# long, a prefill replica drops a sent KV object never dropped by the gateway (a gateway
-# that crashed between the steps must not leak blocks or object-store memory).
-RESERVATION_TTL_S = 30.0
+# Disaggregated mode: a reservation lives this long past its last renewal. The gateway
+# renews it while the prompt waits for and runs its prefill (however long that queue is),
+# so one whose gateway is gone (crashed; or restarted against a long-lived Ray cluster)
+# frees its blocks within the lease, not after a fixed timer that a slow prefill outlives.
+RESERVATION_LEASE_S = 5.0
+# A prefill replica drops a sent KV object the gateway never dropped after this long.
+SENT_TTL_S = 30.0
 TRANSFER_TIMEOUT_S = 10.0
 # Test hook: a file holding a number N makes the prefill replica's next N sends fail;
 # holding "exit", the replica process dies at its next send (the file is reset to 0 first,
-# so its replacement serves). tests/fleet/test_fleet_disagg.py plants failures this way.
+# so its replacement serves); holding "delay S", its next send waits S seconds. tests/fleet/test_fleet_disagg.py plants failures this way.
 FAULT_FILE_ENV = "PAGEDJAX_FAULT_KV_SEND_FILE"
 
 
@@ -145,6 +148,7 @@ class EngineReplica:
             self.reservations: dict[str, tuple[Any, float]] = {}  # id -> (Reservation, expiry)
             self.sent: dict[Any, tuple[Any, float]] = {}          # ObjectRef -> (handle, expiry)
             self.transfer_timeout_s = float(spec.get("transfer_timeout_s", TRANSFER_TIMEOUT_S))
+            self.lease_s = float(spec.get("reservation_lease_s", RESERVATION_LEASE_S))
         self._pump = asyncio.get_event_loop().create_task(self._report_loop())
         log.info("replica %s ready on cpus %s in %.1f s", self.name, self.cpus, time.monotonic() - t0)
 
@@ -219,7 +223,8 @@ class EngineReplica:
     # reservation or the KV object lives on this replica only).
     async def reserve(self, req: dict[str, Any]) -> dict[str, Any]:
         """Decode side: pin the request's blocks -> {"reservation_id", "skip_blocks",
-        "num_transfer"}, or {"no_room": why} (nothing changed), or {"invalid": why}."""
+        "num_transfer", "lease_s"}, or {"no_room": why} (nothing changed), or {"invalid": why}.
+        The reservation is released unless `renew` is called within every lease_s."""
         import uuid
 
         from runtime.disagg import NoRoom
@@ -234,9 +239,17 @@ class EngineReplica:
         except ValueError as exc:
             return {"invalid": str(exc)}
         rid = uuid.uuid4().hex
-        self.reservations[rid] = (res, time.monotonic() + RESERVATION_TTL_S)
+        self.reservations[rid] = (res, time.monotonic() + self.lease_s)
         return {"replica": self.name, "reservation_id": rid, "skip_blocks": res.skip_blocks,
-                "num_transfer": res.num_transfer}
+                "num_transfer": res.num_transfer, "lease_s": self.lease_s}
+
+    async def renew(self, req: dict[str, Any]) -> bool:
+        """Decode side: the gateway still wants this reservation: extend its lease. False:
+        unknown (released, expired or imported)."""
+        entry = self.reservations.get(req["reservation_id"])
+        if entry is not None:
+            self.reservations[req["reservation_id"]] = (entry[0], time.monotonic() + self.lease_s)
+        return entry is not None
 
     async def release(self, req: dict[str, Any]) -> bool:
         """Decode side: free a reservation that will not be used (unknown ids: a no-op)."""
@@ -322,11 +335,11 @@ class EngineReplica:
         if isinstance(blocks, Exception):
             return {"error": f"prefill/export on prefill replica {self.name}: {blocks}"}
         try:
-            self._planted_fault()
+            await self._planted_fault()
             handle = await asyncio.to_thread(self.connector.send, req["request_id"], blocks)
         except Exception as exc:  # noqa: BLE001
             return {"error": f"send from prefill replica {self.name}: {exc}"}
-        self.sent[handle.ref] = (handle, time.monotonic() + RESERVATION_TTL_S)
+        self.sent[handle.ref] = (handle, time.monotonic() + SENT_TTL_S)
         return {"handle": [handle], "nbytes": blocks.nbytes, "replica": self.name}
 
     async def drop(self, req: dict[str, Any]) -> None:
@@ -335,12 +348,17 @@ class EngineReplica:
             self.sent.pop(h.ref, None)
             self.connector.drop(h)
 
-    def _planted_fault(self) -> None:
+    async def _planted_fault(self) -> None:
         path = os.environ.get(FAULT_FILE_ENV)
         if not path or not os.path.exists(path):
             return
         with open(path) as f:
             text = f.read().strip()
+        if text.startswith("delay "):  # a slow prefill: the next send waits this many seconds
+            with open(path, "w") as f:
+                f.write("0")
+            await asyncio.sleep(float(text.split()[1]))
+            return
         if text == "exit":
             with open(path, "w") as f:
                 f.write("0")
@@ -355,11 +373,12 @@ class EngineReplica:
             raise TransferError(f"planted fault ({FAULT_FILE_ENV})")
 
     def _expire(self) -> None:
-        """Reservations never imported and KV objects never dropped, past their TTL."""
+        """Reservations whose lease ran out and KV objects never dropped, past their TTL."""
         now = time.monotonic()
         for rid in [r for r, (_, t) in self.reservations.items() if t < now]:
             res, _ = self.reservations.pop(rid)
-            log.warning("reservation %s expired unused: releasing its %d blocks", rid, len(res.block_ids))
+            log.warning("reservation %s not renewed within its %.1f s lease (its gateway is gone): releasing "
+                        "its %d blocks", rid, self.lease_s, len(res.block_ids))
             self.llm.release(res)
         for ref in [r for r, (_, t) in self.sent.items() if t < now]:
             handle, _ = self.sent.pop(ref)

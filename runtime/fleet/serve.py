@@ -47,6 +47,9 @@ def add_fleet_parser(sub: Any) -> None:
                    help="disaggregated prefill/decode: replicas that reserve blocks, receive the KV and generate")
     g.add_argument("--kv-transfer-timeout", type=float, default=10.0,
                    help="disaggregated: seconds a decode replica waits for a prompt's KV before the transfer fails")
+    g.add_argument("--kv-reservation-lease", type=float, default=5.0,
+                   help="disaggregated: seconds a decode replica keeps a reservation its gateway stopped renewing "
+                        "(the gateway renews it while the prompt is prefilled)")
     g.add_argument("--address", default=None,
                    help="join this Ray cluster (default: $RAY_ADDRESS, else start a local Ray instance)")
     g.add_argument("--threads-per-replica", type=int, default=0,
@@ -170,6 +173,7 @@ class Fleet:
         else:
             ray.init(num_cpus=max(cores, total * max(threads, 1)), namespace=NAMESPACE,
                      include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env} if env else None)
+            log.info("local Ray instance at %s (`ray status --address` it)", ray.get_runtime_context().gcs_address)
         self.hub = ray.remote(num_cpus=0)(FleetHub).options(name=HUB_NAME, namespace=NAMESPACE,
                                                              get_if_exists=True).remote()
         serve.start(proxy_location="Disabled")
@@ -195,6 +199,7 @@ class Fleet:
         a = self.args
         for pool in POOLS:
             self.pool_specs[pool] = {**self.spec, "role": pool, "transfer_timeout_s": a.kv_transfer_timeout,
+                                     "reservation_lease_s": a.kv_reservation_lease,
                                      "rank_offset": a.prefill_replicas if pool == "decode" else 0}
             self._deploy_pool(pool)
         log.info("starting %d prefill and %d decode replica(s) of %s (%s cores each)", a.prefill_replicas,
@@ -352,6 +357,8 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
             raise ValueError("--prefill-replicas/--decode-replicas: need --router prefix")
         if getattr(args, "no_prefix_cache", False):
             raise ValueError("--prefill-replicas/--decode-replicas: need the prefix cache")
+        if not args.kv_reservation_lease >= 0.5:  # the gateway renews every fifth of it
+            raise ValueError(f"--kv-reservation-lease: {args.kv_reservation_lease} s is under the 0.5 s minimum")
         args.replicas = args.prefill_replicas + args.decode_replicas
     elif args.replicas is None:
         args.replicas = 2

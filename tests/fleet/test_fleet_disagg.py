@@ -10,6 +10,8 @@ for a 50 + 400 token one. --max-replicas 3 leaves room for the console to add a 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import subprocess
 import sys
@@ -30,7 +32,8 @@ pytestmark = pytest.mark.fleet
 ENGINE_FLAGS = ("--admission-mode", "reserve", "--kv-cache-memory", "512KiB", "--max-num-seqs", "4")
 FLEET = ("--prefill-replicas", "1", "--decode-replicas", "1", "--max-replicas", "3", "--threads-per-replica", "1",
          *ENGINE_FLAGS,
-         "--fleet-queue-cap", "4", "--fleet-queue-timeout", "120", "--kv-transfer-timeout", "10")
+         "--fleet-queue-cap", "4", "--fleet-queue-timeout", "120", "--kv-transfer-timeout", "10",
+         "--kv-reservation-lease", "2")
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -170,6 +173,60 @@ def test_no_room_on_decode_waits_without_prefilling(fleet, console):
     wait_for(lambda: "noroom-0/prefill1" in roles(console)["prefill"]["recent_requests"], 10,
              "the prefill replica to run it once reserved")
     wait_for(lambda: prefill_prompt_tokens(fleet, console) >= before + 50, 10, "its prompt tokens on the prefill side")
+
+
+def test_a_prefill_slower_than_the_lease_keeps_its_reservation(fleet, console, fault_file, reference):
+    """The gateway renews the 2 s lease while the prefill replica takes 5 s: the request is
+    served on its first reservation (no retry), with the tokens of one engine."""
+    from runtime.sampling import SamplingParams
+
+    settle(console)
+    retries = fleet.metric("pagedjax:fleet_kv_transfer_retries_total")
+    fault_file.write_text("delay 5")
+    ids = prompt(250, 50)
+    t0 = time.monotonic()
+    r = completion(fleet, ids, max_tokens=6, temperature=0.0)
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - t0 >= 5 and fault_file.read_text() == "0"  # the delay did happen
+    assert fleet.metric("pagedjax:fleet_kv_transfer_retries_total") == retries
+    want = "".join(reference.generate_text(ids, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)))
+    assert r.json()["choices"][0]["text"] == want
+
+
+# A gateway that reserves on the decode replica and dies before it prefills or releases:
+# another Ray driver on the fleet's own Ray instance, gone with os._exit.
+LOST_GATEWAY = r"""
+import json, os, sys, ray
+from ray import serve
+from runtime.sampling import SamplingParams
+ray.init(address=sys.argv[1], namespace="pagedjax", log_to_driver=False)
+h = serve.get_deployment_handle("decode", app_name="pagedjax-decode")
+ans = h.reserve.remote({"prompt_ids": list(range(3, 203)), "params": SamplingParams(max_tokens=100, ignore_eos=True),
+                        "replica_hint": sys.argv[2]}).result(timeout_s=120)
+print(json.dumps(ans), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_reservation_whose_gateway_is_gone_is_freed_within_its_lease(fleet, console):
+    settle(console)
+    address = re.search(r"local Ray instance at (\S+)", fleet.log_text()).group(1)
+    decode = roles(console)["decode"]["replica"]
+    # (a local instance of this Ray has token auth on; a driver naming its address must say so)
+    out = subprocess.run([sys.executable, "-c", LOST_GATEWAY, address, decode], capture_output=True, text=True,
+                         timeout=180, cwd=Path(__file__).resolve().parents[2],
+                         env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""})
+    gone = time.monotonic()
+    assert out.returncode == 0, out.stderr[-2000:]
+    ans = json.loads(out.stdout.strip().splitlines()[-1])
+    assert ans["replica"] == decode and ans["lease_s"] == 2.0 and ans["num_transfer"] > 0
+    # 200 prompt + 100 tokens: 19 blocks held for a gateway that will never come back...
+    wait_for(lambda: roles(console)["decode"]["used_blocks"] >= 19, 1.5, "the reservation in the replica's stats",
+             every=0.05)
+    wait_for(lambda: roles(console)["decode"]["used_blocks"] == 0, 10, "the lost reservation to be released")
+    assert time.monotonic() - gone < 2.0 + 3.0  # ...released by its 2 s lease, not a long timer
+    r = completion(fleet, prompt(260, 50), max_tokens=4)  # and the fleet serves on
+    assert r.status_code == 200, r.text
 
 
 def test_failed_transfer_retried_once_then_clear_error_and_nothing_leaked(fleet, console, fault_file):
