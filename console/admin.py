@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from typing import Any
 from urllib.parse import quote
 
