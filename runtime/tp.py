@@ -14,9 +14,16 @@ One mesh axis "tp" over the first N devices; the engine step stays one jitted pr
 * embeddings / LM head by vocabulary (replicated, and logged, when the vocabulary does not
   divide); norms replicated; the KV cache [L*NB, BS, Hkv, D] sharded on its KV-head axis.
 
+Quantized weights (runtime/quant.py) shard like the float ones: the int8 values as the
+weight, a column-parallel weight's per-output-channel scales with its columns, a
+row-parallel one's whole (its outputs are summed across devices) and its input scale
+("in", SmoothQuant) with its rows. A row-parallel w8a8 product quantizes each activation
+row by its absmax over the whole row (XLA all-reduces the max across the shards) and
+sums int32 partial products, so the tokens are TP 1's. The int8 LM head ("head") shards
+by vocabulary like the float one.
+
 The C++ CPU kernels (runtime/cpu_attention.py, runtime/cpu_matmul.py) are not used under TP:
-attention takes the plain XLA path; quantized weights (w8a8 / w8a16) and the Pallas backend
-are rejected for now.
+attention takes the plain XLA path; the Pallas backend is rejected for now (see validate).
 """
 
 from __future__ import annotations
@@ -65,11 +72,11 @@ def validate(cfg: ModelConfig, n: int, *, attention_backend: str = "auto", quant
         raise ValueError(f"tensor_parallel_size: {n} does not divide the model's MLP size "
                          f"{cfg.intermediate_size}")
     if attention_backend == "pallas":
+        # (the step would run it per shard under the same shard_map as the XLA attention, but
+        # that is unverified: the Mosaic GPU interpreter hangs with 2+ devices, and no
+        # multi-GPU machine was available)
         raise ValueError("tensor_parallel_size: the Pallas attention backend is not supported under tensor "
                          "parallelism yet (use --attention-backend xla or auto)")
-    if quantization in ("w8a8", "w8a16"):
-        raise ValueError(f"tensor_parallel_size: {quantization} weights are not supported under tensor "
-                         f"parallelism yet (serve a float checkpoint, --quantization none)")
 
 
 def make_mesh(n: int) -> Mesh:
@@ -86,9 +93,34 @@ def vocab_sharded(cfg: ModelConfig, n: int) -> bool:
     return cfg.vocab_size % n == 0
 
 
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")
+ROW_PARALLEL = ("wo", "w_down")
+
+
+def _weight_spec(w: Any, col: P, row_in: bool) -> Any:
+    """A layer weight's spec: the float array's, or a quantized dict's (int8 values like the
+    weight; scales "s" [L, out] with the columns when column-parallel, else whole; the input
+    scale "in" [L, in] with the rows when row-parallel, else whole)."""
+    if not isinstance(w, dict):
+        return col
+    whole = col == P()
+    specs = {}
+    for k in w:
+        if k in ("q", "w8"):
+            specs[k] = col
+        elif k == "s":
+            specs[k] = P() if whole or row_in else P(None, AXIS)
+        elif k == "in":
+            specs[k] = P(None, AXIS) if row_in and not whole else P()
+        else:  # "p"/"f": packed for the C++ kernels, which TP does not use
+            raise ValueError(f"tensor_parallel_size: no sharding rule for a weight packed for the C++ kernel ({k!r})")
+    return specs
+
+
 def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int, *, stored: bool = False) -> dict[str, Any]:
-    """A PartitionSpec per parameter leaf. `stored`: the checkpoint's tree before KV-head
-    replication (wk/wv/bk/bv then stay whole when they are replicated after loading)."""
+    """A PartitionSpec per parameter leaf (float or quantized). `stored`: the checkpoint's
+    tree before KV-head replication (wk/wv/bk/bv then stay whole when they are replicated
+    after loading)."""
     rep_kv = stored and kv_replication(cfg, n) > 1
     vocab = AXIS if vocab_sharded(cfg, n) else None
     layer = {"wq": P(None, None, AXIS), "wk": P(None, None, AXIS), "wv": P(None, None, AXIS),
@@ -102,18 +134,18 @@ def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int, *, stored: boo
         if name == "layers":
             unknown = set(value) - set(layer)
             if unknown:
-                raise ValueError(f"tensor_parallel_size: no sharding rule for parameters {sorted(unknown)} "
-                                 "(quantized weights are not supported under tensor parallelism)")
-            specs[name] = {k: layer[k] for k in value}
+                raise ValueError(f"tensor_parallel_size: no sharding rule for parameters {sorted(unknown)}")
+            specs[name] = {k: _weight_spec(v, layer[k], k in ROW_PARALLEL) for k, v in value.items()}
         elif name == "embed":
             specs[name] = P(vocab, None)
         elif name == "lm_head":
             specs[name] = P(None, vocab)
+        elif name == "head":  # the int8 LM head {"q": [d, V], "s": [V], "in": [d]}: by vocabulary
+            specs[name] = {k: {"q": P(None, vocab), "s": P(vocab), "in": P()}[k] for k in value}
         elif name == "final_norm":
             specs[name] = P()
         else:
-            raise ValueError(f"tensor_parallel_size: no sharding rule for parameter {name!r} "
-                             "(quantized weights are not supported under tensor parallelism)")
+            raise ValueError(f"tensor_parallel_size: no sharding rule for parameter {name!r}")
     return specs
 
 
@@ -149,8 +181,10 @@ def replicate_kv_heads(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> 
     layers = dict(params["layers"])
     names = [k for k in ("wk", "wv", "bk", "bv") if k in layers]
     spec = {"wk": P(None, None, AXIS), "wv": P(None, None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS)}
-    out = {k: NamedSharding(mesh, spec[k]) for k in names}
-    fn = jax.jit(lambda d: {k: _repeat_heads(v, cfg.num_kv_heads, r) for k, v in d.items()}, out_shardings=out)
+    # (a quantized wk/wv: its values and per-column scales repeat with the head's columns)
+    out = {k: jax.tree.map(lambda s: NamedSharding(mesh, s), _weight_spec(layers[k], spec[k], False),
+                           is_leaf=lambda x: isinstance(x, P)) for k in names}
+    fn = jax.jit(lambda d: jax.tree.map(lambda v: _repeat_heads(v, cfg.num_kv_heads, r), d), out_shardings=out)
     layers.update(fn({k: layers[k] for k in names}))
     log.info("tensor_parallel_size=%d exceeds the model's %d KV heads: each KV head is replicated %d times "
              "(%d KV heads, one GQA group per device; the KV cache holds the copies)",

@@ -27,8 +27,8 @@ def _env(devices: int = 4) -> dict[str, str]:
     return env
 
 
-def _run_check(ckpt: Path, *args: str, timeout: int = 600) -> dict[int, dict]:
-    out = subprocess.run([sys.executable, str(CHECK), str(ckpt), *args], env=_env(), capture_output=True,
+def _run_check(ckpt: Path, *args: str, timeout: int = 600, **env: str) -> dict[int, dict]:
+    out = subprocess.run([sys.executable, str(CHECK), str(ckpt), *args], env={**_env(), **env}, capture_output=True,
                          text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -73,6 +73,52 @@ def test_tp4_replicates_kv_heads(ckpts):
     assert res[4]["kv_heads"] == 4 and res[4]["kv_shard_shape"][2] == 1  # 2 KV heads, each twice
 
 
+def test_w8a8_checkpoint_with_int8_head_matches_tp1(ckpts, tmp_path):
+    """A `convert --quantize w8a8 --quantize-lm-head` checkpoint restored into its shards: TP 2
+    (int8 values, scales and input scales split with their weights, the int8 head by
+    vocabulary) and TP 4 (quantized wk/wv replicated per KV head) give TP 1's tokens."""
+    from runtime.checkpoint.store import read_meta
+    from runtime.cli import main
+
+    out = tmp_path / "w8a8"
+    assert main(["convert", "--from", "pagedjax", str(ckpts["8q2kv"]), "--out", str(out), "--quantize", "w8a8",
+                 "--quantize-lm-head"]) == 0
+    assert read_meta(out)["quantization"] == "w8a8"
+    # TP 1 on the same XLA int8 path as the shards (the C++ int8 kernel quantizes 1-row
+    # activations that XLA's path keeps float, and serves the int8 head at 1 row): the
+    # comparison is of the sharding alone
+    res = _run_check(out, "2", "4", "--quick", PAGEDJAX_CPU_KERNELS="0")
+    _assert_parity(res, [2, 4], pressure=False)
+    assert res[4]["kv_heads"] == 4 and res[2]["quantization"] == res[4]["quantization"] == "w8a8"
+    assert res[1]["lm_head_int8"] and res[4]["lm_head_int8"]
+
+
+def test_quantized_weights_shard_with_their_weights():
+    """The spec rules for w8a8 / w8a16 leaves, without an engine."""
+    import numpy as np
+
+    from runtime import tp
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config(268, num_heads=8, num_kv_heads=2)
+    q = lambda i, o, extra=(): {"q": np.zeros((2, i, o), np.int8), "s": np.zeros((2, o)), **dict(extra)}
+    params = {"embed": np.zeros((268, 64)), "final_norm": np.zeros(64),
+              "head": {"q": np.zeros((64, 268), np.int8), "s": np.zeros(268), "in": np.zeros(64)},
+              "layers": {"wq": q(64, 128), "wk": q(64, 32), "wo": q(128, 64, [("in", np.zeros((2, 128)))]),
+                         "w_up": {"w8": np.zeros((2, 64, 128), np.int8), "s": np.zeros((2, 128))}}}
+    sp = tp.param_specs(cfg, params, 2)
+    t = lambda x: tuple(x)
+    assert t(sp["layers"]["wq"]["q"]) == (None, None, "tp") and t(sp["layers"]["wq"]["s"]) == (None, "tp")
+    assert t(sp["layers"]["wo"]["q"]) == (None, "tp", None) and t(sp["layers"]["wo"]["s"]) == ()
+    assert t(sp["layers"]["wo"]["in"]) == (None, "tp")  # SmoothQuant's input scale goes with the rows
+    assert t(sp["layers"]["w_up"]["w8"]) == (None, None, "tp") and t(sp["layers"]["w_up"]["s"]) == (None, "tp")
+    assert t(sp["head"]["q"]) == (None, "tp") and t(sp["head"]["s"]) == ("tp",) and t(sp["head"]["in"]) == ()
+    stored = tp.param_specs(cfg, params, 4, stored=True)  # 4 > 2 KV heads: wk stays whole until replicated
+    assert t(stored["layers"]["wk"]["q"]) == () and t(stored["layers"]["wk"]["s"]) == ()
+    with pytest.raises(ValueError, match="packed for the C\\+\\+ kernel"):
+        tp.param_specs(cfg, {**params, "layers": {"wq": {"p": np.zeros(1), "s": np.zeros(1)}}}, 2)
+
+
 def test_validation_messages():
     from runtime import tp
     from tests.tiny import tiny_config
@@ -80,8 +126,7 @@ def test_validation_messages():
     cfg = tiny_config(268, num_heads=8, num_kv_heads=4)
     cases = [(0, {}, "must be at least 1"), (8, {"num_devices": 4}, "only 4 devices"),
              (3, {"num_devices": 4}, "does not divide the model's 8 query heads"),
-             (2, {"num_devices": 4, "attention_backend": "pallas"}, "Pallas"),
-             (2, {"num_devices": 4, "quantization": "w8a8"}, "w8a8")]
+             (2, {"num_devices": 4, "attention_backend": "pallas"}, "Pallas")]
     for n, kw, msg in cases:
         with pytest.raises(ValueError, match="tensor_parallel_size: .*" + msg):
             tp.validate(cfg, n, **kw)

@@ -94,7 +94,8 @@ def main(argv: list[str]) -> None:
         shard = eng.runner.kv[0].sharding
         res.update(tp=tp, build_seconds=round(built, 2), devices=jax.device_count(),
                    kv_shard_shape=list(shard.shard_shape(eng.runner.kv[0].shape)),
-                   kv_heads=eng.runner.cfg.num_kv_heads)
+                   kv_heads=eng.runner.cfg.num_kv_heads, quantization=eng.config.quantization,
+                   lm_head_int8="head" in eng.runner.params)
         results[tp] = res
         ref = results[1]
         if tp != 1:
