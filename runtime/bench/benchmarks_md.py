@@ -273,9 +273,10 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
     L += render_peers(d)
     L += render_fleet(d)
     L += render_disagg(d)
-    from runtime.bench.engine_md import render_engine_sections
+    from runtime.bench.engine_md import render_engine_sections, render_tp
 
     L += render_engine_sections(d)
+    L += render_tp(d)
 
     L += ["## Independent client: guidellm", "",
           "guidellm runs from its own venv (`$GUIDELLM_VENV`, default /tmp/guidellm-venv): installing it into the "

@@ -190,8 +190,10 @@ def add_bench_parser(subparsers: Any) -> None:
     s.set_defaults(func=run_structured)
 
     from runtime.bench.interference import add_interference_parser
+    from runtime.bench.tp_step import add_tp_parser
 
     add_interference_parser(sub)
+    add_tp_parser(sub)
 
     s = sub.add_parser("render", help="render BENCHMARKS.md from a results directory")
     s.add_argument("--results", default="bench-results")

@@ -121,3 +121,52 @@ def render_engine_sections(results: str | Path) -> list[str]:
     else:
         L += ["_not measured_ (run `pagedjax bench accuracy --out bench-results/accuracy-w8a8.json`).", ""]
     return L
+
+
+def render_tp(results: str | Path) -> list[str]:
+    """The "Tensor parallelism" section: bench-results/tp/tp-step.json (`pagedjax bench tp`)
+    and the planner's TP tables (plan-<device>.json), both from scripts/bench_tp.sh."""
+    d = Path(results) / "tp"
+    L = ["## Tensor parallelism (`bash scripts/bench_tp.sh`)", ""]
+    r = _load(d / "tp-step.json")
+    if r is None:
+        L += ["_not run_ (`bash scripts/bench_tp.sh`).", ""]
+    else:
+        n, m = r["tensor_parallel_size"], r.get("machine") or {}
+        L.append(f"`pagedjax bench tp`: one jitted decode step of {r['model']} (float32, context {r['context_len']} "
+                 f"tokens per sequence) at TP 1 and TP {n}, median of {r['rounds']} rounds x {r['iters']} steps, the "
+                 f"setups taking turns. The {r['devices']} devices are forced host devices "
+                 f"(`XLA_FLAGS=--xla_force_host_platform_device_count`) on the same {m.get('cores')} cores, so TP "
+                 f"{n} cannot be faster here: the ratio is what the sharded program costs (two all-reduces per "
+                 f"layer, attention per shard, the vocabulary-sharded head and the logits gather). TP runs the "
+                 f"plain XLA path, so TP 1 on that path is its yardstick. {_machine(r)}.")
+        if r["devices"] > (m.get("cores") or r["devices"]):
+            L.append(f"More devices ({r['devices']}) than cores ({m.get('cores')}): the devices' programs take turns "
+                     f"on the cores and each all-reduce waits for a device that is not running, so TP {n} here is "
+                     f"seconds per step; with devices <= cores (a tiny model at TP 2 on these 2 cores) it was "
+                     f"0.8-1.6x TP 1.")
+        L.append("")
+        setups = r["setups"]
+        L.append("| batch | " + " | ".join(f"{s} ms" for s in setups) + f" | TP {n} / TP 1 plain XLA |")
+        L.append("|---" * (len(setups) + 2) + "|")
+        for row in r["rows"]:
+            L.append(f"| {row['batch']} | " + " | ".join(f"{row['step_ms'][s]:.1f}" for s in setups)
+                     + f" | {row['tp_over_tp1_xla']:.2f}x |")
+        L.append("")
+    for dev in ("h100", "h200"):
+        p = _load(d / f"plan-{dev}.json")
+        if not p or not p.get("tensor_parallel"):
+            continue
+        L.append(f"Planner (`pagedjax plan --model {p['model']} --device {dev} --context-len {p['context_len']} "
+                 f"--tensor-parallel-size 8`), {p['weight_dtype']} weights, {p['kv_dtype']} KV:")
+        L.append("")
+        L.append("| TP | weights / device GB | KV / token / device KiB | B_max | step at B=1 ms | all-reduce ms | "
+                 "TPS at B_max |")
+        L.append("|---|---|---|---|---|---|---|")
+        for t in p["tensor_parallel"]:
+            L.append(f"| {t['tensor_parallel']} | {t['weight_bytes_per_device'] / 1e9:,.1f} | "
+                     f"{t['kv_bytes_per_token_per_device'] / 1024:,.0f} | {t['b_max']:,} | {t['step_b1_s'] * 1e3:.2f} | "
+                     f"{t['allreduce_b1_s'] * 1e3:.3f} | {t['tps_at_b_max']:,.0f} |")
+        L.append("")
+    L += ["A multi-GPU run is still owed: no machine with more than one GPU was available.", ""]
+    return L

@@ -194,3 +194,24 @@ def test_disaggregation_section_shows_each_setup_and_the_planners_split(tmp_path
     assert "ITL p99 **476 ms** disaggregated against **1,454 ms** for `serve`" in text
     assert "TTFT p50 34.9 s against 5.4 s" in text and "Test CPU 9000" in text
     assert "1 prefill + 1 decode H200, 0.92 GB/s of KV" in text and "B <= 1,731" in text
+
+
+def test_tp_section_shows_the_ratio_and_the_planner(tmp_path):
+    from runtime.bench.engine_md import render_tp
+
+    assert "_not run_" in "\n".join(render_tp(tmp_path))
+    d = tmp_path / "tp"
+    d.mkdir()
+    setups = ["TP 1, C++ kernels (as served)", "TP 1, plain XLA", "TP 2, plain XLA"]
+    (d / "tp-step.json").write_text(json.dumps({
+        "model": "m", "tensor_parallel_size": 2, "devices": 2, "context_len": 350, "rounds": 5, "iters": 4,
+        "setups": setups, "machine": {"cpu_model": "Test CPU 9000", "cores": 2}, "loadavg_1m": 0.5,
+        "rows": [{"batch": 8, "step_ms": dict(zip(setups, (3.3, 5.7, 5.1))), "tp_over_tp1_xla": 0.89}]}))
+    (d / "plan-h200.json").write_text(json.dumps({"model": "llama-3-70b", "context_len": 2000,
+        "weight_dtype": "bfloat16", "kv_dtype": "bfloat16", "tensor_parallel": [
+            {"tensor_parallel": 8, "weight_bytes_per_device": 17.6e9, "kv_bytes_per_token_per_device": 40960,
+             "b_max": 796, "step_b1_s": 0.0053, "allreduce_b1_s": 0.00161, "tps_at_b_max": 32716}]}))
+    text = "\n".join(render_tp(tmp_path))
+    assert _row(text, "8") == ["8", "3.3", "5.7", "5.1", "0.89x"]
+    assert "| 8 | 17.6 | 40 | 796 | 5.30 | 1.610 | 32,716 |" in text and "Test CPU 9000" in text
+    assert "More devices" not in text and "multi-GPU run is still owed" in text
