@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import pytest
@@ -129,14 +130,39 @@ def test_overload_gets_429_and_nothing_breaks(server):
     assert r.status_code == 200 and httpx.get(server.url + "/health").status_code == 200
 
 
-def test_duplicate_request_id_while_running(server):
-    headers = {**server.headers, "X-Request-Id": "dup-id-1"}
-    body = _c(prompt="the the the", max_tokens=480, ignore_eos=True, stream=True)
-    with httpx.stream("POST", server.url + C, json=body, headers=headers, timeout=60) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()  # kept: a discarded line iterator closes the connection (an abort)
-        next(lines)
-        again = httpx.post(server.url + C, json=_c(), headers=headers)
-        assert again.status_code == 400 and again.json()["error"]["param"] == "x-request-id"
-    r = httpx.post(server.url + C, json=_c(), headers={**server.headers, "X-Request-Id": "dup-id-2"})
-    assert r.status_code == 200 and r.headers["x-request-id"] == "dup-id-2"
+def test_duplicate_request_id_while_running(tiny_ckpt):
+    # In process, with an engine nobody steps: the first request stays running however
+    # loaded the machine is (against a live server the tiny model can finish it first).
+    from runtime.sampling import SamplingParams
+    from tests.console.admin_util import API_KEY, console_client
+    from tests.engine_util import make_engine
+
+    engine = make_engine(tiny_ckpt, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "dup-id-1"}
+    with console_client(engine) as c:
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=8), request_id="dup-id-1-0")  # its first job
+        again = c.post(C, json={**_c(), "model": "tiny"}, headers=headers)
+        assert again.status_code == 400, again.text
+        err = again.json()["error"]
+        assert err["param"] == "x-request-id" and err["code"] == "duplicate_request_id"
+        assert engine.has_unfinished()  # the first request is untouched
+        engine.abort("dup-id-1-0")
+        while engine.has_unfinished():
+            engine.step()
+        # the id is free again once its request is gone (a non-streaming request, stepped in a thread)
+        done = threading.Event()
+
+        def drive() -> None:
+            while not done.is_set():
+                engine.step() if engine.has_unfinished() else done.wait(0.01)
+
+        stepper = threading.Thread(target=drive, daemon=True)
+        stepper.start()
+        try:
+            r = c.post(C, json={**_c(), "model": "tiny"}, headers=headers)
+        finally:
+            done.set()
+            stepper.join(10)
+        assert r.status_code == 200 and r.headers["x-request-id"] == "dup-id-1", r.text
+
+
