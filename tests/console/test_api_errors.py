@@ -1,15 +1,18 @@
-"""Bad input, auth and overload answers in the OpenAI error shape (real `pagedjax serve`)."""
+"""Bad input, auth and overload answers in the OpenAI error shape (real `pagedjax serve`; the
+duplicate-id check in process, against an engine the test steps)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import httpx
 import pytest
 
+from runtime.sampling import SamplingParams
+from tests.console.admin_util import API_KEY, console_client
 from tests.console.server_util import ServerHandle, start_server
+from tests.engine_util import make_engine
 
 MODEL = "tiny-test"
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -133,14 +136,10 @@ def test_overload_gets_429_and_nothing_breaks(server):
 def test_duplicate_request_id_while_running(tiny_ckpt):
     # In process, with an engine nobody steps: the first request stays running however
     # loaded the machine is (against a live server the tiny model can finish it first).
-    from runtime.sampling import SamplingParams
-    from tests.console.admin_util import API_KEY, console_client
-    from tests.engine_util import make_engine
-
     engine = make_engine(tiny_ckpt, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
     headers = {"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "dup-id-1"}
     with console_client(engine) as c:
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=8), request_id="dup-id-1-0")  # its first job
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=8), request_id="dup-id-1-0")  # the id of its first job
         again = c.post(C, json={**_c(), "model": "tiny"}, headers=headers)
         assert again.status_code == 400, again.text
         err = again.json()["error"]
@@ -149,20 +148,12 @@ def test_duplicate_request_id_while_running(tiny_ckpt):
         engine.abort("dup-id-1-0")
         while engine.has_unfinished():
             engine.step()
-        # the id is free again once its request is gone (a non-streaming request, stepped in a thread)
-        done = threading.Event()
-
-        def drive() -> None:
-            while not done.is_set():
-                engine.step() if engine.has_unfinished() else done.wait(0.01)
-
-        stepper = threading.Thread(target=drive, daemon=True)
-        stepper.start()
+        # the id is free again once its request is gone (now served by the engine's own thread)
+        c.app.state.engine.start()
         try:
             r = c.post(C, json={**_c(), "model": "tiny"}, headers=headers)
         finally:
-            done.set()
-            stepper.join(10)
+            c.app.state.engine.stop()
         assert r.status_code == 200 and r.headers["x-request-id"] == "dup-id-1", r.text
 
 
