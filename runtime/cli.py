@@ -91,8 +91,10 @@ def inspect_text(path: Path) -> str:
         ("tied embeddings", cfg.tie_word_embeddings),
         ("parameters", f"{n:,} ({n / 1e6:.1f} M)"),
         ("dtype", dtype),
-        ("quantization", {"none": "none (float weights)", "w8a8": "w8a8 (int8 decoder weights + scales, SmoothQuant)",
-                          "w8a16": "w8a16 (int8 decoder weights + scales, weight-only)"}.get(quant, quant)),
+        ("quantization", "w8a8 (GGUF Q8_0 int8 values + one scale per 32 inputs, exact; activations per "
+                         "token and group of 32)" if quant == "w8a8" and meta["group_size"] else
+         {"none": "none (float weights)", "w8a8": "w8a8 (int8 decoder weights + scales, SmoothQuant)",
+          "w8a16": "w8a16 (int8 decoder weights + scales, weight-only)"}.get(quant, quant)),
         ("weight bytes", f"{stored_bytes:,} ({stored_bytes / 2**20:.1f} MiB)"),
         ("KV bytes per token", f"{kv_tok:,} ({kv_tok / 1024:.1f} KiB, {dtype})"),
         ("KV bytes per 1,000-token seq", f"{kv_tok * 1000:,} ({kv_tok * 1000 / 2**20:.1f} MiB)"),
@@ -116,10 +118,12 @@ def gguf_inspect_text(path: Path) -> str:
             ("layers", cfg.num_layers),
             ("heads / KV heads", f"{cfg.num_heads} / {cfg.num_kv_heads}"), ("parameters", f"{n:,}"),
             ("tensor types", ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))]
+    exact = src.q8_0_weights(cfg) is not None
     for k in sorted(types):
         how = ("float, copied" if k in ("F32", "F16", "BF16") else
-               "blocks dequantized to float; --quantize w8a8 then requantizes per output channel, smoothed"
-               + (" (not loaded into int8 directly: SmoothQuant needs the float weights)" if k == "Q8_0" else ""))
+               "int8 values and block scales kept as they are by --quantize w8a8 (every projection is Q8_0; "
+               "otherwise dequantized to float)" if k == "Q8_0" and exact else
+               "blocks dequantized to float; --quantize w8a8 then requantizes per output channel, smoothed")
         rows.append((f"  {k}", how))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -191,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src", help="GGUF file, Hugging Face model directory or pagedjax checkpoint")
     s.add_argument("--quantize", choices=("none", "w8a8", "w8a16"), default="none",
                    help="store int8 weights and scales (w8a8: SmoothQuant-calibrated, as `serve --quantization "
-                        "w8a8` would at start-up), so start-up loads them without requantizing")
+                        "w8a8` would at start-up; from a GGUF whose projections are all Q8_0, its own int8 values "
+                        "and block scales, exact), so start-up loads them without requantizing")
     s.add_argument("--quantize-lm-head", action="store_true", help="with --quantize w8a8: store an int8 LM head too")
     s.add_argument("--out", required=True, help="output checkpoint directory, e.g. checkpoints/NAME")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

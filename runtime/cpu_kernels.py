@@ -31,6 +31,7 @@ TARGETS = {
     "pagedjax_decode_attention": "PagedjaxDecodeAttention",
     "pagedjax_decode_attention_int8": "PagedjaxDecodeAttentionInt8",
     "pagedjax_int8_linear": "PagedjaxInt8Linear",
+    "pagedjax_int8_linear_g32": "PagedjaxInt8LinearG32",
     "pagedjax_f32_linear": "PagedjaxF32Linear",
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC")

@@ -17,6 +17,13 @@
 // w [S, Kp/4, 256] int8 packed by runtime/cpu_matmul.py: strip s holds columns 64s..64s+63,
 // and for each group of 4 k its 64 bytes per 16 columns are (column, k) pairs, the operand
 // order of vpdpbusd; Kp = K rounded up to 4. w_scale [N], comp [N] int32. Out [M, N] float32.
+//
+// Grouped variant (PagedjaxInt8LinearG32): GGUF Q8_0 weights as llama.cpp stores them, one
+// scale per 32 k of each column (w_scale [G, N], G = K / 32, comp [G, N] = 128 * the group's
+// column sums), so the checkpoint's int8 values are used as they are, never requantized. The
+// activations get a scale per row and group of 32 too (sx [M, G]), as llama.cpp quantizes
+// them for its Q8_0 dot: y[m, n] = sum_g sx[m, g] * w_scale[g, n] * (a[m, g] . w[g, n]). The
+// int32 sums of one group are folded into float32 accumulators after its 8 vpdpbusd steps.
 
 #include <algorithm>
 #include <cmath>
@@ -45,6 +52,19 @@ struct Linear {
   const int32_t* comp;  // [N]
   float* out;           // [M, N]
   int64_t M, Kp, N;
+};
+
+constexpr int64_t kGroup = 32;  // k per scale group (GGUF Q8_0's block)
+constexpr int64_t kGroupQ = kGroup / 4;  // groups of 4 k per scale group
+
+struct GroupedLinear {
+  const uint8_t* a;     // [M, K] quantized activations + 128
+  const float* sx;      // [M, G] per row and group
+  const int8_t* w;      // packed weights (as Linear's, Kp = K)
+  const float* sw;      // [G, N]
+  const int32_t* comp;  // [G, N]
+  float* out;           // [M, N]
+  int64_t M, K, N, G;
 };
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -163,6 +183,119 @@ void strip(const Linear& p, int64_t s, std::vector<int32_t>& tile) {
   }
 }
 
+// Grouped row quantization: each group of 32 k gets s = max|x| / 127 (1 when all zero) and
+// q = round(x / s) clipped to [-127, 127], stored + 128.
+void quantize_row_grouped(const float* x, int64_t K, uint8_t* a, float* sx) {
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (int64_t g = 0; g * kGroup < K; ++g) {
+    const __m512 v0 = _mm512_loadu_ps(x + g * kGroup), v1 = _mm512_loadu_ps(x + g * kGroup + 16);
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float s = m > 0.0f ? m / 127.0f : 1.0f;
+    const __m512 sv = _mm512_set1_ps(s);
+    auto q8 = [&](__m512 v) {  // (clamped in float: the same rounding as jnp.round then clip)
+      const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v, sv), lo), hi));
+      return _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128)));
+    };
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + g * kGroup), q8(v0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + g * kGroup + 16), q8(v1));
+    sx[g] = s;
+  }
+}
+
+// Rows m0..m0+R-1 of one strip over the K block [kq0, kq1) (whole groups): per group, 8
+// vpdpbusd steps into int32 registers, then (sum - comp) * sx * w_scale into the float32
+// accumulators. R = 3: 12 int32 + 12 float32 accumulators + 4 weights + 1 broadcast fit
+// the 32 zmm registers; the float tile lives in `tile` [R][64] between K blocks.
+template <int R>
+inline void grouped_block(const GroupedLinear& p, const int8_t* ws, int64_t kq0, int64_t kq1, float* tile,
+                          int64_t m0, int64_t n0) {
+  const uint8_t* a = p.a + m0 * p.K;
+  __m512 f0[R], f1[R], f2[R], f3[R];
+  const bool first = kq0 == 0;
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+    const float* t = tile + r * kStrip;
+    f0[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(t);
+    f1[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(t + 16);
+    f2[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(t + 32);
+    f3[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(t + 48);
+  }
+  int64_t cols = std::min<int64_t>(kStrip, p.N - n0);
+  const __mmask16 m[4] = {
+      cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(cols, 0)) - 1),
+      cols >= 32 ? __mmask16(0xFFFF) : __mmask16((1u << std::clamp<int64_t>(cols - 16, 0, 16)) - 1),
+      cols >= 48 ? __mmask16(0xFFFF) : __mmask16((1u << std::clamp<int64_t>(cols - 32, 0, 16)) - 1),
+      cols >= 64 ? __mmask16(0xFFFF) : __mmask16((1u << std::clamp<int64_t>(cols - 48, 0, 16)) - 1)};
+  for (int64_t gq = kq0; gq < kq1; gq += kGroupQ) {
+    __m512i a0[R], a1[R], a2[R], a3[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t kq = gq; kq < gq + kGroupQ; ++kq) {
+      const int8_t* wk = ws + kq * 256;
+      const __m512i b0 = _mm512_loadu_si512(wk), b1 = _mm512_loadu_si512(wk + 64);
+      const __m512i b2 = _mm512_loadu_si512(wk + 128), b3 = _mm512_loadu_si512(wk + 192);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, a + r * p.K + kq * 4, 4);
+        const __m512i x = _mm512_set1_epi32(four);
+        a0[r] = _mm512_dpbusd_epi32(a0[r], x, b0);
+        a1[r] = _mm512_dpbusd_epi32(a1[r], x, b1);
+        a2[r] = _mm512_dpbusd_epi32(a2[r], x, b2);
+        a3[r] = _mm512_dpbusd_epi32(a3[r], x, b3);
+      }
+    }
+    const int64_t g = gq / kGroupQ, base = g * p.N + n0;
+    auto fold = [&](__m512i* acc, __m512* f, int j) {
+      const __m512i comp = _mm512_maskz_loadu_epi32(m[j], p.comp + base + 16 * j);
+      const __m512 sw = _mm512_maskz_loadu_ps(m[j], p.sw + base + 16 * j);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], comp));
+        f[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(sw, _mm512_set1_ps(p.sx[(m0 + r) * p.G + g])), f[r]);
+      }
+    };
+    fold(a0, f0, 0);
+    fold(a1, f1, 1);
+    fold(a2, f2, 2);
+    fold(a3, f3, 3);
+  }
+  const bool last = kq1 * 4 == p.K;
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+    if (last) {  // the strip's columns below N, straight to the output
+      float* o = p.out + (m0 + r) * p.N + n0;
+      _mm512_mask_storeu_ps(o, m[0], f0[r]);
+      if (cols > 16) _mm512_mask_storeu_ps(o + 16, m[1], f1[r]);
+      if (cols > 32) _mm512_mask_storeu_ps(o + 32, m[2], f2[r]);
+      if (cols > 48) _mm512_mask_storeu_ps(o + 48, m[3], f3[r]);
+    } else {
+      float* t = tile + r * kStrip;
+      _mm512_storeu_ps(t, f0[r]);
+      _mm512_storeu_ps(t + 16, f1[r]);
+      _mm512_storeu_ps(t + 32, f2[r]);
+      _mm512_storeu_ps(t + 48, f3[r]);
+    }
+  }
+}
+
+// One strip of the grouped product: K blocks outside (a block's weights stay in L1 for
+// every row tile), as `strip`.
+void grouped_strip(const GroupedLinear& p, int64_t s, std::vector<float>& tile) {
+  constexpr int64_t R = 3;
+  const int64_t KQ = p.K / 4;
+  const int8_t* ws = p.w + s * KQ * 256;
+  tile.resize(static_cast<size_t>((p.M + R) * kStrip));
+  for (int64_t kq0 = 0; kq0 < KQ; kq0 += kKBlock) {
+    const int64_t kq1 = std::min(KQ, kq0 + kKBlock);
+    int64_t m = 0;
+    for (; m + R <= p.M; m += R) grouped_block<R>(p, ws, kq0, kq1, tile.data() + m * kStrip, m, s * kStrip);
+    if (p.M - m == 2) grouped_block<2>(p, ws, kq0, kq1, tile.data() + m * kStrip, m, s * kStrip);
+    if (p.M - m == 1) grouped_block<1>(p, ws, kq0, kq1, tile.data() + m * kStrip, m, s * kStrip);
+  }
+}
+
 #else  // no VNNI: the same numbers, one multiply at a time (runtime/cpu_matmul.py keeps XLA's
        // dot on such machines; this keeps the library whole and the tests meaningful)
 
@@ -193,6 +326,35 @@ void strip(const Linear& p, int64_t s, std::vector<int32_t>&) {
       for (int64_t kq = 0; kq < KQ; ++kq)
         for (int t = 0; t < 4; ++t) acc += int64_t(p.a[m * p.Kp + kq * 4 + t]) * ws[kq * 256 + j * 64 + l * 4 + t];
       p.out[m * p.N + n] = static_cast<float>(acc - p.comp[n]) * p.sx[m] * p.sw[n];
+    }
+}
+
+
+void quantize_row_grouped(const float* x, int64_t K, uint8_t* a, float* sx) {
+  for (int64_t g = 0; g * kGroup < K; ++g) {
+    float amax = 0.0f;
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+      a[k] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(std::nearbyint(x[k] / s), -127.0f, 127.0f)) + 128);
+    sx[g] = s;
+  }
+}
+
+void grouped_strip(const GroupedLinear& p, int64_t s, std::vector<float>&) {
+  const int64_t KQ = p.K / 4;
+  const int8_t* ws = p.w + s * KQ * 256;
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t c = 0; c < kStrip && s * kStrip + c < p.N; ++c) {
+      const int64_t n = s * kStrip + c, j = c / 16, l = c % 16;
+      float y = 0.0f;
+      for (int64_t g = 0; g < p.G; ++g) {
+        int32_t acc = 0;
+        for (int64_t kq = g * kGroupQ; kq < (g + 1) * kGroupQ; ++kq)
+          for (int t = 0; t < 4; ++t) acc += int32_t(p.a[m * p.K + kq * 4 + t]) * ws[kq * 256 + j * 64 + l * 4 + t];
+        y += static_cast<float>(acc - p.comp[g * p.N + n]) * (p.sw[g * p.N + n] * p.sx[m * p.G + g]);
+      }
+      p.out[m * p.N + n] = y;
     }
 }
 
@@ -243,6 +405,46 @@ ffi::Error Int8Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+ffi::Error Int8LinearG32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                         ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> comp, ffi::ResultBuffer<ffi::F32> out,
+                         int64_t num_threads) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = w_scale.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 2 || od.size() != 2 || wd[2] != 256 || od[0] != xd[0]) {
+    return ffi::Error::InvalidArgument("grouped int8 linear: x [M,K], packed w [S,K/4,256], w_scale [G,N], out [M,N]");
+  }
+  const int64_t M = xd[0], K = xd[1], S = wd[0], N = od[1], G = sd[0];
+  if (K % kGroup || wd[1] * 4 != K || G * kGroup != K || sd[1] != N || N > S * kStrip || N <= (S - 1) * kStrip ||
+      comp.element_count() != static_cast<size_t>(G * N)) {
+    return ffi::Error::InvalidArgument("grouped int8 linear: shapes of x, weights, group scales and output disagree "
+                                       "(K must be a multiple of 32)");
+  }
+  if (M == 0) return ffi::Error::Success();
+  thread_local std::vector<uint8_t> a;
+  thread_local std::vector<float> sx;
+  a.resize(static_cast<size_t>(M * K));
+  sx.resize(static_cast<size_t>(M * G));
+  const float* xs = x.typed_data();
+  uint8_t* ap = a.data();
+  float* sp = sx.data();
+  const int64_t chunk = 16;
+  auto quantize = [=](int64_t i) {
+    for (int64_t m = i * chunk; m < std::min(M, (i + 1) * chunk); ++m)
+      quantize_row_grouped(xs + m * K, K, ap + m * K, sp + m * G);
+  };
+  const int64_t items = (M + chunk - 1) / chunk;
+  if (M * K > (1 << 17)) {
+    run_parallel(pool, num_threads, items, quantize);
+  } else {
+    for (int64_t i = 0; i < items; ++i) quantize(i);
+  }
+  const GroupedLinear p{ap, sp, w.typed_data(), w_scale.typed_data(), comp.typed_data(), out->typed_data(), M, K, N, G};
+  run_parallel(pool, num_threads, S, [&](int64_t s) {
+    thread_local std::vector<float> tile;
+    grouped_strip(p, s, tile);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // 1 when the library was compiled with AVX512-VNNI (runtime/cpu_matmul.py serves w8a8 layers
@@ -253,6 +455,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxInt8Linear, Int8Linear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxInt8LinearG32, Int8LinearG32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

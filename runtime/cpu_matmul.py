@@ -7,6 +7,11 @@ same input are packed as one: wq|wk|wv -> "qkv", w_gate|w_up -> "gate_up" (one a
 quantization and one call instead of three or two). runtime.quant.linear runs a packed
 weight through `linear` below; the model splits the fused outputs.
 
+Grouped w8a8 ({"q", "g": [..., in/32, out]}: GGUF Q8_0's values and block scales, kept
+exact) packs the same values with {"gs": float32 [..., in/32, out], "gc": int32 [..., in/32,
+out]} (128 * each group's column sums) in place of "s" / "c", and runs the kernel's grouped
+target (activations quantized per row and group of 32, as llama.cpp does).
+
 Used for w8a8 on the CPU backend when the library was built with AVX512-VNNI
 (`vectorized()`); elsewhere XLA's int8 dot stays (same numbers up to float rounding).
 
@@ -27,6 +32,7 @@ import numpy as np
 from runtime import cpu_kernels
 
 TARGET = "pagedjax_int8_linear"
+GROUPED_TARGET = "pagedjax_int8_linear_g32"
 F32_TARGET = "pagedjax_f32_linear"
 STRIP = 64     # output columns per packed strip
 F32_STRIP = 16  # the float kernel's strip
@@ -80,8 +86,25 @@ def pack_weight(q: np.ndarray, s: np.ndarray, in_scale: np.ndarray | None = None
     return out
 
 
+def pack_grouped_weight(q: np.ndarray, g: np.ndarray) -> dict[str, np.ndarray]:
+    """int8 [..., K, N] + group scales [..., K/32, N] -> the grouped kernel's tree."""
+    q = np.asarray(q, np.int8)
+    *lead, K, N = q.shape
+    G = np.shape(g)[-2]
+    if K % 32 or G * 32 != K:
+        raise ValueError(f"grouped int8 weights: {K} rows in groups of 32 need {K // 32} scale rows, got {G}")
+    packed = pack_weight(q, np.ones(q.shape[:-2] + (N,), np.float32))["p"]
+    comp = 128 * q.astype(np.int32).reshape(*lead, G, 32, N).sum(axis=-2)
+    return {"p": packed, "gs": np.asarray(g, np.float32), "gc": comp.astype(np.int32)}
+
+
 def _pack(ws: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     """Several w8a8 weights reading one input, packed side by side (outputs concatenated)."""
+    if all("g" in w for w in ws):
+        return pack_grouped_weight(np.concatenate([np.asarray(w["q"]) for w in ws], axis=-1),
+                                   np.concatenate([np.asarray(w["g"]) for w in ws], axis=-1))
+    if any("g" in w for w in ws):
+        raise ValueError("fused projections must all be grouped (Q8_0) or all per-channel")
     ins = [w.get("in") for w in ws]
     if any(i is not None for i in ins) and not all(i is not None and np.array_equal(i, ins[0]) for i in ins):
         raise ValueError("fused projections must share their input scale")
@@ -150,6 +173,12 @@ def linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     """x [T, K] @ a packed w8a8 weight -> [T, N] float32."""
     if cpu_kernels.library() is None:  # (also registers the target in this process)
         raise ValueError("a packed int8 weight needs the C++ CPU kernels, which are not available here")
+    if "gs" in w:
+        n = w["gs"].shape[-1]
+        call = jax.ffi.ffi_call(GROUPED_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                                vmap_method="sequential")
+        return call(x.astype(jnp.float32), w["p"], w["gs"].astype(jnp.float32), w["gc"],
+                    num_threads=np.int64(cpu_kernels.num_threads()))
     n = w["s"].shape[-1]
     empty = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")

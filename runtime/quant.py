@@ -10,6 +10,9 @@ slower at batch 64 and 7x at batch 1.)
 A quantized weight is a pytree in place of the float array, so the stacked-layer scan and
 the checkpoint tree keep their shape:
   w8a8   {"q": int8 [..., in, out], "s": float32 [..., out] (, "in": float32 [..., in])}
+  w8a8, grouped  {"q": int8 [..., in, out], "g": float32 [..., in/32, out]}: a GGUF Q8_0
+         checkpoint's own values and block scales (one per 32 inputs of each column), never
+         requantized; activations get a scale per token and group of 32 (llama.cpp's Q8_0 dot).
   w8a16  {"w8": int8 [..., in, out], "s": float32 [..., out]}: weight-only, dequantized in
          the graph and multiplied in the compute dtype (halves the weight bytes a
          bandwidth-bound GPU decode reads; on a 2-core EPYC 1.47x float32 at batch 1 and
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 QUANTIZATIONS = ("none", "w8a8", "w8a16")
+Q8_0_GROUP = 32  # inputs per scale in a grouped (GGUF Q8_0) weight
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -50,19 +54,25 @@ def cast_params(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
     """Device arrays in the compute dtype, except integer weights (int8 values, int32 kernel
     compensations) and float32 scales."""
     def place(path, a):
-        keep = np.issubdtype(np.asarray(a).dtype, np.integer) or jax.tree_util.keystr(path).endswith("['s']")
+        key = jax.tree_util.keystr(path)
+        keep = np.issubdtype(np.asarray(a).dtype, np.integer) or key.endswith(("['s']", "['g']", "['gs']"))
         return jnp.asarray(a) if keep else jnp.asarray(a, dtype)
     return jax.tree_util.tree_map_with_path(place, params)
 
 
-def quantized_shapes(shapes: dict[str, Any], method: str, lm_head: bool = False) -> dict[str, Any]:
+def quantized_shapes(shapes: dict[str, Any], method: str, lm_head: bool = False,
+                     group_size: int | None = None) -> dict[str, Any]:
     """param_shapes(cfg) as a checkpoint quantized by `method` stores them (w8a8 as
-    `convert --quantize` writes it: smoothed, so wo and w_down carry an input scale)."""
+    `convert --quantize` writes it: smoothed, so wo and w_down carry an input scale; with
+    `group_size`, GGUF Q8_0's values and block scales)."""
     if method == "none":
         return shapes
     layers = dict(shapes["layers"])
     for k in LINEAR_WEIGHTS:
         shp = tuple(layers[k])
+        if group_size:
+            layers[k] = {"q": shp, "g": shp[:-2] + (shp[-2] // group_size, shp[-1])}
+            continue
         q = {"q" if method == "w8a8" else "w8": shp, "s": shp[:-2] + shp[-1:]}
         if method == "w8a8" and k in ("wo", "w_down"):
             q["in"] = shp[:-1]
@@ -70,8 +80,17 @@ def quantized_shapes(shapes: dict[str, Any], method: str, lm_head: bool = False)
     out = {**shapes, "layers": layers}
     if method == "w8a8" and lm_head:
         d, v = shapes["embed"][1], shapes["embed"][0]
-        out["head"] = {"q": (d, v), "s": (v,), "in": (d,)}
+        out["head"] = ({"q": (d, v), "g": (d // group_size, v)} if group_size else
+                       {"q": (d, v), "s": (v,), "in": (d,)})
     return out
+
+
+def is_grouped(params: dict[str, Any]) -> bool:
+    """A w8a8 tree holding GGUF Q8_0 values and block scales (see the module docstring)."""
+    w = params["layers"].get("wq", params["layers"].get("qkv"))
+    if isinstance(w, tuple):
+        w = w[0]
+    return isinstance(w, dict) and ("g" in w or "gs" in w)
 
 
 def quantize_weight(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -252,6 +271,8 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
         return cpu_matmul.linear(x, w).astype(x.dtype)
     if "w8" in w:  # weight-only: dequantize, multiply in the compute dtype
         return x @ (w["w8"].astype(x.dtype) * w["s"].astype(x.dtype)[..., None, :])
+    if "g" in w:
+        return grouped_linear(x, w).astype(x.dtype)
     x32 = x.astype(jnp.float32)
     if "in" in w:  # SmoothQuant's per-channel input scale (see quantize_params)
         x32 = x32 * w["in"]
@@ -262,3 +283,20 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
     xq = jnp.clip(jnp.round(x32 / sx), -127, 127).astype(jnp.int8)
     acc = jax.lax.dot(xq, w["q"], preferred_element_type=jnp.int32)
     return (acc.astype(jnp.float32) * sx * w["s"]).astype(x.dtype)
+
+
+def grouped_linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """x [T, K] @ a grouped weight (GGUF Q8_0) -> float32 [T, N]: each row's groups of 32
+    inputs quantized with their own scale, one int8 dot per group, summed with both scales."""
+    q, g = w["q"], w["g"].astype(jnp.float32)
+    (K, N), G = q.shape, g.shape[0]
+    x32 = x.astype(jnp.float32)
+    if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:  # a matrix-vector product: the weights' read decides
+        return x32 @ (q.reshape(G, K // G, N).astype(jnp.float32) * g[:, None, :]).reshape(K, N)
+    xg = x32.reshape(x.shape[0], G, K // G)
+    sx = jnp.max(jnp.abs(xg), axis=-1, keepdims=True) / 127.0
+    sx = jnp.where(sx > 0, sx, 1.0)
+    xq = jnp.clip(jnp.round(xg / sx), -127, 127).astype(jnp.int8)
+    acc = jax.lax.dot_general(xq, q.reshape(G, K // G, N), (((2,), (1,)), ((1,), (0,))),
+                              preferred_element_type=jnp.int32)  # [G, T, N]
+    return jnp.einsum("gtn,tg,gn->tn", acc.astype(jnp.float32), sx[..., 0], g)

@@ -100,13 +100,14 @@ ROW_PARALLEL = ("wo", "w_down")
 def _weight_spec(w: Any, col: P, row_in: bool) -> Any:
     """A layer weight's spec: the float array's, or a quantized dict's (int8 values like the
     weight; scales "s" [L, out] with the columns when column-parallel, else whole; the input
-    scale "in" [L, in] with the rows when row-parallel, else whole)."""
+    scale "in" [L, in] with the rows when row-parallel, else whole; GGUF Q8_0's block scales
+    "g" [L, in/32, out] like the values, by groups of rows when row-parallel)."""
     if not isinstance(w, dict):
         return col
     whole = col == P()
     specs = {}
     for k in w:
-        if k in ("q", "w8"):
+        if k in ("q", "w8", "g"):
             specs[k] = col
         elif k == "s":
             specs[k] = P() if whole or row_in else P(None, AXIS)
@@ -141,7 +142,7 @@ def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int, *, stored: boo
         elif name == "lm_head":
             specs[name] = P(None, vocab)
         elif name == "head":  # the int8 LM head {"q": [d, V], "s": [V], "in": [d]}: by vocabulary
-            specs[name] = {k: {"q": P(None, vocab), "s": P(vocab), "in": P()}[k] for k in value}
+            specs[name] = {k: {"q": P(None, vocab), "g": P(None, vocab), "s": P(vocab), "in": P()}[k] for k in value}
         elif name == "final_norm":
             specs[name] = P()
         else:

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from runtime.checkpoint.mapping import GGUF_RULES, CheckpointError, Rule
+from runtime.checkpoint.mapping import GGUF_RULES, CheckpointError, ParamAssembler, Rule
 from runtime.config import ModelConfig, RopeScaling
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
@@ -108,6 +108,40 @@ class GGUFSource:
                 raise CheckpointError(f"{self.path}: cannot decode tensor {t.name!r} ({exc})") from None
             # The reader lists dims innermost-first; the array is [out, in] (or [n]).
             yield t.name, np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+
+    def q8_0_weights(self, cfg: ModelConfig, lm_head: bool = False) -> dict[str, Any] | None:
+        """The decoder projections (and, with `lm_head`, the head: output.weight or the tied
+        token embedding) as stored: {"layers": {"wq": {"q": int8 [L, in, out], "g": float32
+        [L, in/32, out]}, ...}, "head"?: {"q": [d, V], "g": [d/32, V]}} with llama.cpp's own
+        values and block scales (dequantized = q * g, exactly as `tensors` gives them), or
+        None unless every one of those tensors is Q8_0."""
+        from runtime.quant import LINEAR_WEIGHTS
+
+        wanted = {r.path.split("/")[-1]: r for r in self.rules if r.path.split("/")[-1] in LINEAR_WEIGHTS}
+        head_name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+        values = ParamAssembler(cfg, tuple(wanted.values()), np.dtype(np.int8))
+        scales = ParamAssembler(cfg, tuple(wanted.values()), np.dtype(np.float32))
+        head = None
+        for t in self.reader.tensors:
+            is_head = lm_head and t.name == head_name
+            if not is_head and values.match(t.name) is None:
+                continue
+            if t.tensor_type.name != "Q8_0":
+                return None
+            raw = np.asarray(t.data, np.uint8).reshape(-1, 34)  # Q8_0 block: float16 d, then 32 int8
+            out_dim, in_dim = (int(d) for d in reversed(t.shape))
+            d = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(out_dim, in_dim // 32)
+            q = raw[:, 2:].copy().view(np.int8).reshape(out_dim, in_dim)
+            if is_head:  # [V, d] (embedding) or [V, d] (output.weight): groups run along d
+                head = {"q": np.ascontiguousarray(q.T), "g": np.ascontiguousarray(d.T)}
+            else:
+                values.add(t.name, q)
+                scales.add(t.name, d)
+        if lm_head and head is None:
+            return None
+        g = scales.finish_layers()
+        layers = {k: {"q": v, "g": g[k]} for k, v in values.finish_layers().items()}
+        return {"layers": layers, **({"head": head} if lm_head else {})}
 
     # --- tokenizer -----------------------------------------------------------------
     def tokenizer_json(self) -> str:

@@ -125,8 +125,9 @@ class ParamAssembler:
                 raise CheckpointError(f"tensor {name!r} names layer {layer}, model has {self.cfg.num_layers}")
             self.layered.setdefault(rule.path, {})[layer] = np.ascontiguousarray(w)
 
-    def finish(self, expected_shapes: dict) -> dict:
-        params: dict = {"layers": {}}
+    def finish_layers(self) -> dict:
+        """The per-layer tensors stacked [L, ...] by their name under layers/."""
+        layers: dict = {}
         for rule in self.rules:
             if rule.layered:
                 got = self.layered.get(rule.path, {})
@@ -135,8 +136,15 @@ class ParamAssembler:
                 missing = sorted(set(range(self.cfg.num_layers)) - set(got))
                 if missing:
                     raise CheckpointError(f"missing tensor {rule.source.format(i=missing[0])!r}")
-                params["layers"][rule.path.split("/")[1]] = np.stack([got[i] for i in range(self.cfg.num_layers)])
-            elif rule.path in self.flat:
+                layers[rule.path.split("/")[1]] = np.stack([got[i] for i in range(self.cfg.num_layers)])
+        return layers
+
+    def finish(self, expected_shapes: dict) -> dict:
+        params: dict = {"layers": self.finish_layers()}
+        for rule in self.rules:
+            if rule.layered:
+                continue
+            if rule.path in self.flat:
                 params[rule.path] = self.flat[rule.path]
             elif not rule.optional:
                 raise CheckpointError(f"missing tensor {rule.source!r}")

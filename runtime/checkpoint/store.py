@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from runtime.checkpoint.mapping import CheckpointError, ParamAssembler
+from runtime.checkpoint.mapping import CheckpointError, ParamAssembler, check_shapes
 from runtime.config import ModelConfig
 from runtime.models.llama import param_shapes
 
@@ -66,7 +66,7 @@ def save_params(path: Path, params: dict[str, Any]) -> None:
 
 def write_checkpoint(out: Path, cfg: ModelConfig, params: dict[str, Any], tokenizer_json: str,
                      chat_template: str | None, dtype: str = "float32", force: bool = False,
-                     quantization: str = "none", lm_head_int8: bool = False) -> Path:
+                     quantization: str = "none", lm_head_int8: bool = False, group_size: int | None = None) -> Path:
     with atomic_output_dir(out, force) as tmp:
         save_params(tmp / "params", params)
         cfg.save(tmp / "config.json")
@@ -74,6 +74,8 @@ def write_checkpoint(out: Path, cfg: ModelConfig, params: dict[str, Any], tokeni
         if chat_template:
             (tmp / "chat_template.jinja").write_text(chat_template)
         meta = {"format": 1, "dtype": dtype, "quantization": quantization, "lm_head_int8": lm_head_int8}
+        if group_size:  # GGUF Q8_0's values and block scales, as stored there
+            meta["group_size"] = group_size
         (tmp / "pagedjax.json").write_text(json.dumps(meta) + "\n")
     return out
 
@@ -83,7 +85,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     meta = path / "pagedjax.json"
     d = json.loads(meta.read_text()) if meta.is_file() else {}
     return {"dtype": d.get("dtype", "float32"), "quantization": d.get("quantization", "none"),
-            "lm_head_int8": bool(d.get("lm_head_int8", False))}
+            "lm_head_int8": bool(d.get("lm_head_int8", False)), "group_size": d.get("group_size")}
 
 
 def stored_weight_bytes(path: Path) -> int:
@@ -93,7 +95,8 @@ def stored_weight_bytes(path: Path) -> int:
     from runtime.quant import quantized_shapes
 
     meta = read_meta(path)
-    shapes = quantized_shapes(param_shapes(load_config(path)), meta["quantization"], meta["lm_head_int8"])
+    shapes = quantized_shapes(param_shapes(load_config(path)), meta["quantization"], meta["lm_head_int8"],
+                              meta["group_size"])
     total = 0
 
     def walk(tree: dict) -> None:
@@ -103,7 +106,7 @@ def stored_weight_bytes(path: Path) -> int:
                 walk(v)
             else:
                 size = int(np.prod(v))
-                total += size * (1 if k in ("q", "w8") else 4 if k in ("s", "in") else DTYPE_BYTES[meta["dtype"]])
+                total += size * (1 if k in ("q", "w8") else 4 if k in ("s", "in", "g") else DTYPE_BYTES[meta["dtype"]])
     walk(shapes)
     return total
 
@@ -138,6 +141,16 @@ def convert(source: Any, out: Path, dtype: str = "float32", force: bool = False,
         asm.add(name, array)
     params = asm.finish(param_shapes(cfg))
     tok_json, template = source.tokenizer_json(), source.chat_template()
+    exact = source.q8_0_weights(cfg, lm_head) if quantize == "w8a8" and hasattr(source, "q8_0_weights") else None
+    if exact is not None:  # every projection is Q8_0: its int8 values and block scales, as they are
+        print("quantizing (w8a8): the GGUF's Q8_0 values and block scales, kept exact", file=sys.stderr)
+        from runtime.quant import Q8_0_GROUP, quantized_shapes
+
+        params = {**params, "layers": {**params["layers"], **exact["layers"]}}
+        if "head" in exact:
+            params["head"] = exact["head"]
+        check_shapes(params, quantized_shapes(param_shapes(cfg), "w8a8", lm_head, Q8_0_GROUP))
+        return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize, lm_head, Q8_0_GROUP)
     if quantize != "none":
         print(f"quantizing ({quantize}) ...", file=sys.stderr)
         params = quantize_for_checkpoint(cfg, params, quantize, tok_json, template, lm_head)
@@ -191,7 +204,6 @@ def load_params(path: Path, cfg: ModelConfig, dtype: Any = None, as_numpy: bool 
     import jax
     import orbax.checkpoint as ocp
 
-    from runtime.checkpoint.mapping import check_shapes
     from runtime.quant import QUANTIZATIONS, cast_params, quantized_shapes
 
     meta = read_meta(path)
@@ -210,7 +222,7 @@ def load_params(path: Path, cfg: ModelConfig, dtype: Any = None, as_numpy: bool 
         raise CheckpointError(f"{path}: cannot restore parameters ({type(exc).__name__}: {exc})") from None
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot restore parameters ({type(exc).__name__}: {exc})") from None
-    check_shapes(raw, quantized_shapes(param_shapes(cfg), method, meta["lm_head_int8"]))
+    check_shapes(raw, quantized_shapes(param_shapes(cfg), method, meta["lm_head_int8"], meta["group_size"]))
     if as_numpy:
         return jax.tree.map(np.asarray, raw)
     return jax.tree.map(jax.numpy.asarray, raw) if dtype is None else cast_params(raw, dtype)
@@ -220,12 +232,11 @@ def _restore_sharded(ckptr: Any, directory: Path, cfg: ModelConfig, method: str,
                      shardings: Any, check: Any) -> dict[str, Any]:
     import jax
 
-    from runtime.checkpoint.mapping import check_shapes
     from runtime.quant import quantized_shapes
 
     stored = ckptr.metadata(directory).item_metadata.tree
     stored = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), stored)
-    check_shapes(stored, quantized_shapes(param_shapes(cfg), method, meta["lm_head_int8"]))
+    check_shapes(stored, quantized_shapes(param_shapes(cfg), method, meta["lm_head_int8"], meta["group_size"]))
     if check is not None:
         check(stored)
     target = jax.tree.map(lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh), stored, shardings(stored))

@@ -167,15 +167,50 @@ def test_inspect_a_gguf_file_states_how_each_type_loads(tmp_path, tiny, capsys):
     assert main(["inspect", str(src)]) == 0
     out = capsys.readouterr().out
     assert "tensor types" in out and re.search(r"Q8_0 x\d+", out)
-    assert re.search(r"Q8_0 +blocks dequantized to float; --quantize w8a8 then requantizes", out)
-    assert "not loaded into int8 directly" in out
+    assert re.search(r"Q8_0 +int8 values and block scales kept as they are by --quantize w8a8", out)
+    src = write_gguf(tmp_path / "m4.gguf", cfg, params, tok_json, qtype="Q4_0", chat_template=CHAT_TEMPLATE)
+    assert main(["inspect", str(src)]) == 0
+    assert re.search(r"Q4_0 +blocks dequantized to float; --quantize w8a8 then requantizes", capsys.readouterr().out)
 
 
 def test_convert_gguf_with_quantize_stores_int8(tmp_path, tiny):
+    """Projections that are not Q8_0 (here Q4_0) are dequantized, then SmoothQuant-requantized."""
     cfg, params, tok_json = tiny
-    src = write_gguf(tmp_path / "m.gguf", cfg, params, tok_json, qtype="Q8_0", chat_template=CHAT_TEMPLATE)
+    src = write_gguf(tmp_path / "m.gguf", cfg, params, tok_json, qtype="Q4_0", chat_template=CHAT_TEMPLATE)
     assert main(["convert", "--from", "gguf", str(src), "--out", str(tmp_path / "q"), "--quantize", "w8a8"]) == 0
     _, qp, _ = load_checkpoint(tmp_path / "q")
     assert qp["layers"]["w_down"]["q"].dtype == jnp.int8 and "in" in qp["layers"]["w_down"]
+    assert "g" not in qp["layers"]["w_down"]
+
+
+def test_convert_q8_0_gguf_keeps_its_int8_values_and_block_scales(tmp_path, tiny, capsys):
+    """--quantize w8a8 of an all-Q8_0 GGUF stores llama.cpp's own values and block scales:
+    values x scales equal the float conversion of the same file bit for bit (no float round
+    trip, no requantizing), the int8 head too, and inspect says so."""
+    from runtime.checkpoint.store import read_meta
+
+    cfg, params, tok_json = tiny
+    src = write_gguf(tmp_path / "m.gguf", cfg, params, tok_json, qtype="Q8_0", chat_template=CHAT_TEMPLATE)
+    assert main(["convert", "--from", "gguf", str(src), "--out", str(tmp_path / "f")]) == 0
+    assert main(["convert", "--from", "gguf", str(src), "--out", str(tmp_path / "q"), "--quantize", "w8a8",
+                 "--quantize-lm-head"]) == 0
+    assert read_meta(tmp_path / "q")["group_size"] == 32
+    _, fp, _ = load_checkpoint(tmp_path / "f")
+    _, qp, _ = load_checkpoint(tmp_path / "q")
+    for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        w = qp["layers"][k]
+        assert set(w) == {"q", "g"} and w["q"].dtype == jnp.int8
+        L, K, N = w["q"].shape
+        assert w["g"].shape == (L, K // 32, N)
+        deq = np.asarray(w["q"], np.float32).reshape(L, K // 32, 32, N) * np.asarray(w["g"])[:, :, None, :]
+        np.testing.assert_array_equal(deq.reshape(L, K, N), np.asarray(fp["layers"][k]))
+    # no smoothing folded into the norms
+    np.testing.assert_array_equal(np.asarray(qp["layers"]["attn_norm"]), np.asarray(fp["layers"]["attn_norm"]))
+    head = qp["head"]
+    deq = np.asarray(head["q"], np.float32).reshape(-1, 32, cfg.vocab_size) * np.asarray(head["g"])[:, None, :]
+    np.testing.assert_array_equal(deq.reshape(cfg.hidden_size, -1), np.asarray(fp["embed"]).T)
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "q")]) == 0
+    assert "GGUF Q8_0 int8 values + one scale per 32 inputs, exact" in capsys.readouterr().out
     assert main(["convert", "--from", "gguf", str(src), "--out", str(tmp_path / "b"), "--quantize", "w8a8",
                  "--dtype", "bfloat16"]) == 2

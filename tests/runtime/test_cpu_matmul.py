@@ -130,3 +130,76 @@ def test_w8a8_keeps_a_float_head_with_the_float_kernels_copy(tiny_ckpt, monkeypa
     h = jnp.asarray(np.random.default_rng(0).standard_normal((3, embed.shape[1])).astype(np.float32))
     got = np.asarray(jax.jit(lambda p, x: lm_head(r.cfg, p, x))(jax.tree.map(jnp.asarray, params), h))
     np.testing.assert_allclose(got, np.asarray(h) @ embed.T, rtol=1e-5, atol=1e-5)
+
+
+def grouped_reference(x: np.ndarray, q: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q8_0 dot: each row's groups of 32 quantized with their own absmax scale,
+    exact integer sums per group, both scales applied per group (float64 here)."""
+    M, K = x.shape
+    xg = x.reshape(M, K // 32, 32)
+    sx = np.abs(xg).max(-1, keepdims=True) / np.float32(127)
+    sx = np.where(sx > 0, sx, np.float32(1)).astype(np.float32)
+    xq = np.clip(np.rint(xg / sx), -127, 127).astype(np.int64)
+    acc = np.einsum("mgk,gkn->mgn", xq, q.reshape(K // 32, 32, -1).astype(np.int64)).astype(np.float64)
+    return np.einsum("mgn,mg,gn->mn", acc, sx[..., 0].astype(np.float64), g.astype(np.float64))
+
+
+@needs_vnni
+@pytest.mark.parametrize("M,K,N", [(1, 64, 48), (2, 96, 100), (7, 128, 130), (65, 320, 64), (130, 1536, 200)])
+def test_grouped_kernel_matches_the_q8_0_reference(M, K, N):
+    """Rows in tiles of 3 and their remainders, K blocks of 256 and a partial one, column tails."""
+    from runtime.quant import grouped_linear
+
+    rng = np.random.default_rng(M * 1000 + N)
+    x = rng.standard_normal((M, K)).astype(np.float32) * 3
+    x[0, 0] = 40.0  # an outlier costs only its own group of 32 its precision
+    q = rng.integers(-127, 128, size=(K, N), dtype=np.int8)
+    g = (rng.random((K // 32, N)) * 0.01 + 1e-3).astype(np.float32)
+    packed = jax.tree.map(jnp.asarray, cpu_matmul.pack_grouped_weight(q, g))
+    assert packed["gc"].shape == (K // 32, N)
+    got = np.asarray(jax.jit(cpu_matmul.linear)(jnp.asarray(x), packed))
+    want = grouped_reference(x, q, g)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    if M > 1:  # XLA's grouped path: the same int8 groups and sums
+        xla = np.asarray(jax.jit(grouped_linear)(jnp.asarray(x), {"q": jnp.asarray(q), "g": jnp.asarray(g)}))
+        np.testing.assert_allclose(xla, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    with pytest.raises(ValueError, match="groups of 32"):
+        cpu_matmul.pack_grouped_weight(q, g[:-1])
+
+
+@needs_vnni
+def test_engine_serves_a_q8_0_checkpoint_through_the_grouped_kernel(tmp_path, monkeypatch):
+    """A Q8_0 GGUF converted with --quantize w8a8 --quantize-lm-head: the packed, fused
+    grouped weights give the XLA grouped path's greedy tokens, and the step calls the
+    grouped kernel (head included)."""
+    from runtime.checkpoint.store import load_checkpoint
+    from runtime.cli import main
+    from runtime.models.llama import init_params
+    from tests.model_files import write_gguf
+    from tests.tiny import CHAT_TEMPLATE, tiny_config, tiny_tokenizer_json
+
+    tok_json, vocab = tiny_tokenizer_json()
+    cfg = tiny_config(vocab)
+    params = init_params(cfg, 1)
+    params["embed"] = params["embed"] * 4
+    src = write_gguf(tmp_path / "m.gguf", cfg, params, tok_json, qtype="Q8_0", chat_template=CHAT_TEMPLATE)
+    ckpt = tmp_path / "q8"
+    assert main(["convert", "--from", "gguf", str(src), "--out", str(ckpt), "--quantize", "w8a8",
+                 "--quantize-lm-head"]) == 0
+    assert "g" in load_checkpoint(ckpt)[1]["layers"]["wq"]
+    prompts = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(50, 140))]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    eng = make_engine(ckpt, quantization="w8a8", quantize_lm_head=True)
+    r = eng.runner
+    assert r.matmul_kernel and "gs" in r.params["layers"]["qkv"][0] and "gs" in r.params["head"]
+    got = [x.output_ids for x in eng.generate(prompts, sp)]
+    from runtime.batch import build_step_input
+    from runtime.bench.offline import decode_rows
+
+    inp = build_step_input(decode_rows(r, 2, 20), 2, 2, r.max_blocks_per_seq, r.cache_cfg.block_size, r.scratch_row)
+    hlo = r._step.lower(r.params, r.kv, r.penalty, inp).as_text()
+    assert cpu_matmul.GROUPED_TARGET in hlo and f"{cpu_matmul.TARGET}\"" not in hlo
+    monkeypatch.setattr(cpu_matmul, "vectorized", lambda: False)
+    ref = make_engine(ckpt, quantization="w8a8", quantize_lm_head=True)
+    assert not ref.runner.matmul_kernel and "g" in ref.runner.params["layers"]["wq"]
+    assert got == [x.output_ids for x in ref.generate(prompts, sp)]
