@@ -115,6 +115,14 @@ def test_quantized_weights_shard_with_their_weights():
     assert t(sp["head"]["q"]) == (None, "tp") and t(sp["head"]["s"]) == ("tp",) and t(sp["head"]["in"]) == ()
     stored = tp.param_specs(cfg, params, 4, stored=True)  # 4 > 2 KV heads: wk stays whole until replicated
     assert t(stored["layers"]["wk"]["q"]) == () and t(stored["layers"]["wk"]["s"]) == ()
+    # GGUF Q8_0's block scales "g" [L, in/32, out] go with the values: by columns, or by
+    # groups of rows for a row-parallel weight
+    g = lambda i, o: {"q": np.zeros((2, i, o), np.int8), "g": np.zeros((2, i // 32, o))}
+    grouped = {**params, "head": {"q": np.zeros((64, 268), np.int8), "g": np.zeros((2, 268))},
+               "layers": {"wq": g(64, 128), "wo": g(128, 64)}}
+    gs = tp.param_specs(cfg, grouped, 2)
+    assert t(gs["layers"]["wq"]["g"]) == (None, None, "tp") and t(gs["layers"]["wo"]["g"]) == (None, "tp", None)
+    assert t(gs["head"]["g"]) == (None, "tp")
     with pytest.raises(ValueError, match="packed for the C\\+\\+ kernel"):
         tp.param_specs(cfg, {**params, "layers": {"wq": {"p": np.zeros(1), "s": np.zeros(1)}}}, 2)
 
