@@ -22,6 +22,15 @@ Kernel design (one CTA = one warpgroup):
   as ``[Hkv, tokens * G, D]``, and gathers the per-tile outputs back to
   ``[T, Hq, D]`` with padding rows zeroed.
 
+Quantized caches (int8 or fp8_e4m3 values, one float32 scale per token and KV head,
+``k_scale``/``v_scale`` [NB, BS, Hkv]): the TMA copies move the 1-byte values (half the
+bytes of a bf16 cache), each tile is widened to bf16 in registers on its way to the
+wgmma operand buffer (int8 values are exact in bf16), and the scales never touch the
+tiles: K's multiply the score columns (S = Q Kq^T * k_scale) and V's the probabilities
+before P V (P' = P * v_scale), so l (the softmax denominator) stays unscaled. The
+wrapper gathers each sequence's scales contiguously ([S, Hkv, MB*BS], a 1/D-sized
+gather) so one TMA copy per tile brings them.
+
 Contract: cache rows beyond a sequence's kv_len inside its last block, and blocks
 named by table entries past ``ceil(kv_len / BS)``, may be read but are masked; they
 must hold finite values (a zero-initialised cache does). On hardware an
@@ -46,6 +55,7 @@ from pallas_kernels import _compat
 ROWS = 64  # rows of one wgmma tile (M)
 SUPPORTED_HEAD_DIMS = (64, 128)
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 _MASK = -1e30  # finite: fully masked rows never produce inf - inf
 _LOG2E = math.log2(math.e)
 _SMEM_BUDGET = 220 * 1024  # bytes; H100/H200 allow 227 KiB per CTA
@@ -55,6 +65,23 @@ _TARGET_CTAS = 264  # ~2 waves on 132 SMs; drives the automatic KV split
 # ----------------------------------------------------------------------------
 # Argument validation (runs on shapes/dtypes only, before anything is traced).
 # ----------------------------------------------------------------------------
+def _validate_scales(k_cache, k_scale, v_scale) -> None:
+  quantized = jnp.dtype(k_cache.dtype) in QUANTIZED_DTYPES
+  if (k_scale is None) != (v_scale is None):
+    raise ValueError("k_scale and v_scale come together (both or neither)")
+  if quantized and k_scale is None:
+    raise ValueError(f"a {k_cache.dtype} cache needs k_scale and v_scale"
+                     " [NB, BS, Hkv] float32 (one scale per token and KV head)")
+  if not quantized and k_scale is not None:
+    raise ValueError(f"k_scale/v_scale are for int8 / float8_e4m3fn caches, not"
+                     f" {k_cache.dtype}")
+  for name, a in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if a is not None and (tuple(a.shape) != tuple(k_cache.shape[:3])
+                          or a.dtype != jnp.float32):
+      raise ValueError(f"{name} must be float32 {tuple(k_cache.shape[:3])}, got"
+                       f" {a.dtype} {tuple(a.shape)}")
+
+
 def _validate_common(q, k_cache, v_cache, kv_lens, block_tables,
                      query_start_loc, num_seqs, sm_scale) -> None:
   if q.ndim != 3:
@@ -113,6 +140,7 @@ class _Plan:
   num_stages: int
   num_splits: int
   dtype: Any
+  kv_dtype: Any  # the cache's element type: dtype, or int8 / float8_e4m3fn
   out_dtype: Any
   sm_scale: float
   interpret: Any  # InterpretGPUParams or None
@@ -122,10 +150,16 @@ class _Plan:
   def pages_per_tile(self) -> int:
     return self.kv_tile // self.block_size
 
+  @property
+  def quantized(self) -> bool:
+    return jnp.dtype(self.kv_dtype) in QUANTIZED_DTYPES
+
   def smem_bytes(self) -> int:
     isz = jnp.dtype(self.dtype).itemsize
     b = ROWS * self.head_dim * isz  # q
-    b += self.num_stages * 2 * self.kv_tile * self.head_dim * isz  # k, v
+    b += self.num_stages * 2 * self.kv_tile * self.head_dim * jnp.dtype(self.kv_dtype).itemsize  # k, v
+    if self.quantized:  # per-stage scales, and the widened K and V tiles
+      b += self.num_stages * 2 * self.kv_tile * 4 + 2 * self.kv_tile * self.head_dim * isz
     b += ROWS * self.kv_tile * isz  # p
     b += ROWS * self.head_dim * jnp.dtype(self.out_dtype).itemsize  # o
     b += ROWS * 4  # lse
@@ -143,9 +177,10 @@ def _make_plan(q, k_cache, v_cache, block_tables, *, sm_scale, interpret, kv_til
     raise ValueError(
         f"kernel supports bfloat16/float16 inputs, got {q.dtype} (use the"
         " plain-XLA attention for float32)")
-  if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-    raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} != q dtype"
-                     f" {q.dtype}")
+  if v_cache.dtype != k_cache.dtype or (
+      k_cache.dtype != q.dtype and jnp.dtype(k_cache.dtype) not in QUANTIZED_DTYPES):
+    raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} must both be"
+                     f" the q dtype {q.dtype}, int8 or float8_e4m3fn")
   if d not in SUPPORTED_HEAD_DIMS:
     raise ValueError(f"unsupported head dim {d}; supported: {SUPPORTED_HEAD_DIMS}")
   group = hq // hkv
@@ -181,6 +216,7 @@ def _make_plan(q, k_cache, v_cache, block_tables, *, sm_scale, interpret, kv_til
       block_size=bs, max_blocks=mb_pad, group=group, tq=tq, num_work=num_work,
       kv_tile=kv_tile_tokens, num_stages=num_stages,
       num_splits=num_kv_splits, dtype=jnp.dtype(q.dtype),
+      kv_dtype=jnp.dtype(k_cache.dtype),
       out_dtype=jnp.dtype(q.dtype) if num_kv_splits == 1 else jnp.dtype(jnp.float32),
       sm_scale=float(sm_scale), interpret=params, transposed_k=transposed_k)
   while plan.smem_bytes() > _SMEM_BUDGET and plan.num_stages > 2:
@@ -196,12 +232,16 @@ def _make_plan(q, k_cache, v_cache, block_tables, *, sm_scale, interpret, kv_til
 # Kernel body.
 # ----------------------------------------------------------------------------
 def _kernel_body(plan: _Plan, meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
+  if plan.quantized:
+    ks_ref, vs_ref, *refs = refs  # [S, Hkv, MB*BS] each sequence's scales in a row
   if plan.num_splits > 1:
     o_ref, lse_ref, *scratch = refs
   else:
     (o_ref, *scratch), lse_ref = refs, None
   (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, kt_smem,
-   q_bar, k_bar, v_bar) = scratch
+   q_bar, k_bar, v_bar, *qscratch) = scratch
+  if plan.quantized:
+    ks_smem, vs_smem, kw_smem, vw_smem = qscratch
   interpreted = plan.interpret is not None
   G, KVT, D, BS = plan.group, plan.kv_tile, plan.head_dim, plan.block_size
   stages = plan.num_stages
@@ -232,6 +272,10 @@ def _kernel_body(plan: _Plan, meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
                               k_smem.at[slot, dst], k_bar.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[block_id, pl.ds(0, BS), h],
                               v_smem.at[slot, dst], v_bar.at[slot])
+    if plan.quantized:  # the tile's scales: one more arrival on each barrier
+      tok = pl.ds((t_begin + step) * KVT, KVT)
+      plgpu.copy_gmem_to_smem(ks_ref.at[seq, h, tok], ks_smem.at[slot], k_bar.at[slot])
+      plgpu.copy_gmem_to_smem(vs_ref.at[seq, h, tok], vs_smem.at[slot], v_bar.at[slot])
 
   @pl.when(n_steps > 0)
   def _prologue():
@@ -244,11 +288,33 @@ def _kernel_body(plan: _Plan, meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
   iota = functools.partial(_compat.broadcasted_iota, jnp.int32, (ROWS, KVT),
                            layout=wgmma_layout, interpreted=interpreted)
 
+  def widen(ref):
+    """A quantized [KVT, D] tile -> registers in the compute dtype (WGMMA layout,
+    as the widened buffers' stores want it). fp8 goes through float32: the
+    hardware has no fp8 -> bf16 conversion."""
+    x = ref[...] if interpreted else plgpu.load(ref, (), layout=wgmma_layout)
+    if jnp.dtype(plan.kv_dtype) != jnp.dtype(jnp.int8):
+      x = x.astype(jnp.float32)
+    return x.astype(plan.dtype)
+
+  def column_scales(ref, like):
+    """[KVT] scales from SMEM -> broadcast over the rows of a [ROWS, KVT] tile."""
+    x = ref[...] if interpreted else plgpu.load(ref, (), layout=wgmma_layout.reduce(0))
+    return lax.broadcast_in_dim(x, like.shape, [1])
+
   def step_fn(step, carry):
     acc, m_i, l_i = carry
     slot = lax.rem(step, jnp.int32(stages))
     plgpu.barrier_wait(k_bar.at[slot])
-    if plan.transposed_k:
+    if plan.quantized and plan.transposed_k:
+      kw_smem[...] = widen(k_smem.at[slot])
+      plgpu.commit_smem()
+      k_t = plgpu.transpose_ref(kw_smem, (1, 0))
+    elif plan.quantized:  # interpreter without transposed wgmma operands
+      kt_smem[...] = widen(k_smem.at[slot]).T
+      plgpu.commit_smem()
+      k_t = kt_smem
+    elif plan.transposed_k:
       k_t = plgpu.transpose_ref(k_smem.at[slot], (1, 0))
     else:  # interpreter without transposed wgmma operands (see _compat)
       kt_smem[...] = k_smem.at[slot][...].T
@@ -260,6 +326,8 @@ def _kernel_body(plan: _Plan, meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
       return acc_ref[...]
 
     s = pl.run_scoped(qk, plgpu.ACC((ROWS, KVT), jnp.float32)) * scale
+    if plan.quantized:  # column j of S belongs to key j: its scale
+      s = s * column_scales(ks_smem.at[slot], s)
     # Causal mask: row r is token r // G at position pos0 + r // G. (Built
     # here rather than hoisted: cheap to regenerate, costly to keep live.)
     row_tok = lax.div(iota(0), jnp.int32(G)) if G > 1 else iota(0)
@@ -270,12 +338,20 @@ def _kernel_body(plan: _Plan, meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
     l_i = l_i * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    p_smem[...] = p.astype(plan.dtype)
-    plgpu.commit_smem()
-    plgpu.barrier_wait(v_bar.at[slot])
+    if plan.quantized:  # P' = P * v_scale (columns): P' Vq = P V
+      plgpu.barrier_wait(v_bar.at[slot])
+      p_smem[...] = (p * column_scales(vs_smem.at[slot], p)).astype(plan.dtype)
+      vw_smem[...] = widen(v_smem.at[slot])
+      plgpu.commit_smem()
+      v_tile = vw_smem
+    else:
+      p_smem[...] = p.astype(plan.dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_wait(v_bar.at[slot])
+      v_tile = v_smem.at[slot]
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+      plgpu.wgmma(acc_ref, p_smem, v_tile)
       return acc_ref[...]
 
     acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, D), jnp.float32))
@@ -316,21 +392,32 @@ def _kernel_body(plan: _Plan, meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _run_kernel(plan: _Plan, meta, block_tables, q_rows, k_cache, v_cache):
+def _run_kernel(plan: _Plan, meta, block_tables, q_rows, k_cache, v_cache, scales=()):
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   D, KVT, dt = plan.head_dim, plan.kv_tile, plan.dtype
+  # 1-byte tiles: rows of D bytes, swizzled by a row's width (64 or 128 bytes)
+  kv_tiled = tiled if not plan.quantized else (
+      plgpu.TilingTransform((8, min(D, 128))), plgpu.SwizzleTransform(min(D, 128)))
+  arrivals = plan.pages_per_tile + (1 if plan.quantized else 0)
   scratch = [
       plgpu.SMEM((ROWS, D), dt, transforms=tiled),  # q
-      plgpu.SMEM((plan.num_stages, KVT, D), dt, transforms=tiled),  # k
-      plgpu.SMEM((plan.num_stages, KVT, D), dt, transforms=tiled),  # v
+      plgpu.SMEM((plan.num_stages, KVT, D), plan.kv_dtype, transforms=kv_tiled),  # k
+      plgpu.SMEM((plan.num_stages, KVT, D), plan.kv_dtype, transforms=kv_tiled),  # v
       plgpu.SMEM((ROWS, KVT), dt, transforms=tiled),  # p
       plgpu.SMEM((ROWS, D), plan.out_dtype),  # o (untiled: row slices)
       plgpu.SMEM((ROWS,), jnp.float32),  # lse
       None if plan.transposed_k else plgpu.SMEM((D, KVT), dt, transforms=tiled),
       plgpu.Barrier(num_barriers=1),  # q
-      plgpu.Barrier(num_arrivals=plan.pages_per_tile, num_barriers=plan.num_stages),
-      plgpu.Barrier(num_arrivals=plan.pages_per_tile, num_barriers=plan.num_stages),
+      plgpu.Barrier(num_arrivals=arrivals, num_barriers=plan.num_stages),
+      plgpu.Barrier(num_arrivals=arrivals, num_barriers=plan.num_stages),
   ]
+  if plan.quantized:
+    scratch += [
+        plgpu.SMEM((plan.num_stages, KVT), jnp.float32),  # k scales
+        plgpu.SMEM((plan.num_stages, KVT), jnp.float32),  # v scales
+        plgpu.SMEM((KVT, D), dt, transforms=tiled),  # k widened
+        plgpu.SMEM((KVT, D), dt, transforms=tiled),  # v widened
+    ]
   W, H, S = plan.num_work, plan.num_kv_heads, plan.num_splits
   out_type = [jax.ShapeDtypeStruct((W, H, S, ROWS, D), plan.out_dtype)]
   if S > 1:
@@ -345,7 +432,7 @@ def _run_kernel(plan: _Plan, meta, block_tables, q_rows, k_cache, v_cache):
           approx_math=True),
       interpret=plan.interpret,
   )
-  outs = kernel(meta, block_tables, q_rows, k_cache, v_cache)
+  outs = kernel(meta, block_tables, q_rows, k_cache, v_cache, *scales)
   return outs[0], (outs[1] if S > 1 else None)
 
 
@@ -407,7 +494,8 @@ def _gather_outputs(plan: _Plan, o_tiles, lse_tiles, qsl, tile_begin, num_seqs):
 
 @functools.partial(jax.jit, static_argnames=("plan",))
 def _paged_attention_jit(q, k_cache, v_cache, kv_lens, block_tables,
-                         query_start_loc, num_seqs, *, plan: _Plan):
+                         query_start_loc, num_seqs, k_scale=None, v_scale=None, *,
+                         plan: _Plan):
   T, Hq, D = q.shape
   G, H = plan.group, plan.num_kv_heads
   meta, qsl, tile_begin = _work_list(plan, kv_lens, query_start_loc, num_seqs)
@@ -420,7 +508,12 @@ def _paged_attention_jit(q, k_cache, v_cache, kv_lens, block_tables,
   bt = block_tables
   if bt.shape[1] < plan.max_blocks:
     bt = jnp.pad(bt, ((0, 0), (0, plan.max_blocks - bt.shape[1])))
-  o_tiles, lse_tiles = _run_kernel(plan, meta, bt, q_rows, k_cache, v_cache)
+  scales = ()
+  if plan.quantized:  # [NB, BS, Hkv] -> [S, Hkv, MB*BS]: a tile's scales contiguous
+    S = bt.shape[0]
+    scales = tuple(x[bt].transpose(0, 3, 1, 2).reshape(S, H, plan.max_blocks * plan.block_size)
+                   for x in (k_scale, v_scale))
+  o_tiles, lse_tiles = _run_kernel(plan, meta, bt, q_rows, k_cache, v_cache, scales)
   return _gather_outputs(plan, o_tiles, lse_tiles, qsl, tile_begin, num_seqs)
 
 
@@ -434,6 +527,8 @@ def ragged_paged_attention(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     interpret: Any = False,
     kv_tile_tokens: int = 64,
     num_stages: int = 4,
@@ -444,12 +539,15 @@ def ragged_paged_attention(
   Args:
     q: [T, Hq, D] query tokens of all sequences, sequence-major; rows at/after
       ``query_start_loc[num_seqs]`` are padding (returned as zeros).
-    k_cache, v_cache: [NB, BS, Hkv, D] paged caches (bf16/f16).
+    k_cache, v_cache: [NB, BS, Hkv, D] paged caches (q's dtype, or int8 /
+      float8_e4m3fn with their scales).
     kv_lens: [S] int32 KV length per sequence including this step's tokens.
     block_tables: [S, MB] int32 block ids.
     query_start_loc: [S+1] int32 cumulative query offsets.
     num_seqs: [1] int32 number of real sequences.
     sm_scale: softmax scale.
+    k_scale, v_scale: [NB, BS, Hkv] float32, one per token and KV head, for a
+      quantized cache (value = stored * scale); None for a float cache.
     interpret: False (hardware), True (Mosaic GPU interpreter on CPU with race
       detection, raising out-of-bounds reads and NaN-filled fresh memory), or an
       InterpretGPUParams.
@@ -462,6 +560,7 @@ def ragged_paged_attention(
   """
   _validate_common(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                    num_seqs, sm_scale)
+  _validate_scales(k_cache, k_scale, v_scale)
   plan = _make_plan(q, k_cache, v_cache, block_tables, sm_scale=sm_scale,
                     interpret=interpret, kv_tile_tokens=kv_tile_tokens,
                     num_stages=num_stages, num_kv_splits=num_kv_splits)
@@ -471,12 +570,13 @@ def ragged_paged_attention(
         f" {jax.default_backend()!r}); pass interpret=True to run it in the"
         " Mosaic GPU interpreter, or use the plain-XLA attention")
   return _paged_attention_jit(q, k_cache, v_cache, kv_lens, block_tables,
-                              query_start_loc, num_seqs, plan=plan)
+                              query_start_loc, num_seqs, k_scale, v_scale, plan=plan)
 
 
 def lower_for_cuda(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                   num_seqs, *, sm_scale: float, kv_tile_tokens: int = 64,
-                   num_stages: int = 4, num_kv_splits: int | None = None) -> str:
+                   num_seqs, *, sm_scale: float, k_scale=None, v_scale=None,
+                   kv_tile_tokens: int = 64, num_stages: int = 4,
+                   num_kv_splits: int | None = None) -> str:
   """Lowers the hardware kernel for CUDA (no GPU needed) and returns the text.
 
   Arguments may be jax.ShapeDtypeStruct. This runs the whole Mosaic GPU
@@ -486,11 +586,13 @@ def lower_for_cuda(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
   """
   _validate_common(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                    num_seqs, sm_scale)
+  _validate_scales(k_cache, k_scale, v_scale)
   plan = _make_plan(q, k_cache, v_cache, block_tables, sm_scale=sm_scale,
                     interpret=False, kv_tile_tokens=kv_tile_tokens,
                     num_stages=num_stages, num_kv_splits=num_kv_splits)
   traced = _paged_attention_jit.trace(q, k_cache, v_cache, kv_lens, block_tables,
-                                      query_start_loc, num_seqs, plan=plan)
+                                      query_start_loc, num_seqs, k_scale, v_scale,
+                                      plan=plan)
   return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -507,11 +609,18 @@ def ref_ragged_paged_attention(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
   """Token-by-token reference: each query token gathers its sequence's whole
-  cache, masks positions after its own, and takes a float32 softmax."""
+  cache (dequantized: values * scales, for a quantized one), masks positions
+  after its own, and takes a float32 softmax."""
   _validate_common(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                    num_seqs, sm_scale)
+  _validate_scales(k_cache, k_scale, v_scale)
+  if k_scale is not None:
+    k_cache = k_cache.astype(jnp.float32) * k_scale[..., None]
+    v_cache = v_cache.astype(jnp.float32) * v_scale[..., None]
   T, Hq, D = q.shape
   _, BS, Hkv, _ = k_cache.shape
   S, MB = block_tables.shape

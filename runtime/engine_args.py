@@ -35,8 +35,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                         "+1.87%% instead of +1.55%% on the seed chapters)")
     g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "int8", "fp8_e4m3"), default="auto",
                    help="auto: the compute dtype. int8 / fp8_e4m3 store one scale per token and KV head "
-                        "(3.8x the tokens of a float32 cache for SmolLM2) and dequantize on read; not with "
-                        "the Pallas backend. Accuracy: `pagedjax bench accuracy --kv-cache-dtype int8`")
+                        "(3.8x the tokens of a float32 cache for SmolLM2) and dequantize on read (the XLA path, "
+                        "the C++ kernel and the Pallas kernel alike). Accuracy: `pagedjax bench accuracy --kv-cache-dtype int8`")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before planning the next (for comparison; slower)")
     g.add_argument("--attention-backend", choices=("auto", "xla", "pallas"), default="auto")

@@ -84,19 +84,12 @@ def tune_cpu_allocator() -> None:
 
 
 def resolve_attention_backend(backend: str, kv_dtype: str = "float32") -> str:
-    """auto -> pallas on GPU, xla elsewhere. The Pallas kernel reads float caches only: a
-    quantized cache with auto takes the XLA path (logged), with pallas it is an error."""
+    """auto -> pallas on GPU, xla elsewhere. The Pallas kernel reads bfloat16 caches and
+    quantized (int8 / fp8_e4m3) ones; a float32 cache is the XLA path's."""
     if backend not in ("auto", "xla", "pallas"):
         raise ValueError(f"attention_backend: must be auto, xla or pallas, got {backend!r}")
-    quantized = kv_dtype in QUANTIZED_KV_DTYPES
-    if backend == "pallas" and quantized:
-        raise ValueError(f"kv_cache_dtype: {kv_dtype} needs --attention-backend xla (the Pallas kernel does "
-                         "not read a quantized cache yet)")
     if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" and not quantized else "xla"
-        if quantized and jax.default_backend() == "gpu":
-            log.warning("kv_cache_dtype=%s: attention runs on the XLA path (the Pallas kernel reads float "
-                        "caches only)", kv_dtype)
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
     return backend
 
 
@@ -163,10 +156,16 @@ def _paged_attention(cfg: ModelConfig, attention: Callable, num_blocks: int, inp
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots)
     base = layer * num_blocks
     kw = {}
-    if getattr(attention, "func", attention) is xla_ragged_paged_attention:  # Pallas: per-sequence reads
+    if getattr(attention, "func", attention) is xla_ragged_paged_attention:  # reads QuantizedPages itself
         sh = inp.shared
         kw["shared"] = SharedPrefix(sh.blocks + base, sh.length, sh.suffix_start, sh.suffix_tables + base)
-    out = attention(q, k_cache, v_cache, inp.kv_lens, inp.block_tables + base,
+        k_read, v_read = k_cache, v_cache
+    elif isinstance(k_cache, QuantizedPages):  # Pallas: the 1-byte values and their scales apart
+        k_read, v_read = k_cache.values, v_cache.values
+        kw.update(k_scale=k_cache.scales, v_scale=v_cache.scales)
+    else:  # Pallas: per-sequence reads
+        k_read, v_read = k_cache, v_cache
+    out = attention(q, k_read, v_read, inp.kv_lens, inp.block_tables + base,
                     inp.query_start_loc, inp.num_seqs, sm_scale=1.0 / math.sqrt(cfg.head_dim), **kw)
     return out, (k_cache, v_cache)
 

@@ -96,6 +96,29 @@ def build(case: Case, seed: int = 0, dtype=jnp.bfloat16):
   return args, np_args, case.d ** -0.5
 
 
+QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def quantize(args, np_args, dtype):
+  """The case's K/V as a quantized cache: symmetric, one float32 scale per token
+  and KV head (absmax / the type's largest value). Returns the kernel's args with
+  1-byte caches, the (k_scale, v_scale) keywords, and np_args holding the
+  dequantized values (what every implementation must attend over)."""
+  top = QUANT_MAX[jnp.dtype(dtype)]
+  out, scales, deq = list(args), {}, list(np_args)
+  for i, name in ((1, "k_scale"), (2, "v_scale")):
+    x = np.asarray(args[i], np.float32)
+    sc = np.abs(x).max(-1)
+    sc = np.where(sc > 0, sc / top, 1.0).astype(np.float32)
+    y = x / sc[..., None]
+    if dtype == jnp.int8:
+      y = np.clip(np.rint(y), -127, 127)
+    values = jnp.asarray(y, dtype)
+    out[i], scales[name] = values, jnp.asarray(sc)
+    deq[i] = np.asarray(values, np.float64) * sc[..., None].astype(np.float64)
+  return tuple(out), scales, tuple(deq)
+
+
 def oracle(q, k, v, kv_lens, tables, qsl, num_seqs, sm_scale):
   """Float64, loop-based: token i of sequence s sits at kv_len - q_len + i."""
   t, hq, d = q.shape
@@ -206,6 +229,24 @@ class TestInterpretKernel:
     n_real = int(np_args[5][np_args[6]])
     assert np.all(np.asarray(out[n_real:], np.float32) == 0.0), "padding rows"
 
+  @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+  @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.name)
+  def test_quantized_cache_matches_reference_and_oracle(self, case, dtype):
+    """1-byte K/V widened in the kernel, the scales on S's and P's columns: the
+    same attention as over the dequantized cache (KV tiles of 8 blocks, KV
+    splits, a shared block)."""
+    args, np_args, scale = build(case)
+    qargs, scales, deq = quantize(args, np_args, dtype)
+    out = self.run(qargs, scale, case, **scales)
+    assert out.shape == args[0].shape and out.dtype == jnp.bfloat16
+    assert not _compat.races_found(), "race detector fired"
+    ref = ref_ragged_paged_attention(qargs[0].astype(jnp.float32), *qargs[1:],
+                                     sm_scale=scale, **scales)
+    assert_close(out, np.asarray(ref, np.float64), KERNEL_TOL, "vs reference")
+    assert_close(out, oracle(*deq, scale), KERNEL_TOL, "vs oracle")
+    n_real = int(np_args[5][np_args[6]])
+    assert np.all(np.asarray(out[n_real:], np.float32) == 0.0), "padding rows"
+
   def test_all_slots_padding_gives_zeros(self):
     case = KERNEL_CASES[0]
     args, _, scale = build(case)
@@ -274,6 +315,27 @@ def test_hardware_kernel_lowers_for_cuda(cfg):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("cfg", [
+    (32, 8, 128, 16, 64, 1, jnp.int8),
+    (6, 2, 64, 32, 128, 2, jnp.float8_e4m3fn),
+    (3, 1, 64, 16, 64, None, jnp.int8),
+    (8, 1, 128, 32, 128, 1, jnp.float8_e4m3fn),
+], ids=_cfg_id)
+def test_quantized_kernel_lowers_for_cuda(cfg):
+  """1-byte caches: int8 / fp8 TMA tiles, their scales, the widening loads."""
+  hq, hkv, d, bs, kv_tile, splits, kv_dtype = cfg
+  t, s, mb, nb = 40, 5, 12, 64
+  sds = jax.ShapeDtypeStruct
+  text = lower_for_cuda(
+      sds((t, hq, d), jnp.bfloat16), sds((nb, bs, hkv, d), kv_dtype),
+      sds((nb, bs, hkv, d), kv_dtype), sds((s,), jnp.int32),
+      sds((s, mb), jnp.int32), sds((s + 1,), jnp.int32), sds((1,), jnp.int32),
+      sm_scale=d ** -0.5, k_scale=sds((nb, bs, hkv), jnp.float32),
+      v_scale=sds((nb, bs, hkv), jnp.float32), kv_tile_tokens=kv_tile,
+      num_kv_splits=splits)
+  assert "mosaic_gpu" in text
+
+
 # ---------------------------------------------------------------------------
 # Argument validation (before any tracing).
 # ---------------------------------------------------------------------------
@@ -339,6 +401,23 @@ def test_keyword_validation(kwargs, msg):
   kwargs.setdefault("interpret", True)
   with pytest.raises(ValueError, match=msg):
     ragged_paged_attention(*args, **kwargs)
+
+
+def test_quantized_cache_validation():
+  args, scale = _good()
+  i8 = [args[0], args[1].astype(jnp.int8), args[2].astype(jnp.int8), *args[3:]]
+  sc = jnp.ones(args[1].shape[:3], jnp.float32)
+  with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+    ragged_paged_attention(*i8, sm_scale=scale, interpret=True)
+  with pytest.raises(ValueError, match="both or neither"):
+    ragged_paged_attention(*i8, sm_scale=scale, interpret=True, k_scale=sc)
+  with pytest.raises(ValueError, match="not bfloat16"):
+    ragged_paged_attention(*args, sm_scale=scale, interpret=True, k_scale=sc, v_scale=sc)
+  with pytest.raises(ValueError, match=r"v_scale must be float32 \(5, 16, 2\)"):
+    ragged_paged_attention(*i8, sm_scale=scale, interpret=True, k_scale=sc, v_scale=sc[:, :8])
+  with pytest.raises(ValueError, match="must both be the q dtype"):  # K int8, V bf16
+    ragged_paged_attention(args[0], i8[1], *args[2:], sm_scale=scale, interpret=True,
+                           k_scale=sc, v_scale=sc)
 
 
 def test_reference_validates_too():

@@ -1,5 +1,6 @@
 """The engine with attention_backend=pallas (the Mosaic GPU kernel, run by the
-interpreter on CPU) gives the same greedy tokens as the plain-XLA path."""
+interpreter on CPU) gives the same greedy tokens as the plain-XLA path, over a bfloat16
+cache and over quantized ones (int8 / fp8_e4m3 values with per-token scales)."""
 
 import numpy as np
 import pytest
@@ -9,10 +10,10 @@ from runtime.engine import LLMEngine
 from runtime.sampling import SamplingParams
 
 
-def engine(ckpt, backend):
+def engine(ckpt, backend, kv_dtype="bfloat16"):
     def build(model):
         env = SchedulerConfig(4, 32, 256, min_token_bucket=32)  # one prefill shape: interpreting is slow
-        return EngineConfig(model, CacheConfig(16, 48, "bfloat16"), env,
+        return EngineConfig(model, CacheConfig(16, 48, kv_dtype), env,
                             AdmissionPolicy(max_num_seqs=4, max_num_batched_tokens=32,
                                             long_prefill_token_threshold=32), backend, "bfloat16")
 
@@ -28,12 +29,17 @@ def ckpt64(tmp_path_factory):
 
 
 @pytest.mark.timeout(1200)
-def test_pallas_backend_matches_xla_greedy(ckpt64):
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8", "fp8_e4m3"])
+def test_pallas_backend_matches_xla_greedy(ckpt64, kv_dtype):
     tiny_ckpt = ckpt64
     rng = np.random.default_rng(0)
     # A short prompt and one longer than the 32-token budget (chunked), decoding side by side.
     prompts = [list(rng.integers(3, 260, size=n)) for n in (5, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    xla = [r.output_ids for r in engine(tiny_ckpt, "xla").generate(prompts, params)]
-    pallas = [r.output_ids for r in engine(tiny_ckpt, "pallas").generate(prompts, params)]
+    xla = [r.output_ids for r in engine(tiny_ckpt, "xla", kv_dtype).generate(prompts, params)]
+    eng = engine(tiny_ckpt, "pallas", kv_dtype)
+    assert eng.runner.attention_backend == "pallas"
+    if kv_dtype != "bfloat16":  # the cache the kernel reads is the 1-byte one
+        assert eng.runner.kv[0].values.dtype.itemsize == 1
+    pallas = [r.output_ids for r in eng.generate(prompts, params)]
     assert pallas == xla

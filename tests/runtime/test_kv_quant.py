@@ -107,9 +107,11 @@ def test_engine_with_quantized_cache_allocates_it_and_generates(tiny_ckpt, kv_dt
     assert again == got and eng.scheduler.counters.prefix_hits > 0
 
 
-def test_pallas_backend_rejects_a_quantized_cache():
-    with pytest.raises(ValueError, match="kv_cache_dtype: int8 needs --attention-backend xla"):
-        resolve_attention_backend("pallas", "int8")
+def test_attention_backend_for_a_quantized_cache():
+    """The Pallas kernel reads int8 / fp8 caches (tests/runtime/test_engine_pallas.py runs
+    it); auto stays XLA without a GPU."""
+    assert resolve_attention_backend("pallas", "int8") == "pallas"
+    assert resolve_attention_backend("pallas", "fp8_e4m3") == "pallas"
     assert resolve_attention_backend("auto", "int8") == "xla"
     assert resolve_attention_backend("xla", "fp8_e4m3") == "xla"
     with pytest.raises(ValueError, match="attention_backend"):
