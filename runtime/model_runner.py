@@ -270,6 +270,11 @@ class ModelRunner:
         from runtime import cpu_matmul
 
         self.matmul_kernel = quantization == "w8a8" and cpu_matmul.vectorized() and self.tp == 1
+        if quantization == "w8a8" and not self.matmul_kernel and self.tp == 1 and jax.default_backend() == "cpu":
+            # the trade must be visible: without the kernel w8a8 buys accuracy loss, not speed
+            log.warning("w8a8: the C++ int8 kernel is not available here (it needs AVX512-VNNI and the CPU "
+                        "kernels enabled), so the products run as XLA's int8 dot, which measured slower than "
+                        "float32 on an AVX2-only EPYC; compare both with `pagedjax bench offline --part decode`")
         if self.matmul_kernel:
             params = cpu_matmul.pack_params(params)
             if "head" not in params and cpu_matmul.f32_default():  # the head stays float: the float kernel's copy

@@ -88,9 +88,9 @@ def test_pack_params_fuses_projections_that_share_an_input(tiny_ckpt):
 
 
 @needs_vnni
-def test_engine_serves_w8a8_through_the_kernel(tiny_ckpt, monkeypatch):
+def test_engine_serves_w8a8_through_the_kernel(tiny_ckpt, monkeypatch, caplog):
     """Packed (and fused) weights give the same greedy tokens as XLA's int8 path, and the
-    compiled step calls the kernel."""
+    compiled step calls the kernel; without the kernel the engine says w8a8 runs XLA's dot."""
     prompts = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(50, 140))]
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     eng = make_engine(tiny_ckpt, quantization="w8a8")
@@ -100,8 +100,11 @@ def test_engine_serves_w8a8_through_the_kernel(tiny_ckpt, monkeypatch):
     assert all(isinstance(layers[k], tuple) and len(layers[k]) == eng.runner.cfg.num_layers and "p" in layers[k][0]
                for k in ("qkv", "gate_up", "wo", "w_down"))
     got = [r.output_ids for r in eng.generate(prompts, sp)]
+    assert "int8 kernel is not available" not in caplog.text
     monkeypatch.setattr(cpu_matmul, "vectorized", lambda: False)
-    ref = make_engine(tiny_ckpt, quantization="w8a8")
+    with caplog.at_level("WARNING", logger="runtime.model_runner"):
+        ref = make_engine(tiny_ckpt, quantization="w8a8")
+    assert "w8a8: the C++ int8 kernel is not available here" in caplog.text
     assert not ref.runner.matmul_kernel and "wq" in ref.runner.params["layers"]
     assert got == [r.output_ids for r in ref.generate(prompts, sp)]
     from runtime.batch import build_step_input
