@@ -573,6 +573,23 @@ def ragged_paged_attention(
                               query_start_loc, num_seqs, k_scale, v_scale, plan=plan)
 
 
+def hardware_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                       num_seqs, *, sm_scale: float, k_scale=None, v_scale=None,
+                       kv_tile_tokens: int = 64, num_stages: int = 4,
+                       num_kv_splits: int | None = None) -> jax.Array:
+  """The hardware kernel, traceable on any backend: for lowering a larger program
+  for CUDA on a CPU machine (``lower_for_cuda``; the tensor-parallel engine step in
+  tests/runtime/tp_pallas_lower.py). Executing it off a GPU fails."""
+  _validate_common(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                   num_seqs, sm_scale)
+  _validate_scales(k_cache, k_scale, v_scale)
+  plan = _make_plan(q, k_cache, v_cache, block_tables, sm_scale=sm_scale,
+                    interpret=False, kv_tile_tokens=kv_tile_tokens,
+                    num_stages=num_stages, num_kv_splits=num_kv_splits)
+  return _paged_attention_jit(q, k_cache, v_cache, kv_lens, block_tables,
+                              query_start_loc, num_seqs, k_scale, v_scale, plan=plan)
+
+
 def lower_for_cuda(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                    num_seqs, *, sm_scale: float, k_scale=None, v_scale=None,
                    kv_tile_tokens: int = 64, num_stages: int = 4,
@@ -584,15 +601,14 @@ def lower_for_cuda(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
   Hopper GPU would compile, minus the final PTX compilation, so it catches most
   hardware-only mistakes on a CPU machine.
   """
-  _validate_common(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                   num_seqs, sm_scale)
-  _validate_scales(k_cache, k_scale, v_scale)
-  plan = _make_plan(q, k_cache, v_cache, block_tables, sm_scale=sm_scale,
-                    interpret=False, kv_tile_tokens=kv_tile_tokens,
-                    num_stages=num_stages, num_kv_splits=num_kv_splits)
-  traced = _paged_attention_jit.trace(q, k_cache, v_cache, kv_lens, block_tables,
-                                      query_start_loc, num_seqs, k_scale, v_scale,
-                                      plan=plan)
+  def fn(*args, k_scale, v_scale):
+    return hardware_attention(*args, sm_scale=sm_scale, k_scale=k_scale,
+                              v_scale=v_scale, kv_tile_tokens=kv_tile_tokens,
+                              num_stages=num_stages, num_kv_splits=num_kv_splits)
+
+  traced = jax.jit(fn).trace(q, k_cache, v_cache, kv_lens, block_tables,
+                             query_start_loc, num_seqs, k_scale=k_scale,
+                             v_scale=v_scale)
   return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 

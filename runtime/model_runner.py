@@ -260,8 +260,6 @@ class ModelRunner:
             self.mesh = tp.make_mesh(self.tp)
             params = tp.shard_params(cfg, params, self.mesh)  # no-op for leaves loaded into their shards
             cfg = tp.runner_config(cfg, self.tp)  # KV heads as replicated for N > Hkv
-            if attention_backend == "auto":
-                attention_backend = "xla"
         self.cfg, self.cache_cfg, self.sched = cfg, cache, sched
         if jax.default_backend() == "cpu":
             tune_cpu_allocator()

@@ -23,7 +23,8 @@ sums int32 partial products, so the tokens are TP 1's. The int8 LM head ("head")
 by vocabulary like the float one.
 
 The C++ CPU kernels (runtime/cpu_attention.py, runtime/cpu_matmul.py) are not used under TP:
-attention takes the plain XLA path; the Pallas backend is rejected for now (see validate).
+on CPU attention takes the plain XLA path. On GPUs the Pallas kernel (float or quantized
+cache) runs per shard under the same shard_map, on each device's heads and cache slice.
 """
 
 from __future__ import annotations
@@ -71,12 +72,13 @@ def validate(cfg: ModelConfig, n: int, *, attention_backend: str = "auto", quant
     if cfg.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size: {n} does not divide the model's MLP size "
                          f"{cfg.intermediate_size}")
-    if attention_backend == "pallas":
-        # (the step would run it per shard under the same shard_map as the XLA attention, but
-        # that is unverified: the Mosaic GPU interpreter hangs with 2+ devices, and no
-        # multi-GPU machine was available)
-        raise ValueError("tensor_parallel_size: the Pallas attention backend is not supported under tensor "
-                         "parallelism yet (use --attention-backend xla or auto)")
+    if attention_backend == "pallas" and jax.default_backend() != "gpu":
+        # On GPUs the kernel runs per shard under the step's shard_map (its lowering for two
+        # GPUs is checked by tests/runtime/test_tp.py); on CPU only the Mosaic GPU interpreter
+        # could run it, and its io_callbacks deadlock or fail with 2+ devices.
+        raise ValueError("tensor_parallel_size: the Pallas attention backend under tensor parallelism needs "
+                         "GPUs (the Mosaic GPU interpreter cannot run on several devices); use "
+                         "--attention-backend xla or auto here")
 
 
 def make_mesh(n: int) -> Mesh:

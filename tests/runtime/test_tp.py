@@ -93,6 +93,30 @@ def test_w8a8_checkpoint_with_int8_head_matches_tp1(ckpts, tmp_path):
     assert res[1]["lm_head_int8"] and res[4]["lm_head_int8"]
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_pallas_step_under_tp_lowers_for_two_gpus(tmp_path, kv_dtype):
+    """The TP 2 engine step with the Pallas kernel (tests/runtime/tp_pallas_lower.py), lowered
+    for CUDA: one Mosaic GPU kernel per layer inside the step's shard_map, each reading its
+    device's KV head of the cache (1 of 2) and that head's query rows; a quantized cache's
+    int8 values and scales go to the kernel as such."""
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny64", head_dim=64, num_heads=6, num_kv_heads=2)
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "runtime" / "tp_pallas_lower.py"), str(ckpt), kv_dtype],
+                         env=_env(2), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    assert r["backend"] == "pallas" and r["num_partitions"] == 2 and r["shard_map"]
+    assert len(r["kernel_operands"]) == 1  # in the layer scan's body: one call per layer
+    ops = r["kernel_operands"][0]
+    cache_rows = r["num_layers"] * r["num_blocks"]
+    elem = "i8" if kv_dtype == "int8" else "bf16"
+    assert ops[3] == ops[4] == f"tensor<{cache_rows}x16x1x64x{elem}>"  # this device's 1 of 2 KV heads
+    assert ops[2].startswith("tensor<1x") and ops[2].endswith("x64xbf16>")  # its 3 query heads' rows
+    if kv_dtype == "int8":
+        assert len(ops) == 7 and ops[5] == ops[6] and ops[5].startswith("tensor<4x1x")  # [S, 1 head, tokens] scales
+    else:
+        assert len(ops) == 5
+
+
 def test_quantized_weights_shard_with_their_weights():
     """The spec rules for w8a8 / w8a16 leaves, without an engine."""
     import numpy as np
