@@ -28,8 +28,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "xla/ffi/api/ffi.h"
 #include "cpu_parallel.h"
@@ -183,6 +187,85 @@ void strip(const Linear& p, int64_t s, std::vector<int32_t>& tile) {
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// AMX (Sapphire Rapids and later): tdpbusd multiplies a 16-row x 64-byte tile of u8
+// activations by a 16 x 64-byte tile of s8 weights in VNNI order (row kq = 16 columns x 4 k)
+// into a 16 x 16 int32 tile: ~16x the vpdpbusd work per instruction. The packed strip is
+// already that order (row kq of columns 16j..16j+15 is 64 bytes at j * 64, rows 256 bytes
+// apart), so the same packed weights and the same u8 rows feed both paths, and the int32
+// sums, hence the outputs, are identical. Rows go 16 at a time (the activations are padded
+// to 16 rows), K 64 bytes at a time (the caller checks Kp % 64 == 0).
+constexpr bool kAmx = true;
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux lends the 8 KiB of tile registers to a process only on request; once granted it
+// holds for every thread of the process.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// The strips of one work item: tiles 0-3 accumulate the strip's 4 x 16 columns for 16 rows,
+// 4 holds the rows' 64 bytes of k, 5-6 alternate over the weights.
+void amx_strip(const Linear& p, int64_t s, int32_t* ctile /* [16][64] */) {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);  // per item: the config is per thread and other code may change it
+  const int64_t KQ = p.Kp / 4;
+  const int8_t* ws = p.w + s * KQ * 256;
+  for (int64_t m0 = 0; m0 < p.M; m0 += 16) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k0 = 0; k0 < p.Kp; k0 += 64) {
+      _tile_loadd(4, p.a + m0 * p.Kp + k0, p.Kp);
+      const int8_t* wb = ws + (k0 / 4) * 256;
+      _tile_loadd(5, wb, 256);
+      _tile_loadd(6, wb + 64, 256);
+      _tile_dpbusd(0, 4, 5);
+      _tile_dpbusd(1, 4, 6);
+      _tile_loadd(5, wb + 128, 256);
+      _tile_loadd(6, wb + 192, 256);
+      _tile_dpbusd(2, 4, 5);
+      _tile_dpbusd(3, 4, 6);
+    }
+    _tile_stored(0, ctile, kStrip * 4);
+    _tile_stored(1, ctile + 16, kStrip * 4);
+    _tile_stored(2, ctile + 32, kStrip * 4);
+    _tile_stored(3, ctile + 48, kStrip * 4);
+    const int64_t rows = std::min<int64_t>(16, p.M - m0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {  // the VNNI path's epilogue, kRows rows at a time
+      switch (std::min(kRows, rows - r0)) {
+        case 6: tile_store<6>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
+        case 5: tile_store<5>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
+        case 4: tile_store<4>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
+        case 3: tile_store<3>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
+        case 2: tile_store<2>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
+        default: tile_store<1>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
+      }
+    }
+  }
+  _tile_release();  // (a thread holding dirty tiles makes every context switch save 8 KiB)
+}
+#else
+constexpr bool kAmx = false;
+bool amx_permitted() { return false; }
+void amx_strip(const Linear&, int64_t, int32_t*) {}
+#endif
+
 // Grouped row quantization: each group of 32 k gets s = max|x| / 127 (1 when all zero) and
 // q = round(x / s) clipped to [-127, 127], stored + 128.
 void quantize_row_grouped(const float* x, int64_t K, uint8_t* a, float* sx) {
@@ -300,6 +383,9 @@ void grouped_strip(const GroupedLinear& p, int64_t s, std::vector<float>& tile) 
        // dot on such machines; this keeps the library whole and the tests meaningful)
 
 constexpr bool kVectorized = false;
+constexpr bool kAmx = false;
+bool amx_permitted() { return false; }
+void amx_strip(const Linear&, int64_t, int32_t*) {}
 
 // Row quantization: y = x * in; s = max|y| / 127; q = round(y / s) (half to even, like
 // jnp.round) clipped to [-127, 127], stored + 128. Kp - K padding bytes are 128 (zero).
@@ -375,11 +461,15 @@ ffi::Error Int8Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("int8 linear: shapes of x, weights, scales and output disagree");
   }
   if (M == 0) return ffi::Error::Success();
+  // AMX from 16 rows on (below, most of each 16-row tile would be padding) where the CPU has
+  // it, the OS lends it and PAGEDJAX_AMX is not 0 (an A/B switch; the outputs are the same).
+  const char* amx_env = std::getenv("PAGEDJAX_AMX");
+  const bool amx = kAmx && M >= 16 && Kp % 64 == 0 && !(amx_env && amx_env[0] == '0') && amx_permitted();
   // Quantized rows and their scales, reused across calls of this thread (the helpers only
-  // read them while this call waits for them).
+  // read them while this call waits for them). AMX reads whole 16-row tiles: padding rows.
   thread_local std::vector<uint8_t> a;
   thread_local std::vector<float> sx;
-  a.resize(static_cast<size_t>(M * Kp));
+  a.resize(static_cast<size_t>((amx ? (M + 15) / 16 * 16 : M) * Kp), 128);
   sx.resize(static_cast<size_t>(M));
   const float* xs = x.typed_data();
   const float* in = has_in ? in_scale.typed_data() : nullptr;
@@ -400,7 +490,12 @@ ffi::Error Int8Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                  M, Kp, N};
   run_parallel(pool, num_threads, S, [&](int64_t s) {
     thread_local std::vector<int32_t> tile;
-    strip(p, s, tile);
+    if (amx) {
+      tile.resize(16 * kStrip);
+      amx_strip(p, s, tile.data());
+    } else {
+      strip(p, s, tile);
+    }
   });
   return ffi::Error::Success();
 }
@@ -450,6 +545,9 @@ ffi::Error Int8LinearG32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 // 1 when the library was compiled with AVX512-VNNI (runtime/cpu_matmul.py serves w8a8 layers
 // with this kernel only then).
 extern "C" int PagedjaxInt8LinearVectorized() { return kVectorized ? 1 : 0; }
+
+// 1 when w8a8 products of 16+ rows run on AMX tiles here (compiled in, and the OS lends them).
+extern "C" int PagedjaxInt8LinearAmx() { return kAmx && amx_permitted() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxInt8Linear, Int8Linear,
                               ffi::Ffi::Bind()

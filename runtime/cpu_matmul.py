@@ -23,6 +23,7 @@ way, and `linear_f32` calls it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -44,6 +45,14 @@ def vectorized() -> bool:
     """The kernels are enabled and the int8 one was compiled with AVX512-VNNI."""
     lib = cpu_kernels.library() if cpu_kernels.enabled() else None
     return bool(lib is not None and lib.PagedjaxInt8LinearVectorized())
+
+
+def amx() -> bool:
+    """w8a8 products of 16+ rows run on AMX tiles (Sapphire Rapids and later: the kernel was
+    compiled with AMX-INT8 and the OS lends the tile registers); PAGEDJAX_AMX=0 keeps the
+    AVX512-VNNI loop (same outputs, for an A/B)."""
+    return vectorized() and bool(cpu_kernels.library().PagedjaxInt8LinearAmx()) and \
+        os.environ.get("PAGEDJAX_AMX", "1") != "0"
 
 
 def f32_vectorized() -> bool:

@@ -206,3 +206,27 @@ def test_engine_serves_a_q8_0_checkpoint_through_the_grouped_kernel(tmp_path, mo
     ref = make_engine(ckpt, quantization="w8a8", quantize_lm_head=True)
     assert not ref.runner.matmul_kernel and "g" in ref.runner.params["layers"]["wq"]
     assert got == [x.output_ids for x in ref.generate(prompts, sp)]
+
+
+@pytest.mark.skipif(not cpu_matmul.amx(), reason="no AMX-INT8 here (or the OS does not lend the tiles)")
+@pytest.mark.parametrize("M,K,N,smooth", [(16, 64, 48, False), (17, 128, 130, True), (64, 576, 960, False),
+                                          (130, 1536, 200, True), (33, 70, 64, False), (15, 64, 64, False)])
+def test_amx_path_gives_the_vnni_paths_bits(M, K, N, smooth, monkeypatch):
+    """16+ rows with K a multiple of 64 run on AMX tiles (padding rows, column tails, the
+    SmoothQuant input scale); the int32 sums are exact on both paths, so the outputs are
+    identical, and both equal the reference."""
+    rng = np.random.default_rng(M * 7 + N)
+    x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32) * 2)
+    q = rng.integers(-127, 128, size=(K, N), dtype=np.int8)
+    s = (rng.random(N) * 0.01 + 1e-3).astype(np.float32)
+    inn = (rng.random(K) + 0.5).astype(np.float32) if smooth else None
+    w = jax.tree.map(jnp.asarray, cpu_matmul.pack_weight(q, s, inn))
+    f = jax.jit(cpu_matmul.linear)
+    monkeypatch.setenv("PAGEDJAX_AMX", "1")
+    amx = np.asarray(f(x, w))
+    monkeypatch.setenv("PAGEDJAX_AMX", "0")
+    assert not cpu_matmul.amx()
+    vnni = np.asarray(f(x, w))
+    np.testing.assert_array_equal(amx, vnni)
+    want = reference(np.asarray(x), q, s, inn)
+    np.testing.assert_allclose(amx, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
