@@ -191,10 +191,17 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
     engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
     return {"model": cfg.name, "dtype": str(runner.params["embed"].dtype), "quantization": method,
             "lm_head_int8": "head" in runner.params, "matmul_kernel": packed,
+            "amx": bool(packed and cpu_matmul.amx()),
             "f32_kernel": f32k,
             "attention_kernel": bool(getattr(runner, "attention_kernel", False)),
             "kv_cache_dtype": runner.cache_cfg.kv_dtype, "iters": iters,
             "read_bandwidth_gb_s": bw / 1e9, "rows": rows_out}
+
+
+def _product_name(r: dict[str, Any]) -> str:
+    if r.get("matmul_kernel"):
+        return "C++ int8 kernel" + (" (AMX)" if r.get("amx") else "")
+    return "C++ float32 kernel" if r.get("f32_kernel") else "XLA dot"
 
 
 def format_breakdown(r: dict[str, Any]) -> str:
@@ -206,7 +213,7 @@ def format_breakdown(r: dict[str, Any]) -> str:
         p, f, h = x["parts"], x["floors"], x["host"]
         lines.append(f"  batch {x['batch']} (context {x['context_len']}, {x['shared_len']} shared): full step "
                      f"{x['full_ms']:.1f} ms = {x['full_ms'] / x['matmul_floor_ms']:.2f}x its matmul floor "
-                     f"{x['matmul_floor_ms']:.1f} ms ({'C++ float32 kernel' if r.get('f32_kernel') else 'XLA dot'} "
+                     f"{x['matmul_floor_ms']:.1f} ms ({_product_name(r)} "
                      f"{x['dot_gflops']:.0f} GFLOP/s at {x['batch']} rows)")
         for k in ("matmuls_ms", "lm_head_ms", "attention_ms", "sampling_ms", "kv_write_ms", "other_ms"):
             fl = f.get(k)

@@ -33,11 +33,13 @@ def _breakdown_section(bd_all: dict[str, Any]) -> list[str]:
     quant = bd.get("quantization", "none")
     what = bd["dtype"] + (f", {quant} weights" if quant != "none" else "") + (
         ", int8 LM head" if bd.get("lm_head_int8") else "") + (
-        ", int8 products in the C++ kernel" if bd.get("matmul_kernel") else "") + (
+        ", int8 products in the C++ kernel" + (" on AMX tiles from 16 rows" if bd.get("amx") else "")
+        if bd.get("matmul_kernel") else "") + (
         ", float32 products in the C++ kernel" if bd.get("f32_kernel") else "") + (
         ", attention in the C++ kernel" if bd.get("attention_kernel", bd.get("decode_kernel")) else "") + (
         f", {bd['kv_cache_dtype']} KV" if bd.get("kv_cache_dtype") not in (None, "float32") else "")
-    product = {"none": "C++ float32 kernel" if bd.get("f32_kernel") else "XLA dot", "w8a8": ("C++ int8 kernel" if bd.get("matmul_kernel") else "int8 x int8 -> int32 dot")
+    product = {"none": "C++ float32 kernel" if bd.get("f32_kernel") else "XLA dot", "w8a8": (("C++ int8 kernel (AMX)" if bd.get("amx") else "C++ int8 kernel")
+                                                                                      if bd.get("matmul_kernel") else "int8 x int8 -> int32 dot")
                + " (activations quantized per row)",
                "w8a16": "dequantized int8 weights x float dot"}.get(quant, "XLA dot")
     flags = (f" --quantization {quant}" if quant != "none" else "") + (" --quantize-lm-head" if bd.get("lm_head_int8") else "")

@@ -7,8 +7,10 @@ import math
 from typing import Any
 
 
-def _noop_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale):
-    """Same signature and output shape as the paged attention; reads no KV."""
+def _noop_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale,
+                    k_scale=None, v_scale=None):
+    """Same signature and output shape as the Pallas paged attention (a quantized cache comes
+    as values plus scales); reads no KV."""
     return q
 
 
