@@ -45,6 +45,16 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        import platform
+
+        return platform.processor()
+
+
 def _build() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
@@ -52,7 +62,9 @@ def _build() -> Path:
     import jaxlib
 
     src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(src + " ".join((cxx, *FLAGS, jaxlib.__version__)).encode()).hexdigest()[:16]
+    # -march=native: a library built on one CPU (AVX-512, AMX) would die with an illegal
+    # instruction on another, so the CPU's feature flags are part of the key
+    key = hashlib.sha256(src + " ".join((cxx, *FLAGS, jaxlib.__version__, _cpu_flags())).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if out.is_file():
         return out
