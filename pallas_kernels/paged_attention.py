@@ -517,6 +517,15 @@ def _paged_attention_jit(q, k_cache, v_cache, kv_lens, block_tables,
   return _gather_outputs(plan, o_tiles, lse_tiles, qsl, tile_begin, num_seqs)
 
 
+def _checked_plan(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                  num_seqs, sm_scale, k_scale, v_scale, **plan_kw) -> _Plan:
+  """Every argument check (on shapes and dtypes only), then the kernel's plan."""
+  _validate_common(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                   num_seqs, sm_scale)
+  _validate_scales(k_cache, k_scale, v_scale)
+  return _make_plan(q, k_cache, v_cache, block_tables, sm_scale=sm_scale, **plan_kw)
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -558,12 +567,10 @@ def ragged_paged_attention(
   Returns:
     [T, Hq, D] attention output in q.dtype.
   """
-  _validate_common(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                   num_seqs, sm_scale)
-  _validate_scales(k_cache, k_scale, v_scale)
-  plan = _make_plan(q, k_cache, v_cache, block_tables, sm_scale=sm_scale,
-                    interpret=interpret, kv_tile_tokens=kv_tile_tokens,
-                    num_stages=num_stages, num_kv_splits=num_kv_splits)
+  plan = _checked_plan(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                       num_seqs, sm_scale, k_scale, v_scale, interpret=interpret,
+                       kv_tile_tokens=kv_tile_tokens, num_stages=num_stages,
+                       num_kv_splits=num_kv_splits)
   if plan.interpret is None and jax.default_backend() != "gpu":
     raise ValueError(
         "the Mosaic GPU kernel needs a Hopper GPU (backend is"
@@ -580,12 +587,10 @@ def hardware_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_l
   """The hardware kernel, traceable on any backend: for lowering a larger program
   for CUDA on a CPU machine (``lower_for_cuda``; the tensor-parallel engine step in
   tests/runtime/tp_pallas_lower.py). Executing it off a GPU fails."""
-  _validate_common(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                   num_seqs, sm_scale)
-  _validate_scales(k_cache, k_scale, v_scale)
-  plan = _make_plan(q, k_cache, v_cache, block_tables, sm_scale=sm_scale,
-                    interpret=False, kv_tile_tokens=kv_tile_tokens,
-                    num_stages=num_stages, num_kv_splits=num_kv_splits)
+  plan = _checked_plan(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                       num_seqs, sm_scale, k_scale, v_scale, interpret=False,
+                       kv_tile_tokens=kv_tile_tokens, num_stages=num_stages,
+                       num_kv_splits=num_kv_splits)
   return _paged_attention_jit(q, k_cache, v_cache, kv_lens, block_tables,
                               query_start_loc, num_seqs, k_scale, v_scale, plan=plan)
 
