@@ -20,6 +20,14 @@ the checkpoint tree keep their shape:
   packed {"p", "s", "c" (, "in")}: w8a8 repacked at start for the C++ kernel on CPUs with
          AVX512-VNNI (runtime/cpu_matmul.py), q|k|v and gate|up fused.
 `linear(x, w)` is the one matmul of the decoder: float weights take the plain product.
+
+Why hand-written and not qwix (Google's JAX quantization library): qwix quantizes a Flax
+Linen / NNX model by intercepting its dot_general / einsum calls, and its products are
+XLA's. The paged step is plain functions (no Flax module) whose CPU products are C++ custom
+calls (the VNNI / AMX kernel, 2-3x XLA's int8 dot here) over weights packed once at start,
+with q|k|v and gate|up fused, and a GGUF Q8_0 checkpoint's own block scales: none of that
+is a dot_general for qwix to rewrite. What it would add (per-channel absmax int8, dynamic
+per-token activations) is the dozen lines of `quantize_weight` and `linear` below.
 """
 
 from __future__ import annotations
