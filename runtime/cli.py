@@ -118,7 +118,7 @@ def gguf_inspect_text(path: Path) -> str:
             ("layers", cfg.num_layers),
             ("heads / KV heads", f"{cfg.num_heads} / {cfg.num_kv_heads}"), ("parameters", f"{n:,}"),
             ("tensor types", ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))]
-    exact = src.q8_0_weights(cfg) is not None
+    exact = src.projections_q8_0(cfg)
     for k in sorted(types):
         how = ("float, copied" if k in ("F32", "F16", "BF16") else
                "int8 values and block scales kept as they are by --quantize w8a8 (every projection is Q8_0; "

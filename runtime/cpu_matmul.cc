@@ -40,6 +40,13 @@
 
 namespace ffi = xla::ffi;
 
+// The AMX path needs the VNNI build's helpers (tile_store) as well as AMX-INT8.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PAGEDJAX_AMX_BUILD 1
+#else
+#define PAGEDJAX_AMX_BUILD 0
+#endif
+
 namespace {
 
 using pagedjax::run_parallel;
@@ -142,16 +149,16 @@ inline void tile_block(const uint8_t* a, int64_t lda, const int8_t* w, int64_t k
   }
 }
 
-// out[m0 + r, n0 + c] = (tile - comp) * sx * sw for the strip's columns below N.
-template <int R>
-inline void tile_store(const Linear& p, const int32_t* tile, int64_t m0, int64_t n0) {
+// out[m0 + r, n0 + c] = (tile - comp) * sx * sw for `rows` rows and the strip's columns
+// below N (tile rows kStrip apart).
+inline void tile_store(const Linear& p, const int32_t* tile, int64_t rows, int64_t m0, int64_t n0) {
   for (int j = 0; j < 4; ++j) {
     const int64_t n = n0 + j * 16;
     if (n >= p.N) break;
     const __mmask16 mask = p.N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (p.N - n)) - 1);
     const __m512i comp = _mm512_maskz_loadu_epi32(mask, p.comp + n);
     const __m512 sw = _mm512_maskz_loadu_ps(mask, p.sw + n);
-    for (int r = 0; r < R; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       const __m512i v = _mm512_sub_epi32(_mm512_loadu_si512(tile + r * kStrip + j * 16), comp);
       const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(p.sx[m0 + r])), sw);
       _mm512_mask_storeu_ps(p.out + (m0 + r) * p.N + n, mask, y);
@@ -163,7 +170,7 @@ template <int R>
 inline void tile_rows(const Linear& p, const int8_t* ws, int64_t kq0, int64_t kq1, int32_t* tile, int64_t m,
                       int64_t n0) {
   tile_block<R>(p.a + m * p.Kp, p.Kp, ws, kq0, kq1, tile + m * kStrip, kq0 == 0);
-  if (kq1 * 4 == p.Kp) tile_store<R>(p, tile + m * kStrip, m, n0);
+  if (kq1 * 4 == p.Kp) tile_store(p, tile + m * kStrip, R, m, n0);
 }
 
 // One strip of 64 output columns over all rows: K blocks outside, so a block of the strip's
@@ -187,7 +194,7 @@ void strip(const Linear& p, int64_t s, std::vector<int32_t>& tile) {
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if PAGEDJAX_AMX_BUILD
 // AMX (Sapphire Rapids and later): tdpbusd multiplies a 16-row x 64-byte tile of u8
 // activations by a 16 x 64-byte tile of s8 weights in VNNI order (row kq = 16 columns x 4 k)
 // into a 16 x 16 int32 tile: ~16x the vpdpbusd work per instruction. The packed strip is
@@ -246,24 +253,10 @@ void amx_strip(const Linear& p, int64_t s, int32_t* ctile /* [16][64] */) {
     _tile_stored(1, ctile + 16, kStrip * 4);
     _tile_stored(2, ctile + 32, kStrip * 4);
     _tile_stored(3, ctile + 48, kStrip * 4);
-    const int64_t rows = std::min<int64_t>(16, p.M - m0);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {  // the VNNI path's epilogue, kRows rows at a time
-      switch (std::min(kRows, rows - r0)) {
-        case 6: tile_store<6>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
-        case 5: tile_store<5>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
-        case 4: tile_store<4>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
-        case 3: tile_store<3>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
-        case 2: tile_store<2>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
-        default: tile_store<1>(p, ctile + r0 * kStrip, m0 + r0, s * kStrip); break;
-      }
-    }
+    tile_store(p, ctile, std::min<int64_t>(16, p.M - m0), m0, s * kStrip);  // the VNNI path's epilogue
   }
   _tile_release();  // (a thread holding dirty tiles makes every context switch save 8 KiB)
 }
-#else
-constexpr bool kAmx = false;
-bool amx_permitted() { return false; }
-void amx_strip(const Linear&, int64_t, int32_t*) {}
 #endif
 
 // Grouped row quantization: each group of 32 k gets s = max|x| / 127 (1 when all zero) and
@@ -383,9 +376,6 @@ void grouped_strip(const GroupedLinear& p, int64_t s, std::vector<float>& tile) 
        // dot on such machines; this keeps the library whole and the tests meaningful)
 
 constexpr bool kVectorized = false;
-constexpr bool kAmx = false;
-bool amx_permitted() { return false; }
-void amx_strip(const Linear&, int64_t, int32_t*) {}
 
 // Row quantization: y = x * in; s = max|y| / 127; q = round(y / s) (half to even, like
 // jnp.round) clipped to [-127, 127], stored + 128. Kp - K padding bytes are 128 (zero).
@@ -444,6 +434,12 @@ void grouped_strip(const GroupedLinear& p, int64_t s, std::vector<float>&) {
     }
 }
 
+#endif
+
+#if !PAGEDJAX_AMX_BUILD  // no AMX-INT8 in this build: the VNNI loop (or the scalar one) serves all rows
+constexpr bool kAmx = false;
+bool amx_permitted() { return false; }
+void amx_strip(const Linear&, int64_t, int32_t*) {}
 #endif
 
 ffi::Error Int8Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> in_scale,

@@ -109,25 +109,39 @@ class GGUFSource:
             # The reader lists dims innermost-first; the array is [out, in] (or [n]).
             yield t.name, np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
 
+    def _projection_assemblers(self, cfg: ModelConfig) -> tuple[ParamAssembler, ParamAssembler, str]:
+        """Assemblers for the decoder projections' int8 values and float32 block scales, and
+        the name of the tensor that serves as the LM head."""
+        from runtime.quant import LINEAR_WEIGHTS
+
+        rules = tuple(r for r in self.rules if r.path.split("/")[-1] in LINEAR_WEIGHTS)
+        head_name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+        return (ParamAssembler(cfg, rules, np.dtype(np.int8)), ParamAssembler(cfg, rules, np.dtype(np.float32)),
+                head_name)
+
+    def projections_q8_0(self, cfg: ModelConfig, lm_head: bool = False) -> bool:
+        """Every decoder projection (and, with `lm_head`, the head) is stored as Q8_0: from
+        the tensor types alone, no data read (`inspect` asks this)."""
+        values, _, head_name = self._projection_assemblers(cfg)
+        found = [t for t in self.reader.tensors
+                 if values.match(t.name) is not None or (lm_head and t.name == head_name)]
+        return bool(found) and all(t.tensor_type.name == "Q8_0" for t in found) and (
+            not lm_head or any(t.name == head_name for t in found))
+
     def q8_0_weights(self, cfg: ModelConfig, lm_head: bool = False) -> dict[str, Any] | None:
         """The decoder projections (and, with `lm_head`, the head: output.weight or the tied
         token embedding) as stored: {"layers": {"wq": {"q": int8 [L, in, out], "g": float32
         [L, in/32, out]}, ...}, "head"?: {"q": [d, V], "g": [d/32, V]}} with llama.cpp's own
         values and block scales (dequantized = q * g, exactly as `tensors` gives them), or
         None unless every one of those tensors is Q8_0."""
-        from runtime.quant import LINEAR_WEIGHTS
-
-        wanted = {r.path.split("/")[-1]: r for r in self.rules if r.path.split("/")[-1] in LINEAR_WEIGHTS}
-        head_name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
-        values = ParamAssembler(cfg, tuple(wanted.values()), np.dtype(np.int8))
-        scales = ParamAssembler(cfg, tuple(wanted.values()), np.dtype(np.float32))
+        if not self.projections_q8_0(cfg, lm_head):
+            return None
+        values, scales, head_name = self._projection_assemblers(cfg)
         head = None
         for t in self.reader.tensors:
             is_head = lm_head and t.name == head_name
             if not is_head and values.match(t.name) is None:
                 continue
-            if t.tensor_type.name != "Q8_0":
-                return None
             raw = np.asarray(t.data, np.uint8).reshape(-1, 34)  # Q8_0 block: float16 d, then 32 int8
             out_dim, in_dim = (int(d) for d in reversed(t.shape))
             d = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(out_dim, in_dim // 32)
@@ -137,8 +151,6 @@ class GGUFSource:
             else:
                 values.add(t.name, q)
                 scales.add(t.name, d)
-        if lm_head and head is None:
-            return None
         g = scales.finish_layers()
         layers = {k: {"q": v, "g": g[k]} for k, v in values.finish_layers().items()}
         return {"layers": layers, **({"head": head} if lm_head else {})}
