@@ -31,8 +31,28 @@ inline void drain(Phase& ph) {
   }
 }
 
-inline void run_parallel(ffi::ThreadPool& pool, int64_t threads, int64_t count, std::function<void(int64_t)> item) {
-  auto ph = std::make_shared<Phase>();
+// As drain, but a thread claims its next item before it runs the current one and is told
+// which (or -1): a kernel that streams weights from memory can prefetch the next item's
+// while it computes on this one's, instead of stalling on memory at each item's start.
+struct PhaseAhead {
+  std::function<void(int64_t, int64_t)> item;
+  int64_t count = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+inline void drain(PhaseAhead& ph) {
+  for (int64_t i = ph.next.fetch_add(1); i < ph.count;) {
+    const int64_t j = ph.next.fetch_add(1);
+    ph.item(i, j < ph.count ? j : -1);
+    if (ph.done.fetch_add(1, std::memory_order_release) + 1 == ph.count) ph.done.notify_all();
+    i = j;
+  }
+}
+
+template <class PhaseT, class Fn>
+inline void run_phase(ffi::ThreadPool& pool, int64_t threads, int64_t count, Fn item) {
+  auto ph = std::make_shared<PhaseT>();
   ph->item = std::move(item);
   ph->count = count;
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(threads, 1), count) - 1;
@@ -41,6 +61,15 @@ inline void run_parallel(ffi::ThreadPool& pool, int64_t threads, int64_t count, 
   // Sleep (futex), not spin, until the last item is done: on a 2-core machine a spinning
   // caller takes the core the host thread needs to plan the next step.
   for (int64_t d; (d = ph->done.load(std::memory_order_acquire)) < count;) ph->done.wait(d);
+}
+
+inline void run_parallel(ffi::ThreadPool& pool, int64_t threads, int64_t count, std::function<void(int64_t)> item) {
+  run_phase<Phase>(pool, threads, count, std::move(item));
+}
+
+inline void run_parallel_ahead(ffi::ThreadPool& pool, int64_t threads, int64_t count,
+                               std::function<void(int64_t, int64_t)> item) {
+  run_phase<PhaseAhead>(pool, threads, count, std::move(item));
 }
 
 }  // namespace pagedjax

@@ -30,9 +30,11 @@ def test_float_pack_layout():
 
 @needs_f32
 @pytest.mark.parametrize("M,K,N", [(1, 64, 16), (5, 3, 48), (7, 100, 96), (48, 64, 32), (49, 576, 64),
-                                   (130, 17, 160)])
+                                   (130, 17, 160), (85, 1536, 32), (200, 1536, 48)])
 def test_float_kernel_matches_a_float64_reference(M, K, N):
-    """Panel edges (48 rows), odd K, odd and even strip counts (the AVX-512 tile pairs strips)."""
+    """Row panels (at K 1536 at most 84 rows: 85 rows make two, 200 three, the last short),
+    odd K, odd and even strip counts (the AVX-512 tile pairs strips); the next strips'
+    prefetch runs in each of them."""
     rng = np.random.default_rng(M * 100 + K)
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = rng.standard_normal((K, N)).astype(np.float32)
