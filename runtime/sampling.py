@@ -315,15 +315,14 @@ def _draw(s: jax.Array, m: jax.Array, thr: jax.Array, u: jax.Array) -> jax.Array
 
 
 def bias_and_mask(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
-    """logits [S, V] f32 + logit_bias, then -inf where the bitmask forbids a token. Each
-    behind a cond: a batch without either pays two tiny reductions."""
+    """logits [S, V] f32 + logit_bias, then -inf where the bitmask forbids a token (behind a
+    cond: a batch without a mask pays one tiny reduction). The bias is a scatter-add in place
+    whose unused slots drop, not a cond: a cond's pass-through branch copied the [S, V]
+    logits (0.8 ms of a 64-row SmolLM2 step) to skip a few hundred adds."""
     S, V = logits.shape
-
-    def add_bias(x):
-        ids = jnp.where(inputs.bias_ids >= 0, inputs.bias_ids, V)   # unused slots drop
-        rows = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
-        return x.at[rows, ids].add(inputs.bias_values, mode="drop")
-    logits = jax.lax.cond(jnp.any(inputs.bias_ids >= 0), add_bias, lambda x: x, logits)
+    ids = jnp.where(inputs.bias_ids >= 0, inputs.bias_ids, V)   # unused slots drop
+    rows = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    logits = logits.at[rows, ids].add(inputs.bias_values, mode="drop")
     W = inputs.token_mask.shape[1]
     if W == 0:
         return logits

@@ -89,3 +89,26 @@ def test_async_engine_streams_and_aborts(tiny_ckpt):
     assert not eng.has_unfinished() and eng.pool.num_used_blocks == 0
     aeng.stop()
     assert not aeng.running
+
+
+def test_penalty_state_rows_are_cleared_only_where_reset():
+    """The step clears the penalty-state rows that new requests take (reset), in a loop over
+    just those rows: the others, reset flags on padding included, keep their counts."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from runtime.model_runner import _reset_state_rows
+
+    rng = np.random.default_rng(0)
+    counts = rng.integers(1, 5, size=(6, 40)).astype(np.int32)
+    mask = rng.random((6, 40)) < 0.5
+    inp = SimpleNamespace(reset_rows=jnp.array([True, False, True, False]), state_rows=jnp.array([4, 1, 0, 2]))
+    c, m = (np.asarray(a) for a in _reset_state_rows(jnp.asarray(counts), jnp.asarray(mask), inp))
+    assert (c[[0, 4]] == 0).all() and not m[[0, 4]].any()
+    np.testing.assert_array_equal(c[[1, 2, 3, 5]], counts[[1, 2, 3, 5]])
+    np.testing.assert_array_equal(m[[1, 2, 3, 5]], mask[[1, 2, 3, 5]])
+    none = SimpleNamespace(reset_rows=jnp.zeros(4, bool), state_rows=jnp.array([4, 1, 0, 2]))
+    c, m = (np.asarray(a) for a in _reset_state_rows(jnp.asarray(counts), jnp.asarray(mask), none))
+    np.testing.assert_array_equal(c, counts)
+    np.testing.assert_array_equal(m, mask)
