@@ -30,37 +30,19 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_exp.h"
 #include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using pagedjax::fast_exp;
+using pagedjax::kExpPoly;
 using pagedjax::run_parallel;
 
 constexpr int kMaxGroup = 16;  // query heads per KV head
 constexpr int kMaxBlock = 64;  // tokens per cache block
-
-// 2^f for f in [0, 1): degree-6 polynomial, highest power first (fast_exp, exp16, exp8).
-constexpr float kExpPoly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
-                               5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
-
-// exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e) with a degree-6
-// polynomial on the fraction; vectorizes (no libm call), relative error ~2e-7.
-inline float fast_exp(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = kExpPoly[0];
-  for (int i = 1; i < 7; ++i) p = p * f + kExpPoly[i];
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(fi) << 23;
-  float r;
-  std::memcpy(&r, &bits, 4);
-  return r;
-}
 
 struct Problem {
   const float* q;

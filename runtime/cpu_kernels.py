@@ -25,7 +25,7 @@ import jax
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.cc", HERE / "cpu_matmul.cc", HERE / "cpu_linear_f32.cc")
-HEADERS = (HERE / "cpu_parallel.h",)
+HEADERS = (HERE / "cpu_parallel.h", HERE / "cpu_exp.h")
 # FFI target name -> exported handler symbol
 TARGETS = {
     "pagedjax_decode_attention": "PagedjaxDecodeAttention",

@@ -12,17 +12,24 @@
 //
 // Layout: x [M, K] float32; w [S, K, 16] float32 packed by runtime/cpu_matmul.py: strip s
 // holds columns 16s..16s+15 (N = 16 S: the packer only takes N divisible by 16). Out [M, N].
+//
+// Epilogues, applied to each tile while it is in L1 (each saves XLA a pass over the output and
+// an op launch per layer): `residual` [M, N] (or empty) is added: out = residual + x W, the
+// decoder's skip connection; `swiglu` = 1: the strips come in (gate, up) pairs over the same
+// 16 columns (cpu_matmul.pack_swiglu) and out [M, N / 2] = silu(gate) * up.
 
 #include <algorithm>
 #include <cstdint>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_exp.h"
 #include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using pagedjax::fast_exp;
 using pagedjax::run_parallel_ahead;
 
 constexpr int64_t kCols = 16;   // output columns per packed strip (one zmm, two ymm)
@@ -137,48 +144,99 @@ inline void tile_rows(int64_t rows, const float* x, int64_t K, const float* w, f
   tile<R, P>(x, K, w, out, N, pf);
 }
 
-// Rows [m0, m1) of strips s..s+P-1 (P = kStrips, or 1 for an odd last strip), prefetching
-// `pf` (the next item's strips, or null) as it goes.
-template <int P>
-void panel(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t s, int64_t m0, int64_t m1,
-           const float* pf) {
-  const float* ws = w + s * K * kCols;
-  const int64_t tiles = (m1 - m0 + kRows - 1) / kRows, lines = pf ? kStrips * K : 0;  // 16 floats a line
+// What a tile's products go through on their way to `out` (see the top of the file).
+struct Epilogue {
+  const float* residual = nullptr;  // [M, N_out], or null
+  bool swiglu = false;
+  bool any() const { return residual != nullptr || swiglu; }
+};
+
+// out[c] = silu(g[c]) * g[16 + c] = g u / (1 + exp(-g)) for one row's 16 columns (exp's
+// argument clamped to [-87, 87]: the product is 0 or g u there to float precision).
+inline void silu_mul_row(const float* g, float* out) {
+#if defined(__AVX512F__)
+  const __m512 gv = _mm512_loadu_ps(g), uv = _mm512_loadu_ps(g + kCols);
+  const __m512 e = pagedjax::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+  _mm512_storeu_ps(out, _mm512_div_ps(_mm512_mul_ps(gv, uv), _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int h = 0; h < kCols; h += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + h), uv = _mm256_loadu_ps(g + kCols + h);
+    const __m256 e = pagedjax::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(out + h, _mm256_div_ps(_mm256_mul_ps(gv, uv), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+  }
+#else
+  for (int64_t c = 0; c < kCols; ++c) out[c] = g[c] * g[kCols + c] / (1.0f + fast_exp(std::min(-g[c], 87.0f)));
+#endif
+}
+
+// Rows [m0, m1) of the item's strips s..s+ns-1 (ns = kStrips, 1 for an odd last strip, or a
+// (gate, up) pair under swiglu), prefetching `pf` (the next item's strips, or null) as it goes.
+// Without an epilogue a tile stores straight into `out`; with one it stores into `buf` and
+// the epilogue writes `out` (N_out columns, the item's first at `col`).
+void panel(const float* x, const float* w, float* out, int64_t K, int64_t N_out, int64_t s, int64_t ns,
+           int64_t m0, int64_t m1, const float* pf, int64_t pf_strips, const Epilogue& epi) {
+  const int64_t calls_per_tile = (ns + kStrips - 1) / kStrips;
+  const int64_t calls = (m1 - m0 + kRows - 1) / kRows * calls_per_tile, lines = pf ? pf_strips * K : 0;
+  const int64_t col = epi.swiglu ? s / 2 * kCols : s * kCols, width = ns * kCols;
   Ahead ahead{reinterpret_cast<const char*>(pf), 0, K};
-  for (int64_t t = 0, m = m0; m < m1; ++t, m += kRows) {
-    ahead.lines = lines * (t + 1) / tiles - lines * t / tiles;
-    ahead.acc = 0;
-    tile_rows<P>(std::min(kRows, m1 - m), x + m * K, K, ws, out + m * N + s * kCols, N, ahead);
+  alignas(64) float buf[kRows * 2 * kCols];
+  for (int64_t t = 0, m = m0; m < m1; m += kRows) {
+    const int64_t rows = std::min(kRows, m1 - m);
+    for (int64_t ss = 0; ss < ns; ss += kStrips, ++t) {
+      ahead.lines = lines * (t + 1) / calls - lines * t / calls;
+      ahead.acc = 0;
+      const float* ws = w + (s + ss) * K * kCols;
+      float* o = epi.any() ? buf + ss * kCols : out + m * N_out + col + ss * kCols;
+      const int64_t stride = epi.any() ? width : N_out;
+      if (ns - ss >= kStrips) {
+        tile_rows<kStrips>(rows, x + m * K, K, ws, o, stride, ahead);
+      } else {
+        tile_rows<1>(rows, x + m * K, K, ws, o, stride, ahead);
+      }
+    }
+    if (epi.swiglu) {
+      for (int64_t r = 0; r < rows; ++r) silu_mul_row(buf + r * width, out + (m + r) * N_out + col);
+    } else if (epi.residual) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* res = epi.residual + (m + r) * N_out + col;
+        float* o = out + (m + r) * N_out + col;
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) o[c] = buf[r * width + c] + res[c];
+      }
+    }
   }
 }
 
 ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
+                     ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> out, int64_t num_threads,
+                     int64_t swiglu) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != kCols || wd[1] != xd[1] ||
-      od[0] != xd[0] || od[1] != wd[0] * kCols) {
-    return ffi::Error::InvalidArgument("float32 linear: x [M,K], packed w [N/16,K,16], out [M,N] disagree");
+      od[0] != xd[0] || od[1] * (swiglu ? 2 : 1) != wd[0] * kCols || (swiglu && wd[0] % 2)) {
+    return ffi::Error::InvalidArgument(
+        "float32 linear: x [M,K], packed w [N/16,K,16], out [M,N] (swiglu: [M,N/2], strips in pairs) disagree");
   }
-  const int64_t M = xd[0], K = xd[1], S = wd[0], N = od[1];
+  const int64_t M = xd[0], K = xd[1], S = wd[0], N_out = od[1];
+  if (residual.element_count() != 0 && (swiglu || residual.element_count() != static_cast<size_t>(M * N_out))) {
+    return ffi::Error::InvalidArgument("float32 linear: the residual must be [M, N] (and not with swiglu)");
+  }
   if (M == 0) return ffi::Error::Success();
   const float *xs = x.typed_data(), *ws = w.typed_data();
   float* o = out->typed_data();
+  const Epilogue epi{residual.element_count() ? residual.typed_data() : nullptr, swiglu != 0};
   // as few row panels as keep their x rows in L2, of even size (64 rows: one panel)
   const int64_t cap = std::max(kRows, kPanelBytes / (K * 4) / kRows * kRows);
-  const int64_t panels = (M + cap - 1) / cap, groups = (S + kStrips - 1) / kStrips;
+  const int64_t gs = swiglu ? 2 : kStrips;  // strips per item
+  const int64_t panels = (M + cap - 1) / cap, groups = (S + gs - 1) / gs;
   const int64_t kPanel = ((M + panels - 1) / panels + kRows - 1) / kRows * kRows;
   // Items walk the row panels of one strip group before the next: each strip's weights come
   // from memory once per call (the head's 113 MB would otherwise stream once per panel), and
   // the panels' rows (M x K floats) are re-read from L2/L3.
   run_parallel_ahead(pool, num_threads, panels * groups, [=](int64_t i, int64_t next) {
-    const int64_t s = (i / panels) * kStrips, m0 = (i % panels) * kPanel, m1 = std::min(M, m0 + kPanel);
-    const int64_t sn = next < 0 ? s : (next / panels) * kStrips;  // (the same strips: cached already)
+    const int64_t s = (i / panels) * gs, m0 = (i % panels) * kPanel, m1 = std::min(M, m0 + kPanel);
+    const int64_t sn = next < 0 ? s : (next / panels) * gs;  // (the same strips: cached already)
     const float* pf = sn == s ? nullptr : ws + sn * K * kCols;
-    if (S - s >= kStrips) {
-      panel<kStrips>(xs, ws, o, K, N, s, m0, m1, pf);
-    } else {
-      panel<1>(xs, ws, o, K, N, s, m0, m1, pf);
-    }
+    panel(xs, ws, o, K, N_out, s, std::min(gs, S - s), m0, m1, pf, std::min(gs, S - sn), epi);
   });
   return ffi::Error::Success();
 }
@@ -199,5 +257,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxF32Linear, F32Linear,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("num_threads"));
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<int64_t>("swiglu"));

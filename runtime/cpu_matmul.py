@@ -18,7 +18,9 @@ Used for w8a8 on the CPU backend when the library was built with AVX512-VNNI
 Float32 layers have their own kernel (runtime/cpu_linear_f32.cc, AVX-512 or AVX2 + FMA:
 `f32_vectorized()`, on by default where `f32_default()`): `pack_float_params` packs the
 projections into strips of 16 columns, {"f": float32 [..., N/16, K, 16]}, fused the same
-way, and `linear_f32` calls it.
+way, and `linear_f32` calls it. Its gate|up is packed as {"fg": ...}, the gate's and the up
+projection's strips alternating, so the kernel returns silu(gate) * up itself; `linear_f32`
+also adds a residual in the kernel.
 """
 
 from __future__ import annotations
@@ -71,6 +73,13 @@ def f32_default() -> bool:
     if not f32_vectorized() or force == "0":
         return False
     return force == "1" or bool(cpu_kernels.library().PagedjaxF32LinearPreferred())
+
+
+def packed_array(w: Any) -> Any:
+    """The main array of a weight packed for a C++ kernel ("p", "f" or "fg"), else None."""
+    if isinstance(w, dict):
+        return next((w[k] for k in ("p", "f", "fg") if k in w), None)
+    return None
 
 
 def is_packed(w: Any) -> bool:
@@ -147,15 +156,30 @@ def pack_float(w: np.ndarray) -> dict[str, np.ndarray]:
 
 def pack_float_params(params: dict[str, Any], tied: bool) -> dict[str, Any]:
     """A float32 tree -> the same model with its projections packed (and fused) for the float
-    kernel, plus the packed head (`with_float_head`); unchanged when some projection's width
-    does not divide by 16."""
+    kernel, gate|up as SwiGLU pairs (`pack_swiglu`), plus the packed head (`with_float_head`);
+    unchanged when some projection's width does not divide by 16."""
     layers = dict(params["layers"])
     if any(np.shape(layers[n])[-1] % F32_STRIP for names in PACKED.values() for n in names):
         return params
     for name, names in PACKED.items():
+        if name == "gate_up":
+            layers[name] = pack_swiglu(np.asarray(layers.pop("w_gate")), np.asarray(layers.pop("w_up")))
+            continue
         w = np.concatenate([np.asarray(layers.pop(n), np.float32) for n in names], axis=-1)
         layers[name] = pack_float(w)
     return with_float_head({**params, "layers": layers}, tied)
+
+
+def pack_swiglu(gate: np.ndarray, up: np.ndarray) -> dict[str, np.ndarray]:
+    """float32 gate and up [..., K, I] -> {"fg": [..., 2 I/16, K, 16]}: the strips of gate
+    and up columns 16j..16j+15 side by side, so one kernel item holds both and its epilogue
+    writes silu(gate) * up [.., I] (no [T, 2I] product in memory, no separate op)."""
+    gate, up = np.asarray(gate, np.float32), np.asarray(up, np.float32)
+    *lead, K, inter = gate.shape
+    if up.shape != gate.shape or inter % F32_STRIP:
+        raise ValueError(f"SwiGLU packing: gate {gate.shape} and up {up.shape} must match, width divisible by 16")
+    pairs = np.stack([gate.reshape(*lead, K, -1, F32_STRIP), up.reshape(*lead, K, -1, F32_STRIP)], axis=-2)
+    return {"fg": pack_float(pairs.reshape(*lead, K, 2 * inter))["f"]}
 
 
 def with_float_head(params: dict[str, Any], tied: bool) -> dict[str, Any]:
@@ -169,13 +193,20 @@ def with_float_head(params: dict[str, Any], tied: bool) -> dict[str, Any]:
     return {**params, "head_f32": pack_float(np.asarray(head, np.float32))}
 
 
-def linear_f32(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
-    """x [T, K] @ a packed float32 weight -> [T, N] float32."""
+def linear_f32(x: jax.Array, w: dict[str, jax.Array], residual: jax.Array | None = None) -> jax.Array:
+    """x [T, K] @ a packed float32 weight -> [T, N] float32, plus `residual` [T, N] if given
+    (added in the kernel). A SwiGLU pair weight ({"fg"}) gives silu(gate) * up [T, N/2]."""
     if cpu_kernels.library() is None:  # (also registers the target in this process)
         raise ValueError("a packed float32 weight needs the C++ CPU kernels, which are not available here")
-    n = w["f"].shape[-3] * F32_STRIP
+    swiglu = "fg" in w
+    packed = w["fg"] if swiglu else w["f"]
+    n = packed.shape[-3] * F32_STRIP // (2 if swiglu else 1)
+    if swiglu and residual is not None:
+        raise ValueError("the SwiGLU product takes no residual")
+    r = jnp.zeros((0,), jnp.float32) if residual is None else residual.astype(jnp.float32)
     call = jax.ffi.ffi_call(F32_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
-    return call(x.astype(jnp.float32), w["f"], num_threads=np.int64(cpu_kernels.num_threads()))
+    return call(x.astype(jnp.float32), packed, r, num_threads=np.int64(cpu_kernels.num_threads()),
+                swiglu=np.int64(swiglu))
 
 
 def linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:

@@ -262,15 +262,20 @@ class LayerPick:
     index: jax.Array
 
 
-def linear(x: jax.Array, w: Any) -> jax.Array:
-    """x [T, in] @ w [in, out]. Quantized w: each row of x gets its own scale (absmax/127),
+def linear(x: jax.Array, w: Any, residual: jax.Array | None = None) -> jax.Array:
+    """x [T, in] @ w [in, out], plus `residual` [T, out] if given (the float32 kernel adds it
+    in place of a separate op). Quantized w: each row of x gets its own scale (absmax/127),
     so one outlier token never costs the others their precision."""
     if isinstance(w, LayerPick):  # per-layer arrays inside the layer scan (models/llama.py)
-        return jax.lax.switch(w.index, [lambda x, a=a: linear(x, a) for a in w.arrays], x)
+        if residual is None:
+            return jax.lax.switch(w.index, [lambda x, a=a: linear(x, a) for a in w.arrays], x)
+        return jax.lax.switch(w.index, [lambda x, r, a=a: linear(x, a, r) for a in w.arrays], x, residual)
     if isinstance(w, dict) and "f" in w:  # float32 packed for the C++ kernel (runtime/cpu_matmul.py)
         from runtime import cpu_matmul
 
-        return cpu_matmul.linear_f32(x, w).astype(x.dtype)
+        return cpu_matmul.linear_f32(x, w, residual).astype(x.dtype)
+    if residual is not None:
+        return residual + linear(x, w)
     if not is_quantized(w):
         return x @ w
     if "p" in w:  # packed for the C++ kernel (runtime/cpu_matmul.py)
@@ -291,6 +296,20 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
     xq = jnp.clip(jnp.round(x32 / sx), -127, 127).astype(jnp.int8)
     acc = jax.lax.dot(xq, w["q"], preferred_element_type=jnp.int32)
     return (acc.astype(jnp.float32) * sx * w["s"]).astype(x.dtype)
+
+
+def swiglu(x: jax.Array, w: Any) -> jax.Array:
+    """silu(gate) * up of x for a fused gate|up weight [in, 2I] -> [T, I]. A float32 weight
+    packed as SwiGLU pairs ({"fg"}, runtime/cpu_matmul.pack_swiglu) gets it from the kernel's
+    epilogue; any other is one product, split."""
+    if isinstance(w, LayerPick):
+        return jax.lax.switch(w.index, [lambda x, a=a: swiglu(x, a) for a in w.arrays], x)
+    if isinstance(w, dict) and "fg" in w:
+        from runtime import cpu_matmul
+
+        return cpu_matmul.linear_f32(x, w).astype(x.dtype)
+    gate, up = jnp.split(linear(x, w), 2, axis=-1)
+    return jax.nn.silu(gate) * up
 
 
 def grouped_linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:

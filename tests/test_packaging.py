@@ -73,7 +73,7 @@ def test_wheel_holds_every_module_template_and_static_file(tmp_path):
     assert not modules - names, f"modules missing from the wheel (pyproject.toml packages): {modules - names}"
     assert not templates - names, f"templates missing from the wheel: {templates - names}"
     assert not static - names, f"static files missing from the wheel: {static - names}"
-    assert {"runtime/cpu_attention.cc", "runtime/cpu_matmul.cc", "runtime/cpu_parallel.h"} <= names
+    assert {"runtime/cpu_attention.cc", "runtime/cpu_matmul.cc", "runtime/cpu_parallel.h", "runtime/cpu_exp.h"} <= names
     assert not any(n.startswith(("tests/", "templates/")) for n in names)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from runtime.config import ModelConfig
-from runtime.quant import LayerPick, linear
+from runtime.quant import LayerPick, linear, swiglu
 
 Params = dict[str, Any]
 # attention(q [T,Hq,D], k_new [T,Hkv,D], v_new [T,Hkv,D], layer) -> out [T,Hq,D]; it also
@@ -113,12 +113,13 @@ def qkv_linear(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, j
     return linear(x, lp["wq"]), linear(x, lp["wk"]), linear(x, lp["wv"])
 
 
-def mlp(lp: Params, x: jax.Array) -> jax.Array:
+def mlp(lp: Params, x: jax.Array, residual: jax.Array | None = None) -> jax.Array:
+    """The SwiGLU MLP of x, plus `residual` if given (added in the float kernel's epilogue)."""
     if "gate_up" in lp:  # gate and up packed as one product (as "qkv")
-        gate, up = jnp.split(linear(x, lp["gate_up"]), 2, axis=-1)
+        act = swiglu(x, lp["gate_up"])
     else:
-        gate, up = linear(x, lp["w_gate"]), linear(x, lp["w_up"])
-    return linear(jax.nn.silu(gate) * up, lp["w_down"])
+        act = jax.nn.silu(linear(x, lp["w_gate"])) * linear(x, lp["w_up"])
+    return linear(act, lp["w_down"], residual)
 
 
 def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, positions: jax.Array,
@@ -135,8 +136,8 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
         y = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = qkv_projection(cfg, lp, y, positions, inv_freq)
         attn, cache = attention(q, k, v, layer, cache)
-        h = h + linear(attn.reshape(T, -1), lp["wo"])
-        h = h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
+        h = linear(attn.reshape(T, -1), lp["wo"], residual=h)
+        h = mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), residual=h)
         return (h, cache), None
 
     (x, cache), _ = scan_layers(layer_step, (x, cache), params["layers"], cfg.num_layers)
@@ -163,16 +164,17 @@ def unstack_weights(params: Params, names: Sequence[str]) -> Params:
     a few rows the product only reads its weight once, so the copy doubles the memory
     traffic of the step: 30 layers of 576x3072 float32 at one row read at 15-18 GB/s
     stacked against 23-25 GB/s per layer with lax.switch picking the array (2-core EPYC).
-    Weights packed for the C++ kernels (dicts with "p" or "f", runtime/cpu_matmul.py, fused
+    Weights packed for the C++ kernels (dicts with "p", "f" or "fg", runtime/cpu_matmul.py, fused
     names "qkv" / "gate_up" included) become tuples of per-layer dicts for the same reason:
     a custom call's operand is a whole buffer, so a scanned slice is always copied first."""
+    from runtime import cpu_matmul
     from runtime.cpu_matmul import FUSED
 
     layers = dict(params["layers"])
     for k in (*names, *FUSED):
         a = layers.get(k)
-        if isinstance(a, dict) and ("p" in a or "f" in a):
-            n = (a.get("p") if "p" in a else a["f"]).shape[0]
+        if cpu_matmul.packed_array(a) is not None:
+            n = cpu_matmul.packed_array(a).shape[0]
             layers[k] = tuple({kk: vv[i] for kk, vv in a.items()} for i in range(n))
         elif a is not None and not isinstance(a, (dict, tuple)):
             layers[k] = tuple(a[i] for i in range(a.shape[0]))

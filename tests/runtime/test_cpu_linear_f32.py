@@ -65,6 +65,46 @@ def test_float_kernel_rejects_shapes_that_disagree():
 
 
 @needs_f32
+@pytest.mark.parametrize("M,K,inter", [(1, 64, 16), (13, 40, 48), (64, 576, 96), (85, 1536, 32)])
+def test_swiglu_epilogue_gives_silu_gate_times_up(M, K, inter):
+    """Gate and up packed as strip pairs: the kernel returns silu(gate) * up [M, inter] (odd
+    pair counts, row tails and several row panels included), against float64."""
+    rng = np.random.default_rng(M + K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    gate = (rng.standard_normal((K, inter)) * 0.3).astype(np.float32)
+    up = rng.standard_normal((K, inter)).astype(np.float32)
+    packed = jax.tree.map(jnp.asarray, cpu_matmul.pack_swiglu(gate, up))
+    got = np.asarray(jax.jit(cpu_matmul.linear_f32)(jnp.asarray(x), packed))
+    g, u = x.astype(np.float64) @ gate, x.astype(np.float64) @ up
+    assert got.shape == (M, inter)
+    np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=2e-5, atol=2e-5 * np.sqrt(K))
+
+
+@needs_f32
+@pytest.mark.parametrize("M,K,N", [(1, 64, 16), (7, 100, 48), (64, 576, 576), (85, 1536, 32)])
+def test_residual_epilogue_adds_the_residual(M, K, N):
+    rng = np.random.default_rng(M * 3 + N)
+    x, w = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
+    res = rng.standard_normal((M, N)).astype(np.float32) * 10
+    packed = jax.tree.map(jnp.asarray, cpu_matmul.pack_float(w))
+    got = np.asarray(jax.jit(cpu_matmul.linear_f32)(jnp.asarray(x), packed, jnp.asarray(res)))
+    np.testing.assert_allclose(got, res + x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4 * np.sqrt(K))
+
+
+@needs_f32
+def test_epilogues_refuse_what_they_cannot_do():
+    x = jnp.ones((4, 32), jnp.float32)
+    sw = jax.tree.map(jnp.asarray, cpu_matmul.pack_swiglu(np.ones((32, 16), np.float32), np.ones((32, 16), np.float32)))
+    with pytest.raises(ValueError, match="no residual"):
+        cpu_matmul.linear_f32(x, sw, jnp.ones((4, 16), jnp.float32))
+    with pytest.raises(ValueError, match="must match"):
+        cpu_matmul.pack_swiglu(np.ones((32, 16), np.float32), np.ones((32, 32), np.float32))
+    w = jax.tree.map(jnp.asarray, cpu_matmul.pack_float(np.ones((32, 16), np.float32)))
+    with pytest.raises(Exception, match="residual must be"):
+        jax.block_until_ready(jax.jit(cpu_matmul.linear_f32)(x, w, jnp.ones((3, 16), jnp.float32)))
+
+
+@needs_f32
 def test_engine_serves_float32_through_the_kernel(tiny_ckpt, monkeypatch):
     """Packed, fused, per-layer float weights: the same greedy tokens and logprobs (to float
     rounding) as XLA's dot, and the compiled step calls the kernel; PAGEDJAX_F32_KERNEL=0
@@ -75,7 +115,8 @@ def test_engine_serves_float32_through_the_kernel(tiny_ckpt, monkeypatch):
     eng = make_engine(tiny_ckpt)
     assert eng.runner.f32_kernel
     layers = eng.runner.params["layers"]
-    assert all(isinstance(layers[k], tuple) and "f" in layers[k][0] for k in ("qkv", "gate_up", "wo", "w_down"))
+    assert all(isinstance(layers[k], tuple) and "f" in layers[k][0] for k in ("qkv", "wo", "w_down"))
+    assert isinstance(layers["gate_up"], tuple) and "fg" in layers["gate_up"][0]  # SwiGLU pairs
     got = eng.generate(prompts, sp)
     monkeypatch.setenv("PAGEDJAX_F32_KERNEL", "0")
     ref = make_engine(tiny_ckpt)
