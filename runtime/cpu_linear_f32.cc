@@ -13,13 +13,18 @@
 // Layout: x [M, K] float32; w [S, K, 16] float32 packed by runtime/cpu_matmul.py: strip s
 // holds columns 16s..16s+15 (N = 16 S: the packer only takes N divisible by 16). Out [M, N].
 //
+// Prologue: `norm` [K] (or empty) RMS-normalizes x first, x_r * rsqrt(mean(x_r^2) + eps) * norm
+// (the decoder's pre-attention and pre-MLP norms), once per call on the calling thread.
+//
 // Epilogues, applied to each tile while it is in L1 (each saves XLA a pass over the output and
 // an op launch per layer): `residual` [M, N] (or empty) is added: out = residual + x W, the
 // decoder's skip connection; `swiglu` = 1: the strips come in (gate, up) pairs over the same
 // 16 columns (cpu_matmul.pack_swiglu) and out [M, N / 2] = silu(gate) * up.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "cpu_exp.h"
@@ -207,9 +212,23 @@ void panel(const float* x, const float* w, float* out, int64_t K, int64_t N_out,
   }
 }
 
+// x's rows RMS-normalized and scaled by `w` into `y` (as runtime/models/llama.py rms_norm).
+void rms_norm(const float* x, const float* w, float eps, int64_t M, int64_t K, float* y) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * K;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < K; ++k) ss += xr[k] * xr[k];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+    float* yr = y + r * K;
+#pragma omp simd
+    for (int64_t k = 0; k < K; ++k) yr[k] = xr[k] * inv * w[k];
+  }
+}
+
 ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> out, int64_t num_threads,
-                     int64_t swiglu) {
+                     ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32> norm, ffi::ResultBuffer<ffi::F32> out,
+                     int64_t num_threads, int64_t swiglu, float eps) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != kCols || wd[1] != xd[1] ||
       od[0] != xd[0] || od[1] * (swiglu ? 2 : 1) != wd[0] * kCols || (swiglu && wd[0] % 2)) {
@@ -220,9 +239,19 @@ ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (residual.element_count() != 0 && (swiglu || residual.element_count() != static_cast<size_t>(M * N_out))) {
     return ffi::Error::InvalidArgument("float32 linear: the residual must be [M, N] (and not with swiglu)");
   }
+  if (norm.element_count() != 0 && norm.element_count() != static_cast<size_t>(K)) {
+    return ffi::Error::InvalidArgument("float32 linear: the norm weight must have K elements");
+  }
   if (M == 0) return ffi::Error::Success();
   const float *xs = x.typed_data(), *ws = w.typed_data();
   float* o = out->typed_data();
+  thread_local std::vector<float> normed;  // (the items read it before this call returns)
+  std::function<void()> prologue;
+  if (norm.element_count() != 0) {
+    normed.resize(M * K);
+    prologue = [x = xs, nw = norm.typed_data(), eps, M, K, y = normed.data()] { rms_norm(x, nw, eps, M, K, y); };
+    xs = normed.data();
+  }
   const Epilogue epi{residual.element_count() ? residual.typed_data() : nullptr, swiglu != 0};
   // as few row panels as keep their x rows in L2, of even size (64 rows: one panel)
   const int64_t cap = std::max(kRows, kPanelBytes / (K * 4) / kRows * kRows);
@@ -237,7 +266,7 @@ ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     const int64_t sn = next < 0 ? s : (next / panels) * gs;  // (the same strips: cached already)
     const float* pf = sn == s ? nullptr : ws + sn * K * kCols;
     panel(xs, ws, o, K, N_out, s, std::min(gs, S - s), m0, m1, pf, std::min(gs, S - sn), epi);
-  });
+  }, prologue);
   return ffi::Error::Success();
 }
 
@@ -258,6 +287,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxF32Linear, F32Linear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads")
-                                  .Attr<int64_t>("swiglu"));
+                                  .Attr<int64_t>("swiglu")
+                                  .Attr<float>("eps"));

@@ -193,9 +193,11 @@ def with_float_head(params: dict[str, Any], tied: bool) -> dict[str, Any]:
     return {**params, "head_f32": pack_float(np.asarray(head, np.float32))}
 
 
-def linear_f32(x: jax.Array, w: dict[str, jax.Array], residual: jax.Array | None = None) -> jax.Array:
-    """x [T, K] @ a packed float32 weight -> [T, N] float32, plus `residual` [T, N] if given
-    (added in the kernel). A SwiGLU pair weight ({"fg"}) gives silu(gate) * up [T, N/2]."""
+def linear_f32(x: jax.Array, w: dict[str, jax.Array], residual: jax.Array | None = None,
+               norm: tuple | None = None) -> jax.Array:
+    """rms_norm(x) [T, K] (x itself without `norm` = (weight [K], eps)) @ a packed float32
+    weight -> [T, N] float32, plus `residual` [T, N] if given; the norm and the residual run in
+    the kernel. A SwiGLU pair weight ({"fg"}) gives silu(gate) * up [T, N/2]."""
     if cpu_kernels.library() is None:  # (also registers the target in this process)
         raise ValueError("a packed float32 weight needs the C++ CPU kernels, which are not available here")
     swiglu = "fg" in w
@@ -203,10 +205,12 @@ def linear_f32(x: jax.Array, w: dict[str, jax.Array], residual: jax.Array | None
     n = packed.shape[-3] * F32_STRIP // (2 if swiglu else 1)
     if swiglu and residual is not None:
         raise ValueError("the SwiGLU product takes no residual")
-    r = jnp.zeros((0,), jnp.float32) if residual is None else residual.astype(jnp.float32)
+    empty = jnp.zeros((0,), jnp.float32)
+    r = empty if residual is None else residual.astype(jnp.float32)
+    nw, eps = (empty, 0.0) if norm is None else (norm[0].astype(jnp.float32), float(norm[1]))
     call = jax.ffi.ffi_call(F32_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
-    return call(x.astype(jnp.float32), packed, r, num_threads=np.int64(cpu_kernels.num_threads()),
-                swiglu=np.int64(swiglu))
+    return call(x.astype(jnp.float32), packed, r, nw, num_threads=np.int64(cpu_kernels.num_threads()),
+                swiglu=np.int64(swiglu), eps=np.float32(eps))
 
 
 def linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:

@@ -254,6 +254,9 @@ def activation_absmax(cfg: Any, params: dict[str, Any], token_ids: list[int]) ->
 WEIGHT_ONLY_MAX_ROWS = 1
 
 
+Norm = tuple  # (weight [in], eps): an RMS norm a product applies to its input first
+
+
 @dataclass(frozen=True)
 class LayerPick:
     """Inside the layer scan: a weight held as separate per-layer arrays, and the layer the
@@ -262,18 +265,22 @@ class LayerPick:
     index: jax.Array
 
 
-def linear(x: jax.Array, w: Any, residual: jax.Array | None = None) -> jax.Array:
-    """x [T, in] @ w [in, out], plus `residual` [T, out] if given (the float32 kernel adds it
-    in place of a separate op). Quantized w: each row of x gets its own scale (absmax/127),
-    so one outlier token never costs the others their precision."""
+def linear(x: jax.Array, w: Any, residual: jax.Array | None = None, norm: Norm | None = None) -> jax.Array:
+    """rms_norm(x) @ w [in, out] (x itself without `norm`), plus `residual` [T, out] if given.
+    The float32 kernel does both in the same call (prologue, epilogue) in place of separate
+    ops. Quantized w: each row of x gets its own scale (absmax/127), so one outlier token
+    never costs the others their precision."""
     if isinstance(w, LayerPick):  # per-layer arrays inside the layer scan (models/llama.py)
-        if residual is None:
-            return jax.lax.switch(w.index, [lambda x, a=a: linear(x, a) for a in w.arrays], x)
-        return jax.lax.switch(w.index, [lambda x, r, a=a: linear(x, a, r) for a in w.arrays], x, residual)
+        def branch(a):
+            return lambda x, r, nw: linear(x, a, r, None if nw is None else (nw, norm[1]))
+        return jax.lax.switch(w.index, [branch(a) for a in w.arrays], x, residual,
+                              None if norm is None else norm[0])
     if isinstance(w, dict) and "f" in w:  # float32 packed for the C++ kernel (runtime/cpu_matmul.py)
         from runtime import cpu_matmul
 
-        return cpu_matmul.linear_f32(x, w, residual).astype(x.dtype)
+        return cpu_matmul.linear_f32(x, w, residual, norm).astype(x.dtype)
+    if norm is not None:
+        x = _rms_norm(x, norm)
     if residual is not None:
         return residual + linear(x, w)
     if not is_quantized(w):
@@ -298,18 +305,26 @@ def linear(x: jax.Array, w: Any, residual: jax.Array | None = None) -> jax.Array
     return (acc.astype(jnp.float32) * sx * w["s"]).astype(x.dtype)
 
 
-def swiglu(x: jax.Array, w: Any) -> jax.Array:
-    """silu(gate) * up of x for a fused gate|up weight [in, 2I] -> [T, I]. A float32 weight
-    packed as SwiGLU pairs ({"fg"}, runtime/cpu_matmul.pack_swiglu) gets it from the kernel's
-    epilogue; any other is one product, split."""
+def swiglu(x: jax.Array, w: Any, norm: Norm | None = None) -> jax.Array:
+    """silu(gate) * up of rms_norm(x) (x without `norm`) for a fused gate|up weight [in, 2I]
+    -> [T, I]. A float32 weight packed as SwiGLU pairs ({"fg"}, runtime/cpu_matmul.pack_swiglu)
+    gets it from the kernel's prologue and epilogue; any other is one product, split."""
     if isinstance(w, LayerPick):
-        return jax.lax.switch(w.index, [lambda x, a=a: swiglu(x, a) for a in w.arrays], x)
+        def branch(a):
+            return lambda x, nw: swiglu(x, a, None if nw is None else (nw, norm[1]))
+        return jax.lax.switch(w.index, [branch(a) for a in w.arrays], x, None if norm is None else norm[0])
     if isinstance(w, dict) and "fg" in w:
         from runtime import cpu_matmul
 
-        return cpu_matmul.linear_f32(x, w).astype(x.dtype)
-    gate, up = jnp.split(linear(x, w), 2, axis=-1)
+        return cpu_matmul.linear_f32(x, w, norm=norm).astype(x.dtype)
+    gate, up = jnp.split(linear(x, w, norm=norm), 2, axis=-1)
     return jax.nn.silu(gate) * up
+
+
+def _rms_norm(x: jax.Array, norm: Norm) -> jax.Array:
+    from runtime.models.llama import rms_norm
+
+    return rms_norm(x, *norm)
 
 
 def grouped_linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from runtime.config import ModelConfig
-from runtime.quant import LayerPick, linear, swiglu
+from runtime.quant import LayerPick, Norm, linear, swiglu
 
 Params = dict[str, Any]
 # attention(q [T,Hq,D], k_new [T,Hkv,D], v_new [T,Hkv,D], layer) -> out [T,Hq,D]; it also
@@ -93,9 +93,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def qkv_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array,
-                   inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   inv_freq: jax.Array, norm: Norm | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v of rms_norm(x) (x without `norm`), RoPE applied to q and k."""
     T = x.shape[0]
-    q, k, v = qkv_linear(cfg, lp, x)
+    q, k, v = qkv_linear(cfg, lp, x, norm)
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -104,21 +105,25 @@ def qkv_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Ar
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def qkv_linear(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The three projections of x; one product when they are packed as one ("qkv", the C++
-    int8 kernel's layout: runtime/cpu_matmul.py)."""
+def qkv_linear(cfg: ModelConfig, lp: Params, x: jax.Array,
+               norm: Norm | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The three projections of rms_norm(x) (x without `norm`); one product when they are
+    packed as one ("qkv", the C++ kernels' layout: runtime/cpu_matmul.py)."""
     if "qkv" in lp:
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return tuple(jnp.split(linear(x, lp["qkv"]), [nq, nq + nkv], axis=-1))
-    return linear(x, lp["wq"]), linear(x, lp["wk"]), linear(x, lp["wv"])
+        return tuple(jnp.split(linear(x, lp["qkv"], norm=norm), [nq, nq + nkv], axis=-1))
+    y = x if norm is None else rms_norm(x, *norm)
+    return linear(y, lp["wq"]), linear(y, lp["wk"]), linear(y, lp["wv"])
 
 
-def mlp(lp: Params, x: jax.Array, residual: jax.Array | None = None) -> jax.Array:
-    """The SwiGLU MLP of x, plus `residual` if given (added in the float kernel's epilogue)."""
+def mlp(lp: Params, x: jax.Array, residual: jax.Array | None = None, norm: Norm | None = None) -> jax.Array:
+    """The SwiGLU MLP of rms_norm(x) (x without `norm`), plus `residual` if given (the float
+    kernel normalizes and adds in the products' calls)."""
     if "gate_up" in lp:  # gate and up packed as one product (as "qkv")
-        act = swiglu(x, lp["gate_up"])
+        act = swiglu(x, lp["gate_up"], norm)
     else:
-        act = jax.nn.silu(linear(x, lp["w_gate"])) * linear(x, lp["w_up"])
+        y = x if norm is None else rms_norm(x, *norm)
+        act = jax.nn.silu(linear(y, lp["w_gate"])) * linear(y, lp["w_up"])
     return linear(act, lp["w_down"], residual)
 
 
@@ -133,11 +138,10 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
     def layer_step(carry, scanned):
         h, cache = carry
         lp, layer = scanned
-        y = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = qkv_projection(cfg, lp, y, positions, inv_freq)
+        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq, norm=(lp["attn_norm"], cfg.rms_norm_eps))
         attn, cache = attention(q, k, v, layer, cache)
         h = linear(attn.reshape(T, -1), lp["wo"], residual=h)
-        h = mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), residual=h)
+        h = mlp(lp, h, residual=h, norm=(lp["mlp_norm"], cfg.rms_norm_eps))
         return (h, cache), None
 
     (x, cache), _ = scan_layers(layer_step, (x, cache), params["layers"], cfg.num_layers)

@@ -92,6 +92,31 @@ def test_residual_epilogue_adds_the_residual(M, K, N):
 
 
 @needs_f32
+@pytest.mark.parametrize("M,K", [(1, 64), (13, 100), (64, 576), (85, 1536)])
+def test_norm_prologue_normalizes_the_rows_first(M, K):
+    """norm=(w, eps): the kernel RMS-normalizes x's rows (as models/llama.py rms_norm) before
+    the product, for a plain and a SwiGLU weight, with a residual too."""
+    from runtime.models.llama import rms_norm
+
+    rng = np.random.default_rng(M + K)
+    x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    w = rng.standard_normal((K, 48)).astype(np.float32)
+    res = rng.standard_normal((M, 48)).astype(np.float32)
+    y = np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(nw), 1e-5)).astype(np.float64)
+    packed = jax.tree.map(jnp.asarray, cpu_matmul.pack_float(w))
+    f = jax.jit(lambda x, w, r, nw: cpu_matmul.linear_f32(x, w, r, (nw, 1e-5)))
+    got = np.asarray(f(jnp.asarray(x), packed, jnp.asarray(res), jnp.asarray(nw)))
+    np.testing.assert_allclose(got, res + y @ w, rtol=1e-5, atol=1e-4 * np.sqrt(K))
+    gate, up = w[:, :16] * 0.3, w[:, 16:32]
+    sw = jax.tree.map(jnp.asarray, cpu_matmul.pack_swiglu(gate, up))
+    got = np.asarray(jax.jit(lambda x, w, nw: cpu_matmul.linear_f32(x, w, norm=(nw, 1e-5)))(
+        jnp.asarray(x), sw, jnp.asarray(nw)))
+    g, u = y @ gate, y @ up
+    np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=2e-5, atol=2e-5 * np.sqrt(K))
+
+
+@needs_f32
 def test_epilogues_refuse_what_they_cannot_do():
     x = jnp.ones((4, 32), jnp.float32)
     sw = jax.tree.map(jnp.asarray, cpu_matmul.pack_swiglu(np.ones((32, 16), np.float32), np.ones((32, 16), np.float32)))
@@ -102,6 +127,9 @@ def test_epilogues_refuse_what_they_cannot_do():
     w = jax.tree.map(jnp.asarray, cpu_matmul.pack_float(np.ones((32, 16), np.float32)))
     with pytest.raises(Exception, match="residual must be"):
         jax.block_until_ready(jax.jit(cpu_matmul.linear_f32)(x, w, jnp.ones((3, 16), jnp.float32)))
+    with pytest.raises(Exception, match="norm weight must have K"):
+        jax.block_until_ready(jax.jit(lambda x, w, nw: cpu_matmul.linear_f32(x, w, norm=(nw, 1e-5)))(
+            x, w, jnp.ones((31,), jnp.float32)))
 
 
 @needs_f32
