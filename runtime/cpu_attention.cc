@@ -43,6 +43,7 @@ using pagedjax::run_parallel;
 
 constexpr int kMaxGroup = 16;  // query heads per KV head
 constexpr int kMaxBlock = 64;  // tokens per cache block
+constexpr int kMaxSplits = 32;  // ranges a sequence's own blocks split into at small batches
 
 struct Problem {
   const float* q;
@@ -208,6 +209,22 @@ inline int64_t block_rows(const Problem& p, int64_t blk, int64_t h, float* kf, f
   *kb = kf;
   *vb = vf;
   return D;
+}
+
+// Prefetch block `blk`'s K and V rows of head h (float or int8 values) into L2: one block
+// ahead of a walk over a sequence's own blocks, whose rows (one head's, strided by the other
+// heads') come from DRAM.
+inline void prefetch_block(const Problem& p, int64_t blk, int64_t h, int64_t D) {
+  const int64_t row = p.k8 ? D : D * 4;
+  const char* k = p.k8 ? reinterpret_cast<const char*>(p.k8) : reinterpret_cast<const char*>(p.k);
+  const char* v = p.k8 ? reinterpret_cast<const char*>(p.v8) : reinterpret_cast<const char*>(p.v);
+  for (int64_t t = 0; t < p.BS; ++t) {
+    const int64_t off = ((blk * p.BS + t) * p.H + h) * row;
+    for (int64_t o = 0; o < row; o += 64) {
+      __builtin_prefetch(k + off + o, 0, 2);
+      __builtin_prefetch(v + off + o, 0, 2);
+    }
+  }
 }
 
 // One block's online-softmax update for 16 rows: scores sc[t][r] (-inf = masked) become
@@ -407,14 +424,16 @@ inline __m512 hsum16(const __m512* v) {
 // (hsum16), its softmax update is vector-wide, and the accumulators stay in registers while
 // the tile's V rows stream past.
 template <int D>
-void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float (*acc)[D]) {
+void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float (*acc)[D], int64_t b_begin,
+              int64_t b_end) {
   constexpr int C = D / 16;
   const int64_t G = p.G, BS = p.BS, len = p.lens[s];
   const int32_t* table = p.tables + s * p.MB;
   const float* q = p.q + (s * p.H + h) * G * D;
   alignas(64) float kf[kMaxBlock * D], vf[kMaxBlock * D];
   alignas(64) float e[16];
-  for (int64_t b = p.suffix_start[s] / BS; b * BS < len; ++b) {
+  for (int64_t b = b_begin; b < b_end && b * BS < len; ++b) {
+    if (b + 1 < b_end && (b + 1) * BS < len) prefetch_block(p, table[b + 1], h, D);
     const int64_t n = std::min<int64_t>(BS, len - b * BS);
     const float *kb, *vb;
     const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
@@ -475,7 +494,8 @@ inline float hadd8(__m256 v) {
 // own_head above with 8 tokens a tile: 8 dot products (4 at a time, hsum4) give the row's 8
 // scores as one vector.
 template <int D>
-void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float (*acc)[D]) {
+void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float (*acc)[D], int64_t b_begin,
+              int64_t b_end) {
   constexpr int C = D / 8;
   const int64_t G = p.G, BS = p.BS, len = p.lens[s];
   const int32_t* table = p.tables + s * p.MB;
@@ -483,7 +503,8 @@ void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float 
   alignas(64) float kf[kMaxBlock * D], vf[kMaxBlock * D];
   alignas(32) float e[8];
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t b = p.suffix_start[s] / BS; b * BS < len; ++b) {
+  for (int64_t b = b_begin; b < b_end && b * BS < len; ++b) {
+    if (b + 1 < b_end && (b + 1) * BS < len) prefetch_block(p, table[b + 1], h, D);
     const int64_t n = std::min<int64_t>(BS, len - b * BS);
     const float *kb, *vb;
     const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
@@ -564,7 +585,7 @@ void one_head(const Problem& p, int64_t s, int64_t h) {
     }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if constexpr (D % 16 == 0) {
-      own_head<D>(p, s, h, m, l, acc);
+      own_head<D>(p, s, h, m, l, acc, first, nblocks);
     } else
 #endif
     for (int64_t b = first; b < nblocks; ++b) {
@@ -617,6 +638,74 @@ void one_head(const Problem& p, int64_t s, int64_t h) {
   }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Phase 2 with each sequence's own blocks split into `splits` ranges (flash-decoding): at a
+// small batch S x H items are too few for the cores (batch 1 of SmolLM2: 3 items on 2 cores,
+// each one long dependent walk over its blocks). Each (sequence, head, range) item keeps its
+// own softmax partials; one pass merges them (and the cascade's) into the output.
+inline int64_t own_splits(const Problem& p, int64_t threads) {
+  if (p.S * p.H >= 4 * threads) return 1;
+  int64_t most = 0;
+  for (int64_t s = 0; s < p.S; ++s)
+    most = std::max<int64_t>(most, (p.lens[s] + p.BS - 1) / p.BS - p.suffix_start[s] / p.BS);
+  const int64_t want = (4 * threads + p.S * p.H - 1) / (p.S * p.H);
+  return std::min<int64_t>({want, most / 2, kMaxSplits});  // (at least 2 blocks a range)
+}
+
+template <int D>
+void split_heads(ffi::ThreadPool& pool, int64_t threads, const Problem& p, int64_t splits) {
+  const int64_t H = p.H, G = p.G, BS = p.BS, items = p.S * H * splits;
+  std::vector<float> part(static_cast<size_t>(items * G * (2 + D)));  // m, l, acc per item and row
+  run_parallel(pool, threads, items, [&](int64_t i) {
+    const int64_t s = i / (H * splits), h = i / splits % H, c = i % splits;
+    float* pt = part.data() + i * G * (2 + D);
+    alignas(64) float acc[kMaxGroup][D];
+    float m[kMaxGroup], l[kMaxGroup];
+    for (int64_t g = 0; g < G; ++g) {
+      m[g] = -INFINITY;
+      l[g] = 0.0f;
+      std::fill(acc[g], acc[g] + D, 0.0f);
+    }
+    const int64_t first = p.suffix_start[s] / BS, nblocks = (p.lens[s] + BS - 1) / BS;
+    const int64_t per = (nblocks - first + splits - 1) / splits, b0 = first + c * per;
+    if (p.lens[s] > 0 && b0 < nblocks) own_head<D>(p, s, h, m, l, acc, b0, std::min(nblocks, b0 + per));
+    for (int64_t g = 0; g < G; ++g) {
+      pt[g * (2 + D)] = m[g];
+      pt[g * (2 + D) + 1] = l[g];
+      std::copy(acc[g], acc[g] + D, pt + g * (2 + D) + 2);
+    }
+  });
+  for (int64_t s = 0; s < p.S; ++s)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = p.out + ((s * H + h) * G + g) * D;
+        if (p.lens[s] <= 0) {
+          std::fill(o, o + D, 0.0f);
+          continue;
+        }
+        // the partials to merge: the cascade's (members) and each range's
+        const float* ps[kMaxSplits + 1];
+        int64_t n = 0;
+        if (p.suffix_start[s] > 0) ps[n++] = p.state + ((s * H + h) * G + g) * (2 + D);
+        for (int64_t c = 0; c < splits; ++c) ps[n++] = part.data() + (((s * H + h) * splits + c) * G + g) * (2 + D);
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, ps[j][0]);
+        float l = 0.0f;
+        alignas(64) float a[D] = {};
+        for (int64_t j = 0; j < n; ++j) {
+          if (ps[j][0] == -INFINITY) continue;  // a range past the sequence's end
+          const float w = fast_exp(ps[j][0] - mx);
+          l += ps[j][1] * w;
+#pragma omp simd
+          for (int i = 0; i < D; ++i) a[i] += ps[j][2 + i] * w;
+        }
+        const float inv = 1.0f / std::max(l, 1e-30f);
+#pragma omp simd
+        for (int i = 0; i < D; ++i) o[i] = a[i] * inv;
+      }
+}
+#endif
+
 // Phase 1 (both modes): member rows against the shared prefix, 16 rows and one head per item.
 template <int D>
 void cascade(ffi::ThreadPool& pool, int64_t threads, const Problem& p, const std::vector<int64_t>& rows) {
@@ -636,6 +725,12 @@ void run(ffi::ThreadPool& pool, int64_t threads, const Problem& p) {
         if (p.suffix_start[s] > 0 && p.lens[s] > 0)
           for (int64_t g = 0; g < p.G; ++g) rows.push_back(s * p.G + g);
     if (!rows.empty()) cascade<D>(pool, threads, p, rows);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if constexpr (D % 16 == 0) {
+      const int64_t splits = own_splits(p, threads);
+      if (splits > 1) return split_heads<D>(pool, threads, p, splits);
+    }
+#endif
     run_parallel(pool, threads, p.S * p.H, [&](int64_t i) { one_head<D>(p, i / p.H, i % p.H); });  // phase 2
     return;
   }

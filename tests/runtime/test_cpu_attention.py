@@ -40,6 +40,32 @@ def test_cpu_kernel_matches_oracle(hq, hkv, d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_lens,shared_blocks", [([400], 0), ([400, 3], 0), ([420, 260], 10), ([33, 700], 2)])
+def test_small_batches_split_each_sequence_and_merge(kv_lens, shared_blocks):
+    """At a batch too small for the cores (sequences x KV heads < 4 per core) the kernel splits
+    each sequence's own blocks into ranges and merges their softmax partials (and the cascade's,
+    for members of a shared prefix); a padding row stays zero."""
+    from runtime.batch import choose_shared_prefix
+
+    rng = np.random.default_rng(sum(kv_lens) + shared_blocks)
+    pad = 1 if len(kv_lens) == 1 else 0  # (2 sequences + 3 KV heads: 6 items, split on 2 cores)
+    q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, [1] * len(kv_lens), kv_lens, hq=9, hkv=3, d=64,
+                                                   pad_seqs=pad, num_blocks=120)
+    shared = None
+    if shared_blocks:
+        tables[1, :shared_blocks] = tables[0, :shared_blocks]
+        nblocks = np.array([(k + 15) // 16 for k in kv_lens] + [0] * pad)
+        sh = choose_shared_prefix(tables, nblocks, kvl, len(kv_lens), 16)
+        assert int(sh.length[0]) == 16 * shared_blocks
+        shared = jax.tree_util.tree_map(jnp.asarray, sh)
+    want = oracle(q, kc, vc, kvl, tables, qsl, ns, 0.125)
+    got = np.asarray(xla_ragged_paged_attention(*map(jnp.asarray, (q, kc, vc, kvl, tables, qsl, ns)), sm_scale=0.125,
+                                                shared=shared, cpu_kernel=True))
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+    assert not got[len(kv_lens):].any()
+
+
+@needs_kernel
 @pytest.mark.parametrize("bs", [8, 32, 64])
 def test_cpu_kernel_matches_oracle_at_other_block_sizes(bs):
     """Decode reads a sequence's own blocks 16 tokens at a time: blocks of 8 (one partial
