@@ -95,10 +95,16 @@ def _scatter(cache: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
     return flat.reshape(cache.shape)
 
 
-def write_kv(k_cache: Any, v_cache: Any, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> tuple[Any, Any]:
+def write_kv(k_cache: Any, v_cache: Any, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+             cpu_kernel: bool = False) -> tuple[Any, Any]:
     """Scatter new K/V rows [T, Hkv, D] into caches [NB, BS, Hkv, D] (arrays or
     QuantizedPages, which quantize each row on the way in) at flat slots
-    (block * BS + offset); slot -1 (padding) is dropped."""
+    (block * BS + offset); slot -1 (padding) is dropped. cpu_kernel: a float32 cache is
+    written by the C++ kernels' in-place call (runtime/cpu_attention.py write_kv)."""
+    if cpu_kernel and not isinstance(k_cache, QuantizedPages) and k_cache.dtype == jnp.float32:
+        from runtime import cpu_attention
+
+        return cpu_attention.write_kv(k_cache, v_cache, k, v, slot_mapping)
     nb, bs = k_cache.shape[:2]
     idx = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)  # out of range -> dropped
 

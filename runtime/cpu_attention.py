@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 TARGET = "pagedjax_decode_attention"
 TARGET_INT8 = "pagedjax_decode_attention_int8"
+TARGET_KV_WRITE = "pagedjax_kv_write"
 
 
 def supports(cache: object) -> bool:
@@ -31,6 +32,16 @@ def supports(cache: object) -> bool:
     if isinstance(cache, QuantizedPages):
         return cache.values.dtype == jnp.int8
     return getattr(cache, "dtype", None) == jnp.float32
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+              slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """New K/V rows [T, Hkv, D] into float32 caches [NB, BS, Hkv, D] at flat slots (block * BS
+    + offset; negative or past the end: dropped), in place (the outputs alias the caches):
+    runtime.attention.write_kv's semantics as one call instead of XLA's scatter ops."""
+    out = (jax.ShapeDtypeStruct(k_cache.shape, jnp.float32), jax.ShapeDtypeStruct(v_cache.shape, jnp.float32))
+    call = jax.ffi.ffi_call(TARGET_KV_WRITE, out, vmap_method="sequential", input_output_aliases={0: 0, 1: 1})
+    return call(k_cache, v_cache, k.astype(jnp.float32), v.astype(jnp.float32), slots.astype(jnp.int32))
 
 
 def decode_attention(q: jax.Array, k_cache: object, v_cache: object, kv_lens: jax.Array,

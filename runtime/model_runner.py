@@ -153,7 +153,8 @@ def _paged_attention(cfg: ModelConfig, attention: Callable, num_blocks: int, inp
     k_cache, v_cache = cache
     bs = k_cache.shape[1]
     slots = jnp.where(inp.slot_mapping >= 0, inp.slot_mapping + layer * num_blocks * bs, -1)
-    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots)
+    kernel = isinstance(attention, partial) and bool(attention.keywords.get("cpu_kernel"))  # (ModelRunner)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots, cpu_kernel=kernel)
     base = layer * num_blocks
     kw = {}
     if getattr(attention, "func", attention) is xla_ragged_paged_attention:  # reads QuantizedPages itself

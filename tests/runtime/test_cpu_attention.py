@@ -66,6 +66,30 @@ def test_small_batches_split_each_sequence_and_merge(kv_lens, shared_blocks):
 
 
 @needs_kernel
+def test_kv_write_kernel_matches_the_xla_scatter():
+    """The in-place C++ KV write puts each row at its flat slot and drops padding (-1) and
+    out-of-range slots, as runtime.attention.write_kv's scatter does; donated caches stay
+    the same buffers (no copy)."""
+    from runtime.attention import write_kv
+
+    rng = np.random.default_rng(5)
+    kc, vc = (jnp.asarray(rng.standard_normal((6, 4, 3, 16)).astype(np.float32)) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((5, 3, 16)).astype(np.float32)) for _ in range(2))
+    slots = jnp.asarray([3, -1, 23, 24, 0], jnp.int32)  # (24 = past the end)
+    want = write_kv(kc, vc, k, v, slots)
+    got = jax.jit(lambda *a: write_kv(*a, cpu_kernel=True))(kc, vc, k, v, slots)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert not np.array_equal(np.asarray(want[0]), np.asarray(kc))  # (the rows landed)
+    f = jax.jit(lambda *a: write_kv(*a, cpu_kernel=True), donate_argnums=(0, 1))
+    kc2, vc2 = jnp.array(kc), jnp.array(vc)
+    ptr = kc2.unsafe_buffer_pointer()
+    out = f(kc2, vc2, k, v, slots)
+    assert out[0].unsafe_buffer_pointer() == ptr
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(want[0]))
+
+
+@needs_kernel
 @pytest.mark.parametrize("bs", [8, 32, 64])
 def test_cpu_kernel_matches_oracle_at_other_block_sizes(bs):
     """Decode reads a sequence's own blocks 16 tokens at a time: blocks of 8 (one partial
