@@ -639,70 +639,119 @@ void one_head(const Problem& p, int64_t s, int64_t h) {
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// Phase 2 with each sequence's own blocks split into `splits` ranges (flash-decoding): at a
-// small batch S x H items are too few for the cores (batch 1 of SmolLM2: 3 items on 2 cores,
-// each one long dependent walk over its blocks). Each (sequence, head, range) item keeps its
-// own softmax partials; one pass merges them (and the cascade's) into the output.
+// Phase 2 (decode, vectorized builds): one item per sequence, or per range of its own blocks
+// at a small batch. An item walks its blocks in order and, within a block, every KV head:
+// the block's rows are read front to back (12 KB of K then of V for SmolLM2) instead of one
+// head's 256-byte rows strided by the others', which left part of what DRAM and the
+// prefetchers fetched unused (per-head items: 141 MB of own KV per 64-row step at ~15 GB/s).
+// At a small batch (fewer than 4 sequences per core; batch 1 of SmolLM2: one item for 2
+// cores) each sequence's own blocks split into ranges (flash-decoding) whose softmax
+// partials one pass merges with the cascade's.
 inline int64_t own_splits(const Problem& p, int64_t threads) {
-  if (p.S * p.H >= 4 * threads) return 1;
+  if (p.S >= 4 * threads) return 1;
   int64_t most = 0;
   for (int64_t s = 0; s < p.S; ++s)
     most = std::max<int64_t>(most, (p.lens[s] + p.BS - 1) / p.BS - p.suffix_start[s] / p.BS);
-  const int64_t want = (4 * threads + p.S * p.H - 1) / (p.S * p.H);
-  return std::min<int64_t>({want, most / 2, kMaxSplits});  // (at least 2 blocks a range)
+  const int64_t want = (4 * threads + p.S - 1) / p.S;
+  return std::max<int64_t>(1, std::min<int64_t>({want, most / 2, kMaxSplits}));  // (2+ blocks a range)
+}
+
+// All K and V rows of block `blk` (every head) into L2: one block ahead of the walk.
+inline void prefetch_block_all(const Problem& p, int64_t blk, int64_t D) {
+  const int64_t bytes = p.BS * p.H * (p.k8 ? D : D * 4);
+  const char* k = p.k8 ? reinterpret_cast<const char*>(p.k8) : reinterpret_cast<const char*>(p.k);
+  const char* v = p.k8 ? reinterpret_cast<const char*>(p.v8) : reinterpret_cast<const char*>(p.v);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    __builtin_prefetch(k + blk * bytes + o, 0, 2);
+    __builtin_prefetch(v + blk * bytes + o, 0, 2);
+  }
 }
 
 template <int D>
-void split_heads(ffi::ThreadPool& pool, int64_t threads, const Problem& p, int64_t splits) {
-  const int64_t H = p.H, G = p.G, BS = p.BS, items = p.S * H * splits;
-  std::vector<float> part(static_cast<size_t>(items * G * (2 + D)));  // m, l, acc per item and row
-  run_parallel(pool, threads, items, [&](int64_t i) {
-    const int64_t s = i / (H * splits), h = i / splits % H, c = i % splits;
-    float* pt = part.data() + i * G * (2 + D);
-    alignas(64) float acc[kMaxGroup][D];
-    float m[kMaxGroup], l[kMaxGroup];
-    for (int64_t g = 0; g < G; ++g) {
-      m[g] = -INFINITY;
-      l[g] = 0.0f;
-      std::fill(acc[g], acc[g] + D, 0.0f);
+void own_ranges(ffi::ThreadPool& pool, int64_t threads, const Problem& p, int64_t splits) {
+  const int64_t H = p.H, G = p.G, BS = p.BS, R = H * G;  // R: query rows of a sequence
+  std::vector<float> part(splits > 1 ? static_cast<size_t>(p.S * splits * R * (2 + D)) : 0);
+  run_parallel(pool, threads, p.S * splits, [&](int64_t i) {
+    const int64_t s = i / splits, c = i % splits, len = p.lens[s];
+    thread_local std::vector<float> st;  // m, l, acc of each row: [R][2 + D]
+    st.resize(static_cast<size_t>(R * (2 + D)));
+    const bool seed = splits == 1 && p.suffix_start[s] > 0 && len > 0;  // (ranges merge it later)
+    for (int64_t r = 0; r < R; ++r) {
+      float* row = st.data() + r * (2 + D);
+      if (seed) {
+        std::copy(p.state + (s * R + r) * (2 + D), p.state + (s * R + r + 1) * (2 + D), row);
+      } else {
+        row[0] = -INFINITY;
+        row[1] = 0.0f;
+        std::fill(row + 2, row + 2 + D, 0.0f);
+      }
     }
-    const int64_t first = p.suffix_start[s] / BS, nblocks = (p.lens[s] + BS - 1) / BS;
-    const int64_t per = (nblocks - first + splits - 1) / splits, b0 = first + c * per;
-    if (p.lens[s] > 0 && b0 < nblocks) own_head<D>(p, s, h, m, l, acc, b0, std::min(nblocks, b0 + per));
-    for (int64_t g = 0; g < G; ++g) {
-      pt[g * (2 + D)] = m[g];
-      pt[g * (2 + D) + 1] = l[g];
-      std::copy(acc[g], acc[g] + D, pt + g * (2 + D) + 2);
+    if (len > 0) {
+      const int64_t first = p.suffix_start[s] / BS, nblocks = (len + BS - 1) / BS;
+      const int64_t per = (nblocks - first + splits - 1) / splits, b0 = first + c * per;
+      const int64_t b1 = std::min(nblocks, b0 + per);
+      const int32_t* table = p.tables + s * p.MB;
+      for (int64_t b = b0; b < b1; ++b) {
+        if (b + 1 < b1) prefetch_block_all(p, table[b + 1], D);
+        for (int64_t h = 0; h < H; ++h) {
+          alignas(64) float acc[kMaxGroup][D];
+          float m[kMaxGroup], l[kMaxGroup];
+          for (int64_t g = 0; g < G; ++g) {
+            const float* row = st.data() + (h * G + g) * (2 + D);
+            m[g] = row[0];
+            l[g] = row[1];
+            std::copy(row + 2, row + 2 + D, acc[g]);
+          }
+          own_head<D>(p, s, h, m, l, acc, b, b + 1);
+          for (int64_t g = 0; g < G; ++g) {
+            float* row = st.data() + (h * G + g) * (2 + D);
+            row[0] = m[g];
+            row[1] = l[g];
+            std::copy(acc[g], acc[g] + D, row + 2);
+          }
+        }
+      }
+    }
+    if (splits > 1) {
+      std::copy(st.begin(), st.end(), part.begin() + i * R * (2 + D));
+      return;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const float* row = st.data() + r * (2 + D);
+      float* o = p.out + (s * R + r) * D;
+      const float inv = len > 0 ? 1.0f / std::max(row[1], 1e-30f) : 0.0f;
+#pragma omp simd
+      for (int j = 0; j < D; ++j) o[j] = row[2 + j] * inv;
     }
   });
+  if (splits == 1) return;
   for (int64_t s = 0; s < p.S; ++s)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = p.out + ((s * H + h) * G + g) * D;
-        if (p.lens[s] <= 0) {
-          std::fill(o, o + D, 0.0f);
-          continue;
-        }
-        // the partials to merge: the cascade's (members) and each range's
-        const float* ps[kMaxSplits + 1];
-        int64_t n = 0;
-        if (p.suffix_start[s] > 0) ps[n++] = p.state + ((s * H + h) * G + g) * (2 + D);
-        for (int64_t c = 0; c < splits; ++c) ps[n++] = part.data() + (((s * H + h) * splits + c) * G + g) * (2 + D);
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, ps[j][0]);
-        float l = 0.0f;
-        alignas(64) float a[D] = {};
-        for (int64_t j = 0; j < n; ++j) {
-          if (ps[j][0] == -INFINITY) continue;  // a range past the sequence's end
-          const float w = fast_exp(ps[j][0] - mx);
-          l += ps[j][1] * w;
-#pragma omp simd
-          for (int i = 0; i < D; ++i) a[i] += ps[j][2 + i] * w;
-        }
-        const float inv = 1.0f / std::max(l, 1e-30f);
-#pragma omp simd
-        for (int i = 0; i < D; ++i) o[i] = a[i] * inv;
+    for (int64_t r = 0; r < R; ++r) {
+      float* o = p.out + (s * R + r) * D;
+      if (p.lens[s] <= 0) {
+        std::fill(o, o + D, 0.0f);
+        continue;
       }
+      // the partials to merge: the cascade's (members) and each range's
+      const float* ps[kMaxSplits + 1];
+      int64_t n = 0;
+      if (p.suffix_start[s] > 0) ps[n++] = p.state + (s * R + r) * (2 + D);
+      for (int64_t c = 0; c < splits; ++c) ps[n++] = part.data() + ((s * splits + c) * R + r) * (2 + D);
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, ps[j][0]);
+      float l = 0.0f;
+      alignas(64) float a[D] = {};
+      for (int64_t j = 0; j < n; ++j) {
+        if (ps[j][0] == -INFINITY) continue;  // a range past the sequence's end
+        const float w = fast_exp(ps[j][0] - mx);
+        l += ps[j][1] * w;
+#pragma omp simd
+        for (int k = 0; k < D; ++k) a[k] += ps[j][2 + k] * w;
+      }
+      const float inv = 1.0f / std::max(l, 1e-30f);
+#pragma omp simd
+      for (int k = 0; k < D; ++k) o[k] = a[k] * inv;
+    }
 }
 #endif
 
@@ -726,10 +775,7 @@ void run(ffi::ThreadPool& pool, int64_t threads, const Problem& p) {
           for (int64_t g = 0; g < p.G; ++g) rows.push_back(s * p.G + g);
     if (!rows.empty()) cascade<D>(pool, threads, p, rows);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if constexpr (D % 16 == 0) {
-      const int64_t splits = own_splits(p, threads);
-      if (splits > 1) return split_heads<D>(pool, threads, p, splits);
-    }
+    if constexpr (D % 16 == 0) return own_ranges<D>(pool, threads, p, own_splits(p, threads));
 #endif
     run_parallel(pool, threads, p.S * p.H, [&](int64_t i) { one_head<D>(p, i / p.H, i % p.H); });  // phase 2
     return;
