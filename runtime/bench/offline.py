@@ -211,8 +211,11 @@ def bench_decode(engine: Any, *, batches: tuple[int, ...] = (1, 8, 32, 64), cont
                      "attention_share": attn / full, "tokens_per_s": b / full,
                      "full_min_ms": min(full_t) * 1e3, "no_attention_min_ms": min(bare_t) * 1e3})
     engine.reset_prefix_cache()  # the benchmark wrote KV into blocks behind the pool's back
-    # what a 1-row step reads: every weight but the float kernel's head copy (it serves 2-64 rows)
-    read = {k: v for k, v in runner.params.items() if k != "head_f32"}
+    # what a 1-row step reads: every weight, the head once: where the float kernel's packed copy
+    # serves it (models/llama.py lm_head), that copy and not the embedding table (one row of it)
+    # or an untied lm_head
+    skip = ("embed", "lm_head") if "head_f32" in runner.params else ()
+    read = {k: v for k, v in runner.params.items() if k not in skip}
     weight_bytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(read))
     dev = measure_cpu(size_mb=bandwidth_mb)
     limit = weight_bytes / dev.bandwidth_bytes_per_s

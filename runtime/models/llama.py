@@ -192,9 +192,10 @@ def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     float head."""
     if "head" in params and (hidden.shape[0] > 1 or "p" in params["head"]):  # (the C++ kernel: any rows)
         return linear(hidden.astype(jnp.float32), params["head"])
-    if "head_f32" in params and 2 <= hidden.shape[0] <= 64:
-        # the float kernel's packed copy of the head (model_runner): 1.1-2x XLA's product
-        # at 2-64 rows on a 2-core Zen 3 EPYC; at 1 row and above 64 XLA's is as fast or faster
+    if "head_f32" in params and hidden.shape[0] <= 64:
+        # the float kernel's packed copy of the head (model_runner): 1.1-2x XLA's product at
+        # 2-64 rows on a 2-core Zen 3 EPYC, and at 1 row since it prefetches its next strips
+        # (2.2 ms against 3.0 on a 2-core AMX Xeon); above 64 XLA's is as fast or faster
         from runtime import cpu_matmul
 
         return cpu_matmul.linear_f32(hidden.astype(jnp.float32), params["head_f32"])
