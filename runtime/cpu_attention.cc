@@ -38,7 +38,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 using pagedjax::fast_exp;
-using pagedjax::kExpPoly;
 using pagedjax::run_parallel;
 
 constexpr int kMaxGroup = 16;  // query heads per KV head
@@ -211,38 +210,15 @@ inline int64_t block_rows(const Problem& p, int64_t blk, int64_t h, float* kf, f
   return D;
 }
 
-// Prefetch block `blk`'s K and V rows of head h (float or int8 values) into L2: one block
-// ahead of a walk over a sequence's own blocks, whose rows (one head's, strided by the other
-// heads') come from DRAM.
-inline void prefetch_block(const Problem& p, int64_t blk, int64_t h, int64_t D) {
-  const int64_t row = p.k8 ? D : D * 4;
-  const char* k = p.k8 ? reinterpret_cast<const char*>(p.k8) : reinterpret_cast<const char*>(p.k);
-  const char* v = p.k8 ? reinterpret_cast<const char*>(p.v8) : reinterpret_cast<const char*>(p.v);
-  for (int64_t t = 0; t < p.BS; ++t) {
-    const int64_t off = ((blk * p.BS + t) * p.H + h) * row;
-    for (int64_t o = 0; o < row; o += 64) {
-      __builtin_prefetch(k + off + o, 0, 2);
-      __builtin_prefetch(v + off + o, 0, 2);
-    }
-  }
-}
-
 // One block's online-softmax update for 16 rows: scores sc[t][r] (-inf = masked) become
 // weights; m, l rescale by alpha (returned per row for the accumulators).
 #if defined(__AVX512F__)
-// exp(x) for 16 lanes, x <= 0 or -inf (-> 0): fast_exp's polynomial on whole vectors (GCC
+// exp(x) for 16 lanes, x <= 0 or -inf (-> 0): cpu_exp.h's exp_ps, masked (GCC
 // does not vectorize the scalar loops over the [t][16] tiles: scalar exps were ~half the
 // cascade's time).
 inline __m512 exp16(__m512 x) {
   const __mmask16 masked = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpPoly[i]));
-  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(fi), 23));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~masked), _mm512_castsi512_ps(bits));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~masked), pagedjax::exp_ps(x));
 }
 
 inline void block_softmax(float (*sc)[16], int64_t BS, float* m, float* l, float* alpha) {
@@ -264,17 +240,10 @@ inline void block_softmax(float (*sc)[16], int64_t BS, float* m, float* l, float
   _mm512_storeu_ps(m, mx);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// exp(x) for 8 lanes, x <= 0 or -inf (-> 0): exp16's polynomial.
+// exp(x) for 8 lanes, x <= 0 or -inf (-> 0): as exp16.
 inline __m256 exp8(__m256 x) {
   const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 fi = _mm256_floor_ps(t);
-  const __m256 f = _mm256_sub_ps(t, fi);
-  __m256 p = _mm256_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpPoly[i]));
-  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(fi), 23));
-  return _mm256_andnot_ps(masked, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(masked, pagedjax::exp_ps(x));
 }
 
 inline void block_softmax(float (*sc)[16], int64_t BS, float* m, float* l, float* alpha) {
@@ -418,22 +387,21 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
 }
 
-// Decode phase 2 for one sequence and KV head: its G query rows against its own blocks,
-// 16 tokens at a time. A sequence has only G (~3) rows, too few for the cascade's row-lane
+// Decode phase 2 for one sequence, KV head and own block b: its G query rows against the
+// block's tokens, 16 at a time (own_ranges walks the blocks). A sequence has only G (~3) rows, too few for the cascade's row-lane
 // tiles, so here the lanes run over tokens: each row's 16 scores come out as one vector
 // (hsum16), its softmax update is vector-wide, and the accumulators stay in registers while
 // the tile's V rows stream past.
 template <int D>
-void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float (*acc)[D], int64_t b_begin,
-              int64_t b_end) {
+void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float (*acc)[D], int64_t b) {
   constexpr int C = D / 16;
   const int64_t G = p.G, BS = p.BS, len = p.lens[s];
   const int32_t* table = p.tables + s * p.MB;
   const float* q = p.q + (s * p.H + h) * G * D;
   alignas(64) float kf[kMaxBlock * D], vf[kMaxBlock * D];
   alignas(64) float e[16];
-  for (int64_t b = b_begin; b < b_end && b * BS < len; ++b) {
-    if (b + 1 < b_end && (b + 1) * BS < len) prefetch_block(p, table[b + 1], h, D);
+  if (b * BS >= len) return;
+  {
     const int64_t n = std::min<int64_t>(BS, len - b * BS);
     const float *kb, *vb;
     const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
@@ -494,8 +462,7 @@ inline float hadd8(__m256 v) {
 // own_head above with 8 tokens a tile: 8 dot products (4 at a time, hsum4) give the row's 8
 // scores as one vector.
 template <int D>
-void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float (*acc)[D], int64_t b_begin,
-              int64_t b_end) {
+void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float (*acc)[D], int64_t b) {
   constexpr int C = D / 8;
   const int64_t G = p.G, BS = p.BS, len = p.lens[s];
   const int32_t* table = p.tables + s * p.MB;
@@ -503,8 +470,8 @@ void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float 
   alignas(64) float kf[kMaxBlock * D], vf[kMaxBlock * D];
   alignas(32) float e[8];
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t b = b_begin; b < b_end && b * BS < len; ++b) {
-    if (b + 1 < b_end && (b + 1) * BS < len) prefetch_block(p, table[b + 1], h, D);
+  if (b * BS >= len) return;
+  {
     const int64_t n = std::min<int64_t>(BS, len - b * BS);
     const float *kb, *vb;
     const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
@@ -551,8 +518,8 @@ void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float 
 }
 #endif
 
-// Phase 2 (decode): sequence s's own blocks for KV head h (one work item: a batch of one
-// sequence still splits over its KV heads, so both cores work at batch 1).
+// Phase 2 (decode) where own_ranges does not serve (no AVX2, or a head dim not a multiple of
+// 16): sequence s's own blocks for KV head h, one work item, in plain loops.
 template <int D>
 void one_head(const Problem& p, int64_t s, int64_t h) {
   const int64_t H = p.H, G = p.G, BS = p.BS;
@@ -583,11 +550,6 @@ void one_head(const Problem& p, int64_t s, int64_t h) {
         for (int i = 0; i < D; ++i) acc[g][i] = 0.0f;
       }
     }
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if constexpr (D % 16 == 0) {
-      own_head<D>(p, s, h, m, l, acc, first, nblocks);
-    } else
-#endif
     for (int64_t b = first; b < nblocks; ++b) {
       const int64_t n = std::min<int64_t>(BS, len - b * BS);
       const float *kb, *vb;
@@ -702,7 +664,7 @@ void own_ranges(ffi::ThreadPool& pool, int64_t threads, const Problem& p, int64_
             l[g] = row[1];
             std::copy(row + 2, row + 2 + D, acc[g]);
           }
-          own_head<D>(p, s, h, m, l, acc, b, b + 1);
+          own_head<D>(p, s, h, m, l, acc, b);
           for (int64_t g = 0; g < G; ++g) {
             float* row = st.data() + (h * G + g) * (2 + D);
             row[0] = m[g];
