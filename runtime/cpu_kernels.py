@@ -33,6 +33,7 @@ TARGETS = {
     "pagedjax_int8_linear": "PagedjaxInt8Linear",
     "pagedjax_int8_linear_g32": "PagedjaxInt8LinearG32",
     "pagedjax_f32_linear": "PagedjaxF32Linear",
+    "pagedjax_f32_layer_tail": "PagedjaxF32LayerTail",
     "pagedjax_kv_write": "PagedjaxKvWrite",
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC")

@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -35,10 +37,13 @@ namespace ffi = xla::ffi;
 namespace {
 
 using pagedjax::fast_exp;
-using pagedjax::run_parallel_ahead;
 
 constexpr int64_t kCols = 16;   // output columns per packed strip (one zmm, two ymm)
 constexpr int64_t kPanelBytes = 512 << 10;  // a work item's x rows (rows x K floats) stay in L2
+// Items of fewer rows leave the next item's weights to the hardware prefetchers: a 1-row item
+// is over before its prefetches land, and they only took load slots (SmolLM2's 1-row step,
+// 2-core AMX Xeon: 1.8 ms faster without; from 4 rows the prefetch pays).
+constexpr int64_t kPrefetchMinRows = 4;
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -149,6 +154,46 @@ inline void tile_rows(int64_t rows, const float* x, int64_t K, const float* w, f
   tile<R, P>(x, K, w, out, N, pf);
 }
 
+// One row over P strips (P = kWide at a 1-row item): P independent FMA chains, where a 1-row
+// tile would have one (AVX2: two) per strip. Why: a 1-row product only streams weights, and
+// each strip's chain waits on its last FMA's latency, which bounded how fast a thread
+// catches up once its stalled loads arrive (4 chains read ~4% faster than 2 in a C++ loop
+// over SmolLM2-sized items on the AMX Xeon). Each output is still its k-ordered chain: the
+// same bits as in a tile of any row count.
+constexpr int64_t kWide = 4;
+
+template <int P>
+inline void row_strips(const float* x, int64_t K, const float* w, float* out, Ahead& pf) {
+#if defined(__AVX512F__)
+  __m512 a[P];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) a[p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    pf.step();
+    const __m512 xb = _mm512_set1_ps(x[k]);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) a[p] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(w + p * K * kCols + kCols * k), a[p]);
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + p * kCols, a[p]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a[2 * P];
+#pragma GCC unroll 8
+  for (int p = 0; p < 2 * P; ++p) a[p] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    pf.step();
+    const __m256 xb = _mm256_broadcast_ss(x + k);
+#pragma GCC unroll 8
+    for (int p = 0; p < 2 * P; ++p)
+      a[p] = _mm256_fmadd_ps(xb, _mm256_load_ps(w + (p / 2) * K * kCols + kCols * k + 8 * (p % 2)), a[p]);
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < 2 * P; ++p) _mm256_storeu_ps(out + (p / 2) * kCols + 8 * (p % 2), a[p]);
+#else
+  for (int p = 0; p < P; ++p) tile<1, 1>(x, K, w + p * K * kCols, out + p * kCols, 0, pf);
+#endif
+}
+
 // What a tile's products go through on their way to `out` (see the top of the file).
 struct Epilogue {
   const float* residual = nullptr;  // [M, N_out], or null
@@ -175,32 +220,41 @@ inline void silu_mul_row(const float* g, float* out) {
 }
 
 // Rows [m0, m1) of the item's strips s..s+ns-1 (ns = kStrips, 1 for an odd last strip, or a
-// (gate, up) pair under swiglu), prefetching `pf` (the next item's strips, or null) as it goes.
+// (gate, up) pair under swiglu), prefetching `pf_lines` 64-byte lines from `pf` (the next
+// item's strips, or null) as it goes.
 // Without an epilogue a tile stores straight into `out`; with one it stores into `buf` and
 // the epilogue writes `out` (N_out columns, the item's first at `col`).
 void panel(const float* x, const float* w, float* out, int64_t K, int64_t N_out, int64_t s, int64_t ns,
-           int64_t m0, int64_t m1, const float* pf, int64_t pf_strips, const Epilogue& epi) {
+           int64_t m0, int64_t m1, const float* pf, int64_t pf_lines, const Epilogue& epi) {
   const int64_t calls_per_tile = (ns + kStrips - 1) / kStrips;
-  const int64_t calls = (m1 - m0 + kRows - 1) / kRows * calls_per_tile, lines = pf ? pf_strips * K : 0;
+  const int64_t calls = (m1 - m0 + kRows - 1) / kRows * calls_per_tile;
+  const int64_t lines = pf && m1 - m0 >= kPrefetchMinRows ? pf_lines : 0;
   const int64_t col = epi.swiglu ? s / 2 * kCols : s * kCols, width = ns * kCols;
   Ahead ahead{reinterpret_cast<const char*>(pf), 0, K};
-  alignas(64) float buf[kRows * 2 * kCols];
+  alignas(64) float buf[std::max(kRows * 2, kWide) * kCols];
   for (int64_t t = 0, m = m0; m < m1; m += kRows) {
     const int64_t rows = std::min(kRows, m1 - m);
-    for (int64_t ss = 0; ss < ns; ss += kStrips, ++t) {
+    for (int64_t ss = 0; ss < ns; ++t) {
       ahead.lines = lines * (t + 1) / calls - lines * t / calls;
       ahead.acc = 0;
       const float* ws = w + (s + ss) * K * kCols;
       float* o = epi.any() ? buf + ss * kCols : out + m * N_out + col + ss * kCols;
       const int64_t stride = epi.any() ? width : N_out;
-      if (ns - ss >= kStrips) {
+      if (rows == 1 && ns - ss >= kWide) {
+        row_strips<kWide>(x + m * K, K, ws, o, ahead);
+        ss += kWide;
+      } else if (ns - ss >= kStrips) {
         tile_rows<kStrips>(rows, x + m * K, K, ws, o, stride, ahead);
+        ss += kStrips;
       } else {
         tile_rows<1>(rows, x + m * K, K, ws, o, stride, ahead);
+        ss += 1;
       }
     }
     if (epi.swiglu) {
-      for (int64_t r = 0; r < rows; ++r) silu_mul_row(buf + r * width, out + (m + r) * N_out + col);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < ns / 2; ++j)
+          silu_mul_row(buf + r * width + 2 * kCols * j, out + (m + r) * N_out + col + kCols * j);
     } else if (epi.residual) {
       for (int64_t r = 0; r < rows; ++r) {
         const float* res = epi.residual + (m + r) * N_out + col;
@@ -226,6 +280,70 @@ void rms_norm(const float* x, const float* w, float eps, int64_t M, int64_t K, f
   }
 }
 
+// One product's work as kernel items: row panels x groups of strips (kStrips, or a SwiGLU
+// pair). Items walk the row panels of one strip group before the next: each strip's weights
+// come from memory once per call (the head's 113 MB would otherwise stream once per panel),
+// and the panels' rows (M x K floats) are re-read from L2/L3. As few panels as keep their x
+// rows in L2, of even size (64 rows of SmolLM2: one panel).
+struct Product {
+  const float* x;  // [M, K]
+  const float* w;  // [S, K, 16]
+  float* out;      // [M, N_out]
+  int64_t M, K, S, N_out;
+  Epilogue epi;
+  int64_t gs, panels, groups, rows;  // strips per item; row panels, strip groups, rows per panel
+
+  Product(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t S, int64_t N_out, Epilogue epi)
+      : x(x), w(w), out(out), M(M), K(K), S(S), N_out(N_out), epi(epi) {
+    const int64_t cap = std::max(kRows, kPanelBytes / (K * 4) / kRows * kRows);
+    gs = M == 1 ? kWide : epi.swiglu ? 2 : kStrips;  // (a 1-row item: row_strips; SwiGLU: 2 pairs)
+    panels = (M + cap - 1) / cap;
+    groups = (S + gs - 1) / gs;
+    rows = ((M + panels - 1) / panels + kRows - 1) / kRows * kRows;
+  }
+  int64_t items() const { return panels * groups; }
+  int64_t first_strip(int64_t i) const { return (i / panels) * gs; }
+  const float* weights(int64_t i) const { return w + first_strip(i) * K * kCols; }
+  int64_t lines(int64_t i) const { return std::min(gs, S - first_strip(i)) * K; }  // a strip: K lines
+  void run(int64_t i, const float* pf, int64_t pf_lines) const {
+    const int64_t s = first_strip(i), m0 = (i % panels) * rows;
+    panel(x, w, out, K, N_out, s, std::min(gs, S - s), m0, std::min(M, m0 + rows), pf, pf_lines, epi);
+  }
+};
+
+// `n` dependent products as one pagedjax::Chain (cpu_parallel.h): each item prefetches the next
+// item's weights, the next product's once its own run out (none when the next item reads
+// the same strips: another row panel). `between(p)` readies product p + 1's input.
+void run_products(ffi::ThreadPool& pool, int64_t threads, const Product* prods, int n,
+                  const std::function<void()>& prologue, std::function<void(int)> between) {
+  auto ch = std::make_shared<pagedjax::Chain>();
+  ch->phases = n;
+  int64_t start[pagedjax::Chain::kMaxPhases];
+  for (int p = 0; p < n; ++p) {
+    start[p] = p ? ch->end[p - 1] : 0;
+    ch->end[p] = start[p] + prods[p].items();
+  }
+  ch->count = ch->end[n - 1];
+  pagedjax::Chain* c = ch.get();  // (not the shared_ptr: the chain would own itself)
+  ch->item = [c, prods, start](int64_t i, int64_t j) {
+    const int p = c->phase_of(i);
+    const int64_t li = i - start[p];
+    const float* pf = nullptr;
+    int64_t lines = 0;
+    if (j >= 0) {
+      const int q = c->phase_of(j);
+      const int64_t lj = j - start[q];
+      if (q != p || prods[q].first_strip(lj) != prods[p].first_strip(li)) {
+        pf = prods[q].weights(lj);
+        lines = prods[q].lines(lj);
+      }
+    }
+    prods[p].run(li, pf, lines);
+  };
+  ch->between = std::move(between);
+  pagedjax::run_phase(pool, threads, ch, prologue);
+}
+
 ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                      ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32> norm, ffi::ResultBuffer<ffi::F32> out,
                      int64_t num_threads, int64_t swiglu, float eps) {
@@ -243,8 +361,7 @@ ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     return ffi::Error::InvalidArgument("float32 linear: the norm weight must have K elements");
   }
   if (M == 0) return ffi::Error::Success();
-  const float *xs = x.typed_data(), *ws = w.typed_data();
-  float* o = out->typed_data();
+  const float* xs = x.typed_data();
   thread_local std::vector<float> normed;  // (the items read it before this call returns)
   std::function<void()> prologue;
   if (norm.element_count() != 0) {
@@ -252,21 +369,63 @@ ffi::Error F32Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     prologue = [x = xs, nw = norm.typed_data(), eps, M, K, y = normed.data()] { rms_norm(x, nw, eps, M, K, y); };
     xs = normed.data();
   }
-  const Epilogue epi{residual.element_count() ? residual.typed_data() : nullptr, swiglu != 0};
-  // as few row panels as keep their x rows in L2, of even size (64 rows: one panel)
-  const int64_t cap = std::max(kRows, kPanelBytes / (K * 4) / kRows * kRows);
-  const int64_t gs = swiglu ? 2 : kStrips;  // strips per item
-  const int64_t panels = (M + cap - 1) / cap, groups = (S + gs - 1) / gs;
-  const int64_t kPanel = ((M + panels - 1) / panels + kRows - 1) / kRows * kRows;
-  // Items walk the row panels of one strip group before the next: each strip's weights come
-  // from memory once per call (the head's 113 MB would otherwise stream once per panel), and
-  // the panels' rows (M x K floats) are re-read from L2/L3.
-  run_parallel_ahead(pool, num_threads, panels * groups, [=](int64_t i, int64_t next) {
-    const int64_t s = (i / panels) * gs, m0 = (i % panels) * kPanel, m1 = std::min(M, m0 + kPanel);
-    const int64_t sn = next < 0 ? s : (next / panels) * gs;  // (the same strips: cached already)
-    const float* pf = sn == s ? nullptr : ws + sn * K * kCols;
-    panel(xs, ws, o, K, N_out, s, std::min(gs, S - s), m0, m1, pf, std::min(gs, S - sn), epi);
-  }, prologue);
+  const Product prod(xs, w.typed_data(), out->typed_data(), M, K, S, N_out,
+                     {residual.element_count() ? residual.typed_data() : nullptr, swiglu != 0});
+  run_products(pool, num_threads, &prod, 1, prologue, {});
+  return ffi::Error::Success();
+}
+
+// A decoder layer's products after attention as one call: h1 = h + a wo; then
+// out = h1 + swiglu(rms_norm(h1) (gate|up)) w_down; and, given the next layer's norm and
+// packed qkv, that layer's first product too: qkv = rms_norm(out) wq|wk|wv. Why one call: at
+// a few rows each product is tens of microseconds, and each call paid a helper's wake-up, a
+// wait for the slower thread, a cold first item and the XLA ops between; here the products
+// run as one Chain, items prefetching the next item's weights across the products'
+// boundaries (from 4 rows). The numbers are F32Linear's for the same calls, bit for bit.
+ffi::Error F32LayerTail(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> h,
+                        ffi::Buffer<ffi::F32> wo, ffi::Buffer<ffi::F32> mlp_norm, ffi::Buffer<ffi::F32> gate_up,
+                        ffi::Buffer<ffi::F32> down, ffi::Buffer<ffi::F32> next_norm, ffi::Buffer<ffi::F32> next_qkv,
+                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> qkv_out, int64_t num_threads,
+                        float eps) {
+  const auto ad = a.dimensions(), hd = h.dimensions(), od = wo.dimensions(), gd = gate_up.dimensions(),
+             dd = down.dimensions(), outd = out->dimensions(), nd = next_qkv.dimensions(),
+             qd = qkv_out->dimensions();
+  if (ad.size() != 2 || hd.size() != 2 || od.size() != 3 || gd.size() != 3 || dd.size() != 3 || outd.size() != 2 ||
+      qd.size() != 2) {
+    return ffi::Error::InvalidArgument("float32 layer tail: a [M,A], h [M,d], packed wo, gate|up and w_down, out [M,d]");
+  }
+  const int64_t M = ad[0], A = ad[1], d = hd[1], I = gd[0] * kCols / 2;
+  if (hd[0] != M || outd[0] != M || outd[1] != d || od[0] * kCols != d || od[1] != A || od[2] != kCols ||
+      gd[0] % 2 || gd[1] != d || gd[2] != kCols || dd[0] * kCols != d || dd[1] != I || dd[2] != kCols ||
+      mlp_norm.element_count() != static_cast<size_t>(d)) {
+    return ffi::Error::InvalidArgument("float32 layer tail: shapes disagree (wo [d/16,A,16], gate|up pairs "
+                                       "[2I/16,d,16], w_down [d/16,I,16], mlp_norm [d])");
+  }
+  const bool next = next_qkv.element_count() != 0;
+  if (next ? (nd.size() != 3 || nd[1] != d || nd[2] != kCols || next_norm.element_count() != static_cast<size_t>(d) ||
+              qd[0] != M || qd[1] != nd[0] * kCols)
+           : qd[1] != 0) {
+    return ffi::Error::InvalidArgument("float32 layer tail: the next layer's qkv [N/16,d,16], its norm [d] and the "
+                                       "qkv output [M,N] disagree (or: no next qkv, an [M,0] output)");
+  }
+  if (M == 0) return ffi::Error::Success();
+  thread_local std::vector<float> h1, n1, act, n2;  // (the items read them before this call returns)
+  h1.resize(M * d);
+  n1.resize(M * d);
+  act.resize(M * I);
+  n2.resize(next ? M * d : 0);
+  const Product prods[4] = {
+      {a.typed_data(), wo.typed_data(), h1.data(), M, A, od[0], d, {h.typed_data(), false}},
+      {n1.data(), gate_up.typed_data(), act.data(), M, d, gd[0], I, {nullptr, true}},
+      {act.data(), down.typed_data(), out->typed_data(), M, I, dd[0], d, {h1.data(), false}},
+      {n2.data(), next_qkv.typed_data(), qkv_out->typed_data(), M, d, next ? nd[0] : 0, next ? qd[1] : 0, {}}};
+  // (pointers, not the thread_local vectors: this runs on whichever thread ends a product)
+  auto between = [h1 = h1.data(), n1 = n1.data(), o = out->typed_data(), n2 = n2.data(), mw = mlp_norm.typed_data(),
+                  nw = next_norm.typed_data(), eps, M, d](int p) {
+    if (p == 0) rms_norm(h1, mw, eps, M, d, n1);
+    if (p == 2) rms_norm(o, nw, eps, M, d, n2);
+  };
+  run_products(pool, num_threads, prods, next ? 4 : 3, {}, between);
   return ffi::Error::Success();
 }
 
@@ -291,4 +450,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxF32Linear, F32Linear,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads")
                                   .Attr<int64_t>("swiglu")
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxF32LayerTail, F32LayerTail,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads")
                                   .Attr<float>("eps"));

@@ -37,6 +37,7 @@ from runtime import cpu_kernels
 TARGET = "pagedjax_int8_linear"
 GROUPED_TARGET = "pagedjax_int8_linear_g32"
 F32_TARGET = "pagedjax_f32_linear"
+TAIL_TARGET = "pagedjax_f32_layer_tail"
 STRIP = 64     # output columns per packed strip
 F32_STRIP = 16  # the float kernel's strip
 FUSED = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
@@ -211,6 +212,28 @@ def linear_f32(x: jax.Array, w: dict[str, jax.Array], residual: jax.Array | None
     call = jax.ffi.ffi_call(F32_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
     return call(x.astype(jnp.float32), packed, r, nw, num_threads=np.int64(cpu_kernels.num_threads()),
                 swiglu=np.int64(swiglu), eps=np.float32(eps))
+
+
+def layer_tail_f32(a: jax.Array, h: jax.Array, wo: dict[str, jax.Array], norm: tuple,
+                   gate_up: dict[str, jax.Array], w_down: dict[str, jax.Array],
+                   next_qkv: dict[str, jax.Array] | None = None,
+                   next_norm: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """A decoder layer after attention in one kernel call: h1 = h + a @ wo, then out = h1 +
+    swiglu(rms_norm(h1, *norm) @ gate|up) @ w_down [T, d] float32; given the next layer's
+    packed qkv and its norm weight (eps is `norm`'s), also that layer's qkv = rms_norm(out) @
+    wq|wk|wv [T, N]. Returns (out, qkv or None): the numbers of the same `linear_f32` calls
+    (cpu_linear_f32.cc F32LayerTail says why one call)."""
+    if cpu_kernels.library() is None:
+        raise ValueError("a packed float32 weight needs the C++ CPU kernels, which are not available here")
+    empty = jnp.zeros((0,), jnp.float32)
+    n = 0 if next_qkv is None else next_qkv["f"].shape[-3] * F32_STRIP
+    call = jax.ffi.ffi_call(TAIL_TARGET, (jax.ShapeDtypeStruct(h.shape, jnp.float32),
+                                          jax.ShapeDtypeStruct((h.shape[0], n), jnp.float32)), vmap_method="sequential")
+    out, qkv = call(a.astype(jnp.float32), h.astype(jnp.float32), wo["f"], norm[0].astype(jnp.float32), gate_up["fg"],
+                    w_down["f"], empty if next_qkv is None else next_norm.astype(jnp.float32),
+                    empty if next_qkv is None else next_qkv["f"], num_threads=np.int64(cpu_kernels.num_threads()),
+                    eps=np.float32(norm[1]))
+    return out, (None if next_qkv is None else qkv)
 
 
 def linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:

@@ -304,6 +304,10 @@ class ModelRunner:
             from runtime.quant import LINEAR_WEIGHTS
 
             self.params = unstack_weights(self.params, LINEAR_WEIGHTS)
+        if self.mesh is None:
+            from runtime import hugepages
+
+            self.params = hugepages.place_weights(self.params)
         self.max_blocks_per_seq = -(-sched.max_model_len // cache.block_size)
         if cache.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype: {cache.kv_dtype!r} is not supported by the runner "
@@ -311,6 +315,9 @@ class ModelRunner:
         shape = (cfg.num_layers * cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
         if self.mesh is None:
             self.kv = allocate_kv(shape, cache.kv_dtype)
+            from runtime import hugepages
+
+            hugepages.collapse(self.kv)
         rows = sched.max_num_seqs + 1  # last row is scratch for padding
         self.penalty = (jnp.zeros((rows, cfg.vocab_size), jnp.int32), jnp.zeros((rows, cfg.vocab_size), bool),
                         jnp.zeros((rows,), jnp.int32))

@@ -305,6 +305,57 @@ def linear(x: jax.Array, w: Any, residual: jax.Array | None = None, norm: Norm |
     return (acc.astype(jnp.float32) * sx * w["s"]).astype(x.dtype)
 
 
+def _float_packed(w: Any, key: str = "f") -> bool:
+    """w (a weight, or a layer scan's per-layer arrays) is packed for the float32 kernel."""
+    w = w.arrays[0] if isinstance(w, LayerPick) else w[0] if isinstance(w, tuple) and w else w
+    return isinstance(w, dict) and key in w
+
+
+def tail_fuses(layers: dict[str, Any]) -> bool:
+    """A layer's wo, gate|up and w_down run as one float32 kernel call (`layer_tail`)."""
+    return (_float_packed(layers.get("wo")) and _float_packed(layers.get("gate_up"), "fg")
+            and _float_packed(layers.get("w_down")))
+
+
+def chains_qkv(layers: dict[str, Any]) -> bool:
+    """`layer_tail`'s call also computes the next layer's qkv: the tail fuses and the layers'
+    qkv is held per layer, packed for the float32 kernel (models/llama.py forward_hidden)."""
+    return tail_fuses(layers) and isinstance(layers.get("qkv"), tuple) and _float_packed(layers["qkv"])
+
+
+def layer_tail(a: jax.Array, h: jax.Array, lp: dict[str, Any], norm: Norm,
+               next_norm: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """A decoder layer after attention: h1 = h + a @ wo; out = h1 + the SwiGLU MLP of
+    rms_norm(h1). Returns (out, the next layer's fused qkv of rms_norm(out, next_norm) or
+    None). Where wo, gate|up and w_down are packed for the float32 kernel they run as one
+    kernel call (cpu_matmul.layer_tail_f32), which inside the layer scan also computes the
+    next layer's qkv when `next_norm` is given (zeros after the last layer): a 1-row step
+    then makes one product call per layer instead of four."""
+    wo, gu, down = lp["wo"], lp.get("gate_up"), lp["w_down"]
+    if not tail_fuses(lp):
+        from runtime.models.llama import mlp
+
+        h = linear(a, wo, residual=h)
+        return mlp(lp, h, residual=h, norm=norm), None
+    from runtime import cpu_matmul
+
+    if not isinstance(wo, LayerPick):
+        return cpu_matmul.layer_tail_f32(a, h, wo, norm, gu, down)[0].astype(h.dtype), None
+    qkv = lp.get("qkv") if next_norm is not None else None
+    n = len(wo.arrays)
+
+    def branch(i):
+        def run(a, h, nw, nn):
+            nxt = qkv.arrays[i + 1] if qkv is not None and i + 1 < n else None
+            out, q = cpu_matmul.layer_tail_f32(a, h, wo.arrays[i], (nw, norm[1]), gu.arrays[i], down.arrays[i],
+                                               nxt, nn)
+            if qkv is not None and q is None:  # the last layer: no next qkv
+                q = jnp.zeros((a.shape[0], qkv.arrays[0]["f"].shape[-3] * cpu_matmul.F32_STRIP), jnp.float32)
+            return out.astype(h.dtype), (None if q is None else q.astype(h.dtype))
+        return run
+    return jax.lax.switch(wo.index, [branch(i) for i in range(n)], a, h, norm[0], next_norm)
+
+
 def swiglu(x: jax.Array, w: Any, norm: Norm | None = None) -> jax.Array:
     """silu(gate) * up of rms_norm(x) (x without `norm`) for a fused gate|up weight [in, 2I]
     -> [T, I]. A float32 weight packed as SwiGLU pairs ({"fg"}, runtime/cpu_matmul.pack_swiglu)

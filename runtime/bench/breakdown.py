@@ -45,18 +45,26 @@ def _median_ms(fn, iters: int, warmup: int = 1) -> float:
 def _layer_matmuls(cfg: Any, params: Any, x: Any) -> Any:
     """The decoder's projections and MLP alone (what XLA must do at best for these rows),
     through the same functions as the model (int8 weights take the quantized product, packed
-    ones the C++ kernel)."""
+    ones the C++ kernel, whose layer tail makes wo, the MLP and the next layer's qkv one call)."""
 
-    from runtime.models.llama import mlp, qkv_linear, scan_layers
-    from runtime.quant import linear
+    import jax.numpy as jnp
 
-    def body(h, xs):
-        lp, _ = xs
-        q, k, v = qkv_linear(cfg, lp, h)
-        h = h + linear(q, lp["wo"]) + 0 * (k.sum() + v.sum())
-        return h + mlp(lp, h), None
+    from runtime.models.llama import qkv_linear, scan_layers, split_qkv
+    from runtime.quant import chains_qkv, layer_tail, linear
 
-    return scan_layers(body, x, params["layers"], cfg.num_layers)[0]
+    layers, eps = params["layers"], cfg.rms_norm_eps
+    chained = chains_qkv(layers)
+    fused = linear(x, layers["qkv"][0], norm=(layers["attn_norm"][0], eps)) if chained else None
+
+    def body(carry, xs):
+        h, fused = carry
+        lp, layer = xs
+        q, k, v = qkv_linear(cfg, lp, h) if fused is None else split_qkv(cfg, fused)
+        a = q + 0 * (k.sum() + v.sum())  # (attention's place: q stands in for its output)
+        next_norm = layers["attn_norm"][jnp.minimum(layer + 1, cfg.num_layers - 1)] if chained else None
+        return layer_tail(a, h, lp, (lp["mlp_norm"], eps), next_norm), None
+
+    return scan_layers(body, (x, fused), layers, cfg.num_layers)[0][0]
 
 
 def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared_len: int = 320,

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from runtime.config import ModelConfig
-from runtime.quant import LayerPick, Norm, linear, swiglu
+from runtime.quant import LayerPick, Norm, chains_qkv, layer_tail, linear, swiglu
 
 Params = dict[str, Any]
 # attention(q [T,Hq,D], k_new [T,Hkv,D], v_new [T,Hkv,D], layer) -> out [T,Hq,D]; it also
@@ -93,10 +93,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def qkv_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array,
-                   inv_freq: jax.Array, norm: Norm | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q, k, v of rms_norm(x) (x without `norm`), RoPE applied to q and k."""
+                   inv_freq: jax.Array, norm: Norm | None = None,
+                   fused: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v of rms_norm(x) (x without `norm`), RoPE applied to q and k; `fused`: the
+    layer's q|k|v product already made (by the layer before's tail call)."""
     T = x.shape[0]
-    q, k, v = qkv_linear(cfg, lp, x, norm)
+    q, k, v = qkv_linear(cfg, lp, x, norm) if fused is None else split_qkv(cfg, fused)
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -110,10 +112,15 @@ def qkv_linear(cfg: ModelConfig, lp: Params, x: jax.Array,
     """The three projections of rms_norm(x) (x without `norm`); one product when they are
     packed as one ("qkv", the C++ kernels' layout: runtime/cpu_matmul.py)."""
     if "qkv" in lp:
-        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return tuple(jnp.split(linear(x, lp["qkv"], norm=norm), [nq, nq + nkv], axis=-1))
+        return split_qkv(cfg, linear(x, lp["qkv"], norm=norm))
     y = x if norm is None else rms_norm(x, *norm)
     return linear(y, lp["wq"]), linear(y, lp["wk"]), linear(y, lp["wv"])
+
+
+def split_qkv(cfg: ModelConfig, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The fused q|k|v product [T, (Hq + 2 Hkv) D] split into q, k, v."""
+    nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return tuple(jnp.split(qkv, [nq, nq + nkv], axis=-1))
 
 
 def mlp(lp: Params, x: jax.Array, residual: jax.Array | None = None, norm: Norm | None = None) -> jax.Array:
@@ -134,17 +141,22 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][token_ids]
     T = token_ids.shape[0]
+    eps, layers = cfg.rms_norm_eps, params["layers"]
+    # With the float32 kernel, layer l's tail call also makes layer l + 1's qkv product (one
+    # product call per layer): the scan carries it, layer 0's is made here.
+    chained = chains_qkv(layers)
+    fused = linear(x, layers["qkv"][0], norm=(layers["attn_norm"][0], eps)) if chained else None
 
     def layer_step(carry, scanned):
-        h, cache = carry
+        h, cache, fused = carry
         lp, layer = scanned
-        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq, norm=(lp["attn_norm"], cfg.rms_norm_eps))
+        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq, norm=(lp["attn_norm"], eps), fused=fused)
         attn, cache = attention(q, k, v, layer, cache)
-        h = linear(attn.reshape(T, -1), lp["wo"], residual=h)
-        h = mlp(lp, h, residual=h, norm=(lp["mlp_norm"], cfg.rms_norm_eps))
-        return (h, cache), None
+        next_norm = layers["attn_norm"][jnp.minimum(layer + 1, cfg.num_layers - 1)] if chained else None
+        h, fused = layer_tail(attn.reshape(T, -1), h, lp, (lp["mlp_norm"], eps), next_norm)
+        return (h, cache, fused), None
 
-    (x, cache), _ = scan_layers(layer_step, (x, cache), params["layers"], cfg.num_layers)
+    (x, cache, _), _ = scan_layers(layer_step, (x, cache, fused), layers, cfg.num_layers)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
 
 

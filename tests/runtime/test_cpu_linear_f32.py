@@ -158,7 +158,9 @@ def test_engine_serves_float32_through_the_kernel(tiny_ckpt, monkeypatch):
 
     r = eng.runner
     inp = build_step_input(decode_rows(r, 2, 20), 2, 2, r.max_blocks_per_seq, r.cache_cfg.block_size, r.scratch_row)
-    assert cpu_matmul.F32_TARGET in r._step.lower(r.params, r.kv, r.penalty, inp).as_text()
+    hlo = r._step.lower(r.params, r.kv, r.penalty, inp).as_text()
+    # layer 0's qkv alone; then each layer's wo, MLP and the next layer's qkv in one call
+    assert cpu_matmul.F32_TARGET in hlo and cpu_matmul.TAIL_TARGET in hlo
     monkeypatch.delenv("PAGEDJAX_F32_KERNEL")
     from runtime import cpu_kernels
 
@@ -182,3 +184,103 @@ def test_packed_lm_head_gives_xla_s_logits_at_the_rows_it_serves():
         fn = jax.jit(lm_head, static_argnums=0)
         np.testing.assert_allclose(np.asarray(fn(cfg, packed, h)), want, rtol=1e-5, atol=1e-5)
         assert (cpu_matmul.F32_TARGET in fn.lower(cfg, packed, h).as_text()) == (rows <= 64)
+
+
+def _tail_weights(rng, d=96, A=64, inter=160, Q=128):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    T = lambda t: jax.tree.map(jnp.asarray, t)  # noqa: E731
+    return dict(wo=T(cpu_matmul.pack_float(f(A, d))), gu=T(cpu_matmul.pack_swiglu(f(d, inter), f(d, inter))),
+                down=T(cpu_matmul.pack_float(f(inter, d))), qkv=T(cpu_matmul.pack_float(f(d, Q))),
+                nw=jnp.asarray(1 + 0.1 * f(d)), nn=jnp.asarray(1 + 0.1 * f(d)))
+
+
+@needs_f32
+@pytest.mark.parametrize("M", [1, 3, 13, 64, 130])
+def test_layer_tail_is_the_separate_calls_bit_for_bit(M):
+    """One call (wo + residual, norm, SwiGLU, w_down + residual, then the next layer's norm and
+    qkv) gives the bits of the four linear_f32 calls it replaces, with and without the next
+    layer: 1 row (the 4-strip row tiles), one tile, two tiles, one panel, two panels."""
+    rng = np.random.default_rng(M)
+    w = _tail_weights(rng)
+    a = jnp.asarray(rng.standard_normal((M, 64)).astype(np.float32))
+    h = jnp.asarray(rng.standard_normal((M, 96)).astype(np.float32))
+
+    @jax.jit
+    def separate(a, h, w):
+        h1 = cpu_matmul.linear_f32(a, w["wo"], h)
+        out = cpu_matmul.linear_f32(cpu_matmul.linear_f32(h1, w["gu"], norm=(w["nw"], 1e-5)), w["down"], h1)
+        return out, cpu_matmul.linear_f32(out, w["qkv"], norm=(w["nn"], 1e-5))
+
+    chained = jax.jit(lambda a, h, w: cpu_matmul.layer_tail_f32(a, h, w["wo"], (w["nw"], 1e-5), w["gu"], w["down"],
+                                                                w["qkv"], w["nn"]))
+    alone = jax.jit(lambda a, h, w: cpu_matmul.layer_tail_f32(a, h, w["wo"], (w["nw"], 1e-5), w["gu"], w["down"])[0])
+    want_h, want_qkv = (np.asarray(t) for t in separate(a, h, w))
+    got_h, got_qkv = (np.asarray(t) for t in chained(a, h, w))
+    np.testing.assert_array_equal(got_h, want_h)
+    np.testing.assert_array_equal(got_qkv, want_qkv)
+    np.testing.assert_array_equal(np.asarray(alone(a, h, w)), want_h)
+
+
+@needs_f32
+def test_layer_tail_rejects_shapes_that_disagree():
+    rng = np.random.default_rng(0)
+    w = _tail_weights(rng)
+    a, h = jnp.ones((2, 64), jnp.float32), jnp.ones((2, 96), jnp.float32)
+    with pytest.raises(Exception, match="shapes disagree"):
+        jax.block_until_ready(cpu_matmul.layer_tail_f32(a, h, w["wo"], (jnp.ones((95,), jnp.float32), 1e-5),
+                                                        w["gu"], w["down"]))
+    with pytest.raises(Exception, match="next layer's qkv"):
+        jax.block_until_ready(cpu_matmul.layer_tail_f32(a, h, w["wo"], (w["nw"], 1e-5), w["gu"], w["down"],
+                                                        w["qkv"], jnp.ones((3,), jnp.float32)))
+
+
+@needs_f32
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_a_row_gets_the_same_bits_at_any_row_count(swiglu):
+    """Batch invariance at the kernel: one row alone (4-strip row tiles, 4-strip items) and the
+    same row among 6 others (register tiles of 2 strips) give identical outputs."""
+    rng = np.random.default_rng(7)
+    K, n = 576, 160
+    w = (cpu_matmul.pack_swiglu(rng.standard_normal((K, n)).astype(np.float32), rng.standard_normal((K, n)).astype(np.float32))
+         if swiglu else cpu_matmul.pack_float(rng.standard_normal((K, n)).astype(np.float32)))
+    w = jax.tree.map(jnp.asarray, w)
+    x = rng.standard_normal((7, K)).astype(np.float32)
+    f = jax.jit(cpu_matmul.linear_f32)
+    all_rows = np.asarray(f(jnp.asarray(x), w))
+    for r in (0, 3, 6):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[r:r + 1]), w))[0], all_rows[r])
+
+
+@needs_f32
+def test_kernel_calls_from_several_threads_at_once():
+    """The pool handoff (a helper lingers for the next call's work) under calls from four
+    threads at once, with tails and plain products interleaved: every result stays exact."""
+    import threading
+
+    rng = np.random.default_rng(3)
+    w = _tail_weights(rng)
+    tail = jax.jit(lambda a, h, w: cpu_matmul.layer_tail_f32(a, h, w["wo"], (w["nw"], 1e-5), w["gu"], w["down"],
+                                                             w["qkv"], w["nn"]))
+    plain = jax.jit(lambda x, w: cpu_matmul.linear_f32(x, w["down"]))
+    cases = []
+    for m in (1, 2, 5, 12):
+        a = jnp.asarray(rng.standard_normal((m, 64)).astype(np.float32))
+        h = jnp.asarray(rng.standard_normal((m, 96)).astype(np.float32))
+        x = jnp.asarray(rng.standard_normal((m, 160)).astype(np.float32))
+        cases.append((a, h, x, [np.asarray(t) for t in tail(a, h, w)], np.asarray(plain(x, w))))
+    errors = []
+
+    def worker(seed):
+        for i in range(60):
+            a, h, x, want_tail, want_plain = cases[(seed + i) % len(cases)]
+            got = [np.asarray(t) for t in tail(a, h, w)]
+            if not all(np.array_equal(g, e) for g, e in zip(got, want_tail)) or \
+                    not np.array_equal(np.asarray(plain(x, w)), want_plain):
+                errors.append((seed, i))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
