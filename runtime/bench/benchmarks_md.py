@@ -221,6 +221,11 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
         L.append(f"Memory-bandwidth limit at batch 1: weights {bw['weight_bytes'] / 1e6:,.0f} MB / measured read "
                  f"bandwidth {bw['read_bandwidth_gb_s']:.1f} GB/s = **{bw['limit_ms']:.2f} ms** per step; "
                  f"measured {bw['measured_ms']:.2f} ms, i.e. **{bw['achieved_pct']:.0f}%** of the limit.")
+        if bw.get("probe_passes"):
+            L.append(f"The read bandwidth is the fastest of {bw['probe_passes']} passes (every core reading its slice of "
+                     f"an array the size of the weights) taken between the batch-1 steps, so that probe and steps "
+                     f"share the machine's state; the passes' median was "
+                     f"{bw['read_bandwidth_median_gb_s']:.1f} GB/s.")
     else:
         L.append("_not measured_")
     L.append("")

@@ -92,18 +92,47 @@ def _best_seconds(fn: Any, repeats: int) -> float:
     return max(best, 1e-9)
 
 
-def read_bandwidth(size_mb: int = 512, repeats: int = 5) -> float:
-    """Bytes/s: the best time for every core to read its slice of a size_mb float32 array
-    (np.max, which releases the GIL and keeps up with memory). One thread summing the array
-    read 9 GB/s where two threads read 23 on a 2-core Xeon: a decode step streams its weights
-    from every core, so the single-thread figure flattered every bandwidth ratio."""
-    from concurrent.futures import ThreadPoolExecutor
+class ReadProbe:
+    """Passes of every core reading its slice of one float32 array of `nbytes` (np.max, which
+    releases the GIL and keeps up with memory), kept for repeated passes. One thread summing
+    the array read 9 GB/s where two threads read 23 on a 2-core Xeon: a decode step streams
+    its weights from every core, so the single-thread figure flattered every bandwidth ratio.
+    A benchmark can interleave passes with the work it compares against: on the shared 2-core
+    VMs here the rate moved between 28 and 37 GB/s over minutes, so a probe taken minutes
+    apart from the steps made their ratio swing by a fifth."""
 
-    a = np.ones(max(1, size_mb * (1 << 20) // 4), dtype=np.float32)
-    n = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-    parts = np.array_split(a, n)
-    with ThreadPoolExecutor(n) as pool:
-        return a.nbytes / _best_seconds(lambda: list(pool.map(np.max, parts)), repeats)
+    def __init__(self, nbytes: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.array = np.ones(max(1, nbytes // 4), dtype=np.float32)
+        n = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+        self.parts = np.array_split(self.array, n)
+        self.pool = ThreadPoolExecutor(n)
+        self.rates: list[float] = []
+        self._pass()  # (untimed: the first pass after the array is written ran up to a third slower)
+
+    def _pass(self) -> float:
+        t0 = time.perf_counter()
+        list(self.pool.map(np.max, self.parts))
+        return self.array.nbytes / max(time.perf_counter() - t0, 1e-9)
+
+    def sample(self) -> float:
+        """One timed pass; its rate (bytes/s) is kept in `rates`."""
+        self.rates.append(self._pass())
+        return self.rates[-1]
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.array = self.parts = None  # type: ignore[assignment]
+
+
+def read_bandwidth(size_mb: int = 512, repeats: int = 5) -> float:
+    """Bytes/s: the best of `repeats` ReadProbe passes over a size_mb array."""
+    probe = ReadProbe(size_mb << 20)
+    try:
+        return max(probe.sample() for _ in range(max(1, repeats)))
+    finally:
+        probe.close()
 
 
 def measure_cpu(size_mb: int = 512, repeats: int = 5, matmul_n: int = 1024) -> DeviceProfile:
