@@ -104,7 +104,12 @@ inline void drain(Chain& ch) {
 // linger_ns() for the next call's work, and a call hands its work to such a helper through
 // `slot` instead of waking a pool thread. Why: one decode step of SmolLM2 is ~60 kernel
 // calls 10-100 us apart, and a pool thread asleep between them took ~90 us to start
-// (futex wake of an idle vCPU), while the caller streamed alone at half the bandwidth.
+// (futex wake of an idle vCPU), while the caller streamed alone at half the bandwidth. Only
+// after a short call (kShortCallNs): after a long one the next call is as far off in
+// proportion, and at 64 rows, where XLA runs its own ops on the same pool between the
+// kernels, lingering after every call made the SmolLM2 step 3-5% slower.
+constexpr int64_t kShortCallNs = 1000000;
+
 struct Job {
   std::function<void()> run;
 };
@@ -141,8 +146,10 @@ inline void linger() {
     Job* j = h.slot.load(std::memory_order_acquire);
     if (j != nullptr && (j = h.slot.exchange(nullptr, std::memory_order_acq_rel)) != nullptr) {
       h.lingering.fetch_sub(1);
+      const int64_t t0 = now_ns();
       j->run();
       delete j;
+      if (now_ns() - t0 > kShortCallNs) return;
       h.lingering.fetch_add(1);
       deadline = now_ns() + linger_ns();
       continue;
@@ -177,8 +184,9 @@ inline void run_phase(ffi::ThreadPool& pool, int64_t threads, std::shared_ptr<Ph
       delete j;
     }
     pool.Schedule([ph] {
+      const int64_t t0 = now_ns();
       drain(*ph);
-      linger();
+      if (now_ns() - t0 <= kShortCallNs) linger();
     });
   }
   if constexpr (std::is_same_v<PhaseT, Chain>) {
