@@ -20,6 +20,9 @@
 // an op launch per layer): `residual` [M, N] (or empty) is added: out = residual + x W, the
 // decoder's skip connection; `swiglu` = 1: the strips come in (gate, up) pairs over the same
 // 16 columns (cpu_matmul.pack_swiglu) and out [M, N / 2] = silu(gate) * up.
+//
+// A second target, the layer tail (F32LayerTail), runs a decoder layer's products after
+// attention (wo, the MLP, the next layer's q|k|v) as the dependent phases of one call.
 
 #include <algorithm>
 #include <cmath>

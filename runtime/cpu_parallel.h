@@ -47,13 +47,11 @@ inline void drain(Phase& ph) {
 // item's while it computes on this one's, across a phase boundary too (weights need no
 // input), instead of stalling on memory at each item's (and each call's) start. An item of
 // phase p waits until phase p - 1 is done and `between(p - 1)` has run (once, on the thread
-// that finished p - 1's last item); phase 0 waits for `prologue`. A thread that runs out of
-// items calls `idle` (prefetch for the next call) before it leaves.
+// that finished p - 1's last item); phase 0 waits for `prologue`.
 struct Chain {
   static constexpr int kMaxPhases = 4;
   std::function<void(int64_t, int64_t)> item;
   std::function<void(int)> between;  // after phase p's last item, before p + 1's first
-  std::function<void(std::atomic<int64_t>&)> idle;  // given a counter the idle threads share
   int phases = 1;
   int64_t end[kMaxPhases] = {};  // one past each phase's last item
   int64_t count = 0;             // = end[phases - 1]
@@ -61,7 +59,6 @@ struct Chain {
   std::atomic<int64_t> done{0};
   std::atomic<int64_t> phase_done[kMaxPhases] = {};
   std::atomic<int> ready{1};  // items of phases below `ready` may run
-  std::atomic<int64_t> idle_next{0};
 
   int phase_of(int64_t i) const {
     int p = 0;
@@ -97,7 +94,6 @@ inline void drain(Chain& ch) {
     if (ch.done.fetch_add(1, std::memory_order_release) + 1 == ch.count) ch.done.notify_all();
     i = j;
   }
-  if (ch.idle) ch.idle(ch.idle_next);
 }
 
 // Handoff between calls. A pool helper that has run out of items waits, spinning, up to

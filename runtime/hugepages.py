@@ -82,6 +82,9 @@ def place_weights(tree: Any) -> Any:
         placed = jax.device_put(host)
         aliased += placed.unsafe_buffer_pointer() == host.ctypes.data
         leaves[i] = placed
+    # (best effort, as for the KV cache: pages that were touched before the advice, say a
+    # reused allocation, stay 4 KB until collapsed)
+    _madvise(arena.ctypes.data, arena.nbytes, MADV_COLLAPSE)
     log.info("weights: %d arrays, %.0f MB in a huge-page arena (%d aliased in place)", len(big), total / 1e6, aliased)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -102,6 +105,23 @@ def collapse(tree: Any) -> int:
             _madvise(lo, hi - lo, MADV_COLLAPSE)  # (best effort: no free huge pages leaves it as it was)
             done += hi - lo
     return done
+
+
+def advised(addr: int) -> bool:
+    """Whether the mapping holding `addr` is advised MADV_HUGEPAGE ("hg" in its VmFlags)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and ":" not in head:
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= addr < hi
+                elif inside and line.startswith("VmFlags:"):
+                    return "hg" in line.split()[1:]
+    except OSError:
+        pass
+    return False
 
 
 def huge_bytes() -> int:
