@@ -374,6 +374,9 @@ class ModelRunner:
             return True
         self.kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.kv)
         self.penalty = tuple(jnp.zeros(a.shape, a.dtype) for a in self.penalty)
+        from runtime import hugepages
+
+        hugepages.collapse(self.kv)  # (a new buffer: back on huge pages, as at start)
         return True
 
     def kv_cache_bytes(self) -> int:
