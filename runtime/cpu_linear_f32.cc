@@ -321,21 +321,17 @@ void run_products(ffi::ThreadPool& pool, int64_t threads, const Product* prods, 
                   const std::function<void()>& prologue, std::function<void(int)> between) {
   auto ch = std::make_shared<pagedjax::Chain>();
   ch->phases = n;
-  int64_t start[pagedjax::Chain::kMaxPhases];
-  for (int p = 0; p < n; ++p) {
-    start[p] = p ? ch->end[p - 1] : 0;
-    ch->end[p] = start[p] + prods[p].items();
-  }
+  for (int p = 0; p < n; ++p) ch->end[p] = ch->begin(p) + prods[p].items();
   ch->count = ch->end[n - 1];
   pagedjax::Chain* c = ch.get();  // (not the shared_ptr: the chain would own itself)
-  ch->item = [c, prods, start](int64_t i, int64_t j) {
+  ch->item = [c, prods](int64_t i, int64_t j) {
     const int p = c->phase_of(i);
-    const int64_t li = i - start[p];
+    const int64_t li = i - c->begin(p);
     const float* pf = nullptr;
     int64_t lines = 0;
     if (j >= 0) {
       const int q = c->phase_of(j);
-      const int64_t lj = j - start[q];
+      const int64_t lj = j - c->begin(q);
       if (q != p || prods[q].first_strip(lj) != prods[p].first_strip(li)) {
         pf = prods[q].weights(lj);
         lines = prods[q].lines(lj);

@@ -60,6 +60,7 @@ struct Chain {
   std::atomic<int64_t> phase_done[kMaxPhases] = {};
   std::atomic<int> ready{1};  // items of phases below `ready` may run
 
+  int64_t begin(int p) const { return p ? end[p - 1] : 0; }  // phase p's first item
   int phase_of(int64_t i) const {
     int p = 0;
     while (i >= end[p]) ++p;
@@ -85,7 +86,7 @@ inline void drain(Chain& ch) {
     const int p = ch.phase_of(i);
     ch.wait_ready(p);
     ch.item(i, j < ch.count ? j : -1);
-    const int64_t phase_items = ch.end[p] - (p ? ch.end[p - 1] : 0);
+    const int64_t phase_items = ch.end[p] - ch.begin(p);
     if (ch.phase_done[p].fetch_add(1, std::memory_order_acq_rel) + 1 == phase_items && p + 1 < ch.phases) {
       if (ch.between) ch.between(p);
       ch.ready.store(p + 2, std::memory_order_release);

@@ -122,15 +122,3 @@ def advised(addr: int) -> bool:
     except OSError:
         pass
     return False
-
-
-def huge_bytes() -> int:
-    """This process's anonymous memory on huge pages (bytes; 0 where /proc does not say)."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -47,22 +47,18 @@ def _layer_matmuls(cfg: Any, params: Any, x: Any) -> Any:
     through the same functions as the model (int8 weights take the quantized product, packed
     ones the C++ kernel, whose layer tail makes wo, the MLP and the next layer's qkv one call)."""
 
-    import jax.numpy as jnp
-
-    from runtime.models.llama import qkv_linear, scan_layers, split_qkv
-    from runtime.quant import chains_qkv, layer_tail, linear
+    from runtime.models.llama import first_qkv, next_attn_norm, qkv_linear, scan_layers, split_qkv
+    from runtime.quant import layer_tail
 
     layers, eps = params["layers"], cfg.rms_norm_eps
-    chained = chains_qkv(layers)
-    fused = linear(x, layers["qkv"][0], norm=(layers["attn_norm"][0], eps)) if chained else None
+    fused = first_qkv(cfg, layers, x)
 
     def body(carry, xs):
         h, fused = carry
         lp, layer = xs
         q, k, v = qkv_linear(cfg, lp, h) if fused is None else split_qkv(cfg, fused)
         a = q + 0 * (k.sum() + v.sum())  # (attention's place: q stands in for its output)
-        next_norm = layers["attn_norm"][jnp.minimum(layer + 1, cfg.num_layers - 1)] if chained else None
-        return layer_tail(a, h, lp, (lp["mlp_norm"], eps), next_norm), None
+        return layer_tail(a, h, lp, (lp["mlp_norm"], eps), next_attn_norm(cfg, layers, layer)), None
 
     return scan_layers(body, (x, fused), layers, cfg.num_layers)[0][0]
 

@@ -142,22 +142,34 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
     x = params["embed"][token_ids]
     T = token_ids.shape[0]
     eps, layers = cfg.rms_norm_eps, params["layers"]
-    # With the float32 kernel, layer l's tail call also makes layer l + 1's qkv product (one
-    # product call per layer): the scan carries it, layer 0's is made here.
-    chained = chains_qkv(layers)
-    fused = linear(x, layers["qkv"][0], norm=(layers["attn_norm"][0], eps)) if chained else None
+    fused = first_qkv(cfg, layers, x)
 
     def layer_step(carry, scanned):
         h, cache, fused = carry
         lp, layer = scanned
         q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq, norm=(lp["attn_norm"], eps), fused=fused)
         attn, cache = attention(q, k, v, layer, cache)
-        next_norm = layers["attn_norm"][jnp.minimum(layer + 1, cfg.num_layers - 1)] if chained else None
-        h, fused = layer_tail(attn.reshape(T, -1), h, lp, (lp["mlp_norm"], eps), next_norm)
+        h, fused = layer_tail(attn.reshape(T, -1), h, lp, (lp["mlp_norm"], eps), next_attn_norm(cfg, layers, layer))
         return (h, cache, fused), None
 
     (x, cache, _), _ = scan_layers(layer_step, (x, cache, fused), layers, cfg.num_layers)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+# With the float32 kernel, layer l's tail call also makes layer l + 1's qkv product (one
+# product call per layer): the layer scan carries it, and layer 0's is made before the scan.
+def first_qkv(cfg: ModelConfig, layers: Params, x: jax.Array) -> jax.Array | None:
+    """Layer 0's fused q|k|v of rms_norm(x) where the layer tails chain (chains_qkv), else None."""
+    if not chains_qkv(layers):
+        return None
+    return linear(x, layers["qkv"][0], norm=(layers["attn_norm"][0], cfg.rms_norm_eps))
+
+
+def next_attn_norm(cfg: ModelConfig, layers: Params, layer: jax.Array) -> jax.Array | None:
+    """Inside the scan: layer + 1's attention-norm weight for the chained tail, else None."""
+    if not chains_qkv(layers):
+        return None
+    return layers["attn_norm"][jnp.minimum(layer + 1, cfg.num_layers - 1)]
 
 
 def scan_layers(body: Callable, carry: Any, layers: Params, num_layers: int) -> tuple[Any, Any]:
