@@ -25,6 +25,7 @@ also adds a residual in the kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -251,3 +252,167 @@ def linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
     return call(x.astype(jnp.float32), w["in"].astype(jnp.float32) if "in" in w else empty, w["p"],
                 w["s"].astype(jnp.float32), w["c"], num_threads=np.int64(cpu_kernels.num_threads()))
+
+
+# --- the packed weights as Linear objects (runtime/model/linear.py) ---------------------------
+
+from runtime.model import linear as _linear  # noqa: E402  (after the kernel calls they wrap)
+from runtime.model.linear import HeldPerLayer, Linear, Norm, PerLayer, pytree  # noqa: E402
+
+
+@_linear.register_reader
+def from_packed(w: dict) -> Linear | None:
+    """A stored dict packed here ("f", "fg": float kernel; "p": int8 kernel) as its Linear."""
+    if "f" in w:
+        return PackedF32(w["f"])
+    if "fg" in w:
+        return PackedSwiGLU(w["fg"])
+    if "p" not in w:
+        return None
+    if "gs" in w:
+        return PackedInt8Grouped(w["p"], w["gs"], w["gc"])
+    return PackedInt8(w["p"], w["s"], w["c"], w.get("in"))
+
+
+@pytree
+class PackedInt8(Linear):
+    """w8a8 in the int8 kernel's layout (AVX512-VNNI, AMX tiles from 16 rows)."""
+    fast_at_one_row = True
+    p: jax.Array   # [N/64, K/4, 256] int8
+    s: jax.Array   # [N] float32
+    c: jax.Array   # [N] int32: 128 * column sums
+    in_scale: jax.Array | None = None  # [K] float32
+
+    def product(self, x):
+        d = {"p": self.p, "s": self.s, "c": self.c}
+        if self.in_scale is not None:
+            d["in"] = self.in_scale
+        return linear(x, d).astype(x.dtype)
+
+    @property
+    def out_features(self):
+        return self.s.shape[-1]
+
+
+@pytree
+class PackedInt8Grouped(Linear):
+    """GGUF Q8_0 values in the int8 kernel's layout, activations quantized per group of 32."""
+    fast_at_one_row = True
+    p: jax.Array   # [N/64, K/4, 256] int8
+    gs: jax.Array  # [K/32, N] float32
+    gc: jax.Array  # [K/32, N] int32
+
+    def product(self, x):
+        return linear(x, {"p": self.p, "gs": self.gs, "gc": self.gc}).astype(x.dtype)
+
+    @property
+    def out_features(self):
+        return self.gs.shape[-1]
+
+
+@pytree
+class PackedF32(Linear):
+    """float32 in the float kernel's strips: the norm and the residual run inside its call."""
+    f: jax.Array  # [N/16, K, 16]
+
+    def apply(self, x, residual=None, norm=None):
+        return linear_f32(x, {"f": self.f}, residual, norm).astype(x.dtype)
+
+    @property
+    def out_features(self):
+        return self.f.shape[-3] * F32_STRIP
+
+
+@pytree
+class PackedSwiGLU(Linear):
+    """gate|up packed as strip pairs: the kernel returns silu(gate) * up itself."""
+    fg: jax.Array  # [2I/16, K, 16]
+
+    def apply(self, x, residual=None, norm=None):
+        raise ValueError("a SwiGLU pair weight is applied with glu()")
+
+    def glu(self, x, norm=None, act=jax.nn.silu):
+        if act is not jax.nn.silu:
+            raise ValueError("the SwiGLU pair kernel computes silu(gate) * up only")
+        return linear_f32(x, {"fg": self.fg}, norm=norm).astype(x.dtype)
+
+    @property
+    def out_features(self):
+        return self.fg.shape[-3] * F32_STRIP // 2
+
+
+def _at(w: Linear, index: jax.Array) -> Linear:
+    """Layer `index`'s weight of a per-layer or a stacked packed weight."""
+    if isinstance(w, PerLayer):
+        return w.at(index)
+    return jax.tree.map(lambda a: a[index], w)
+
+
+@pytree
+class F32Tail(HeldPerLayer):
+    """A Llama-style decoder layer after attention as ONE float-kernel call: h1 = h + a @ wo,
+    out = h1 + swiglu(rms_norm(h1) @ gate|up) @ w_down; with `qkv` (the layers' q|k|v held
+    per layer) the same call also makes the next layer's q|k|v of rms_norm(out), so a 1-row
+    step makes one product call per layer instead of four (cpu_linear_f32.cc F32LayerTail).
+    The numbers are those of the separate PackedF32 / PackedSwiGLU calls. Not scanned: the
+    runner's layer scan hands it the layer index (`at`)."""
+    wo: Linear
+    gate_up: Linear
+    w_down: Linear
+    attn_norms: jax.Array | None = None  # [L, d]: the chained next layer's norm weights
+    qkv: PerLayer | None = None
+    index: jax.Array | None = None
+
+    def at(self, index: jax.Array) -> "F32Tail":
+        return dataclasses.replace(self, index=index)
+
+    @property
+    def chains(self) -> bool:
+        return self.qkv is not None
+
+    def first_qkv(self, x: jax.Array, eps: float) -> jax.Array:
+        """Layer 0's q|k|v of rms_norm(x): the product the chain carries into layer 0."""
+        return self.qkv.layers[0].apply(x, norm=(self.attn_norms[0], eps))
+
+    def apply(self, a: jax.Array, h: jax.Array, norm: Norm) -> tuple[jax.Array, jax.Array | None]:
+        """(the layer's output, the next layer's q|k|v or None when not chained)."""
+        if not isinstance(self.wo, PerLayer):
+            wo, gu, down = (_at(w, self.index) for w in (self.wo, self.gate_up, self.w_down))
+            return layer_tail_f32(a, h, {"f": wo.f}, norm, {"fg": gu.fg}, {"f": down.f})[0].astype(h.dtype), None
+        n = len(self.wo.layers)
+        next_norm = None
+        if self.chains:
+            next_norm = self.attn_norms[jnp.minimum(self.index + 1, n - 1)]
+
+        def branch(i):
+            def run(a, h, nw, nn):
+                nxt = self.qkv.layers[i + 1] if self.chains and i + 1 < n else None
+                out, q = layer_tail_f32(a, h, {"f": self.wo.layers[i].f}, (nw, norm[1]),
+                                        {"fg": self.gate_up.layers[i].fg}, {"f": self.w_down.layers[i].f},
+                                        None if nxt is None else {"f": nxt.f}, nn)
+                if self.chains and q is None:  # the last layer: no next qkv
+                    q = jnp.zeros((a.shape[0], self.qkv.layers[0].out_features), jnp.float32)
+                return out.astype(h.dtype), (None if q is None else q.astype(h.dtype))
+            return run
+        return jax.lax.switch(self.index, [branch(i) for i in range(n)], a, h, norm[0], next_norm)
+
+
+def _is(w: Any, cls: type) -> bool:
+    return isinstance(w.layers[0] if isinstance(w, PerLayer) else w, cls)
+
+
+@_linear.register_fuser
+def fuse_layer_tails(params: dict[str, Any]) -> dict[str, Any]:
+    """A typed tree whose wo, gate|up and w_down are all packed for the float kernel -> the
+    same tree with them as one F32Tail (chained to the next layer's q|k|v where the layers'
+    qkv is held per layer); any other tree unchanged."""
+    layers = params["layers"]
+    if not (_is(layers.get("wo"), PackedF32) and _is(layers.get("gate_up"), PackedSwiGLU)
+            and _is(layers.get("w_down"), PackedF32)):
+        return params
+    qkv = layers.get("qkv")
+    chained = isinstance(qkv, PerLayer) and isinstance(layers["wo"], PerLayer) and _is(qkv, PackedF32)
+    rest = {k: v for k, v in layers.items() if k not in ("wo", "gate_up", "w_down")}
+    tail = F32Tail(layers["wo"], layers["gate_up"], layers["w_down"],
+                   attn_norms=layers["attn_norm"] if chained else None, qkv=qkv if chained else None)
+    return {**params, "layers": {**rest, "tail": tail}}

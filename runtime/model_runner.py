@@ -17,16 +17,17 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from runtime.attention import QuantizedPages, SharedPrefix, write_kv, xla_ragged_paged_attention
+from runtime.attention import QuantizedPages
 from runtime.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
 from runtime.config import QUANTIZED_KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+from runtime.model.attention_backend import AttentionBackend, make_backend, paged_attention
 from runtime.models.llama import Params, forward_hidden, lm_head
 from runtime.quant import cast_params
 from runtime.sampling import SampleOutput, penalties_on, sample
@@ -83,35 +84,6 @@ def tune_cpu_allocator() -> None:
         pass
 
 
-def resolve_attention_backend(backend: str, kv_dtype: str = "float32") -> str:
-    """auto -> pallas on GPU, xla elsewhere. The Pallas kernel reads bfloat16 caches and
-    quantized (int8 / fp8_e4m3) ones; a float32 cache is the XLA path's."""
-    if backend not in ("auto", "xla", "pallas"):
-        raise ValueError(f"attention_backend: must be auto, xla or pallas, got {backend!r}")
-    if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-    return backend
-
-
-def select_attention(backend: str) -> Callable[..., jax.Array]:
-    if backend == "auto":
-        backend = resolve_attention_backend(backend)
-    if backend == "xla":
-        return xla_ragged_paged_attention
-    if backend == "pallas":
-        from pallas_kernels.paged_attention import ragged_paged_attention
-
-        if jax.default_backend() == "gpu":
-            return ragged_paged_attention
-        # No GPU: the same kernel runs in the Mosaic GPU interpreter (tests only: slow).
-        log.warning("attention_backend=pallas without a GPU: using the Mosaic GPU interpreter")
-        from pallas_kernels import _compat
-
-        _compat.interpret_supports_transposed_wgmma()  # probe eagerly: it must not run inside a trace
-        return partial(ragged_paged_attention, interpret=True)
-    raise ValueError(f"attention_backend: must be auto, xla or pallas, got {backend!r}")
-
-
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PromptLogprobs:
@@ -147,30 +119,6 @@ def _no_prompt_logprobs(T: int) -> PromptLogprobs:
                           jnp.zeros((T, NUM_LOGPROBS), jnp.float32))
 
 
-def _paged_attention(cfg: ModelConfig, attention: Callable, num_blocks: int, inp: StepInput, q, k, v, layer, cache):
-    """One layer's KV write (slot mapping) + paged attention over the cache. Under tensor
-    parallelism it runs per shard (runtime/tp.shard_attention) on the local heads."""
-    k_cache, v_cache = cache
-    bs = k_cache.shape[1]
-    slots = jnp.where(inp.slot_mapping >= 0, inp.slot_mapping + layer * num_blocks * bs, -1)
-    kernel = isinstance(attention, partial) and bool(attention.keywords.get("cpu_kernel"))  # (ModelRunner)
-    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots, cpu_kernel=kernel)
-    base = layer * num_blocks
-    kw = {}
-    if getattr(attention, "func", attention) is xla_ragged_paged_attention:  # reads QuantizedPages itself
-        sh = inp.shared
-        kw["shared"] = SharedPrefix(sh.blocks + base, sh.length, sh.suffix_start, sh.suffix_tables + base)
-        k_read, v_read = k_cache, v_cache
-    elif isinstance(k_cache, QuantizedPages):  # Pallas: the 1-byte values and their scales apart
-        k_read, v_read = k_cache.values, v_cache.values
-        kw.update(k_scale=k_cache.scales, v_scale=v_cache.scales)
-    else:  # Pallas: per-sequence reads
-        k_read, v_read = k_cache, v_cache
-    out = attention(q, k_read, v_read, inp.kv_lens, inp.block_tables + base,
-                    inp.query_start_loc, inp.num_seqs, sm_scale=1.0 / math.sqrt(cfg.head_dim), **kw)
-    return out, (k_cache, v_cache)
-
-
 def _reset_state_rows(counts: jax.Array, prompt_mask: jax.Array, inp: StepInput) -> tuple[jax.Array, jax.Array]:
     """Penalty state: clear the rows new requests take, one row at a time in a loop that runs
     as many times as rows reset (none in steady decode). Why not one scatter of the reset
@@ -185,7 +133,7 @@ def _reset_state_rows(counts: jax.Array, prompt_mask: jax.Array, inp: StepInput)
     return jax.lax.fori_loop(0, jnp.sum(inp.reset_rows.astype(jnp.int32)), clear, (counts, prompt_mask))
 
 
-def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, mesh: Any, params: Params, kv: tuple,
+def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: Any, params: Params, kv: tuple,
           rows: tuple, inp: StepInput) -> tuple[tuple, tuple, SampleOutput, PromptLogprobs]:
     """rows = (counts [R, V] i32, prompt_mask [R, V] bool, last_token [R] i32): per-request
     device state, row R-1 being scratch for padding. mesh: None, or the tensor-parallel mesh
@@ -201,15 +149,15 @@ def _step(cfg: ModelConfig, attention: Callable, num_blocks: int, mesh: Any, par
     out_rows = jnp.where(inp.token_kind == TOKEN_OUTPUT, inp.token_row, scratch)
     counts = counts.at[out_rows, token_ids].add(1)
 
-    local = partial(_paged_attention, cfg, attention, num_blocks)
+    local = partial(paged_attention, backend, num_blocks, 1.0 / math.sqrt(cfg.head_dim))
     if mesh is None:
-        paged_attention = partial(local, inp)
+        attention = partial(local, inp)
     else:
         from runtime.tp import shard_attention
 
-        paged_attention = partial(shard_attention(local, mesh), inp)
+        attention = partial(shard_attention(local, mesh), inp)
 
-    hidden, kv = forward_hidden(cfg, params, token_ids, inp.positions, paged_attention, kv)
+    hidden, kv = forward_hidden(cfg, params, token_ids, inp.positions, attention, kv)
     T = token_ids.shape[0]
     plp = jax.lax.cond(jnp.any(inp.prompt_targets >= 0),
                        lambda: prompt_logprobs(cfg, params, hidden, inp.prompt_targets),
@@ -327,18 +275,11 @@ class ModelRunner:
             self.kv = jax.jit(alloc, out_shardings=self.kv_shardings)()
             self.penalty = jax.device_put(self.penalty, tp.replicated(self.mesh))
         self.scratch_row = rows - 1
-        self.attention_backend = resolve_attention_backend(attention_backend, cache.kv_dtype)
-        attention = select_attention(self.attention_backend)
-        # The C++ decode kernel serves the XLA path's last-token rows for a float32 or int8 cache.
-        self.attention_kernel = False
-        if attention is xla_ragged_paged_attention:
-            from runtime import cpu_attention
-
-            # Under TP the plain XLA path (the C++ custom call is not shard-safe yet).
-            self.attention_kernel = (cache.kv_dtype in ("float32", "int8") and cpu_attention.enabled()
-                                     and self.tp == 1)
-            attention = partial(attention, cpu_kernel=self.attention_kernel)
-        fn = partial(_step, cfg, attention, cache.num_blocks, self.mesh)
+        # Under TP the plain XLA path: the C++ CPU kernels' custom calls are not shard-safe yet.
+        self.attention = make_backend(attention_backend, cache.kv_dtype, cpu_kernels=self.tp == 1)
+        self.attention_backend = self.attention.name
+        self.attention_kernel = bool(getattr(self.attention, "cpu_kernel", False))  # decode rows on the C++ kernel
+        fn = partial(_step, cfg, self.attention, cache.num_blocks, self.mesh)
         fn.__name__ = STEP_FN_NAME  # type: ignore[attr-defined]
         if self.mesh is None:
             self._step = jax.jit(fn, donate_argnums=(1, 2))

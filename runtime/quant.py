@@ -19,7 +19,8 @@ the checkpoint tree keep their shape:
          1.08x at 64, but slower than w8a8 from 2 rows on).
   packed {"p", "s", "c" (, "in")}: w8a8 repacked at start for the C++ kernel on CPUs with
          AVX512-VNNI (runtime/cpu_matmul.py), q|k|v and gate|up fused.
-`linear(x, w)` is the one matmul of the decoder: float weights take the plain product.
+The products themselves are the Linear objects of runtime/model/linear.py (`from_stored`
+reads these dicts once); this module quantizes and calibrates.
 
 Why hand-written and not qwix (Google's JAX quantization library): qwix quantizes a Flax
 Linen / NNX model by intercepting its dot_general / einsum calls, and its products are
@@ -32,12 +33,13 @@ per-token activations) is the dozen lines of `quantize_weight` and `linear` belo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from runtime.model.linear import Dense, from_stored, grouped_product
 
 QUANTIZATIONS = ("none", "w8a8", "w8a16")
 Q8_0_GROUP = 32  # inputs per scale in a grouped (GGUF Q8_0) weight
@@ -228,7 +230,7 @@ def activation_absmax(cfg: Any, params: dict[str, Any], token_ids: list[int]) ->
 
         def layer(h, lp):
             y = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = qkv_projection(cfg, lp, y, pos, inv)
+            q, k, v = qkv_projection(cfg, {**lp, **{n: Dense(lp[n]) for n in ("wq", "wk", "wv")}}, y, pos, inv)
             a = dense_causal_attention(q, k, v, mask).reshape(T, -1)
             h = h + a @ lp["wo"]
             z = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -246,150 +248,11 @@ def activation_absmax(cfg: Any, params: dict[str, Any], token_ids: list[int]) ->
             "head_in": np.asarray(head)}
 
 
-# A 1-row step (one stream decoding) is a matrix-vector product, bound by the weight read:
-# there the int8 weights dequantized into a float product beat the int8 dot (SmolLM2 batch-1
-# step on a 2-core EPYC: 20.8 ms against 23.2 ms); from 2 rows on the int8 dot wins (2: 29
-# vs 33 ms, 8: 37 vs 43, 64: 172 vs 199). Rows are a compiled bucket size, so each bucket
-# compiles one path and the switch costs nothing per step.
-WEIGHT_ONLY_MAX_ROWS = 1
-
-
-Norm = tuple  # (weight [in], eps): an RMS norm a product applies to its input first
-
-
-@dataclass(frozen=True)
-class LayerPick:
-    """Inside the layer scan: a weight held as separate per-layer arrays, and the layer the
-    scan is at (runtime/models/llama.py scan_layers); `linear` multiplies by arrays[index]."""
-    arrays: tuple
-    index: jax.Array
-
-
-def linear(x: jax.Array, w: Any, residual: jax.Array | None = None, norm: Norm | None = None) -> jax.Array:
-    """rms_norm(x) @ w [in, out] (x itself without `norm`), plus `residual` [T, out] if given.
-    The float32 kernel does both in the same call (prologue, epilogue) in place of separate
-    ops. Quantized w: each row of x gets its own scale (absmax/127), so one outlier token
-    never costs the others their precision."""
-    if isinstance(w, LayerPick):  # per-layer arrays inside the layer scan (models/llama.py)
-        def branch(a):
-            return lambda x, r, nw: linear(x, a, r, None if nw is None else (nw, norm[1]))
-        return jax.lax.switch(w.index, [branch(a) for a in w.arrays], x, residual,
-                              None if norm is None else norm[0])
-    if isinstance(w, dict) and "f" in w:  # float32 packed for the C++ kernel (runtime/cpu_matmul.py)
-        from runtime import cpu_matmul
-
-        return cpu_matmul.linear_f32(x, w, residual, norm).astype(x.dtype)
-    if norm is not None:
-        x = _rms_norm(x, norm)
-    if residual is not None:
-        return residual + linear(x, w)
-    if not is_quantized(w):
-        return x @ w
-    if "p" in w:  # packed for the C++ kernel (runtime/cpu_matmul.py)
-        from runtime import cpu_matmul
-
-        return cpu_matmul.linear(x, w).astype(x.dtype)
-    if "w8" in w:  # weight-only: dequantize, multiply in the compute dtype
-        return x @ (w["w8"].astype(x.dtype) * w["s"].astype(x.dtype)[..., None, :])
-    if "g" in w:
-        return grouped_linear(x, w).astype(x.dtype)
-    x32 = x.astype(jnp.float32)
-    if "in" in w:  # SmoothQuant's per-channel input scale (see quantize_params)
-        x32 = x32 * w["in"]
-    if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:  # same int8 weights, float activations
-        return (x32 @ (w["q"].astype(jnp.float32) * w["s"][..., None, :])).astype(x.dtype)
-    sx = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / 127.0
-    sx = jnp.where(sx > 0, sx, 1.0)
-    xq = jnp.clip(jnp.round(x32 / sx), -127, 127).astype(jnp.int8)
-    acc = jax.lax.dot(xq, w["q"], preferred_element_type=jnp.int32)
-    return (acc.astype(jnp.float32) * sx * w["s"]).astype(x.dtype)
-
-
-def _float_packed(w: Any, key: str = "f") -> bool:
-    """w (a weight, or a layer scan's per-layer arrays) is packed for the float32 kernel."""
-    w = w.arrays[0] if isinstance(w, LayerPick) else w[0] if isinstance(w, tuple) and w else w
-    return isinstance(w, dict) and key in w
-
-
-def tail_fuses(layers: dict[str, Any]) -> bool:
-    """A layer's wo, gate|up and w_down run as one float32 kernel call (`layer_tail`)."""
-    return (_float_packed(layers.get("wo")) and _float_packed(layers.get("gate_up"), "fg")
-            and _float_packed(layers.get("w_down")))
-
-
-def chains_qkv(layers: dict[str, Any]) -> bool:
-    """`layer_tail`'s call also computes the next layer's qkv: the tail fuses and the layers'
-    qkv is held per layer, packed for the float32 kernel (models/llama.py forward_hidden)."""
-    return tail_fuses(layers) and isinstance(layers.get("qkv"), tuple) and _float_packed(layers["qkv"])
-
-
-def layer_tail(a: jax.Array, h: jax.Array, lp: dict[str, Any], norm: Norm,
-               next_norm: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
-    """A decoder layer after attention: h1 = h + a @ wo; out = h1 + the SwiGLU MLP of
-    rms_norm(h1). Returns (out, the next layer's fused qkv of rms_norm(out, next_norm) or
-    None). Where wo, gate|up and w_down are packed for the float32 kernel they run as one
-    kernel call (cpu_matmul.layer_tail_f32), which inside the layer scan also computes the
-    next layer's qkv when `next_norm` is given (zeros after the last layer): a 1-row step
-    then makes one product call per layer instead of four."""
-    wo, gu, down = lp["wo"], lp.get("gate_up"), lp["w_down"]
-    if not tail_fuses(lp):
-        from runtime.models.llama import mlp
-
-        h = linear(a, wo, residual=h)
-        return mlp(lp, h, residual=h, norm=norm), None
-    from runtime import cpu_matmul
-
-    if not isinstance(wo, LayerPick):
-        return cpu_matmul.layer_tail_f32(a, h, wo, norm, gu, down)[0].astype(h.dtype), None
-    qkv = lp.get("qkv") if next_norm is not None else None
-    n = len(wo.arrays)
-
-    def branch(i):
-        def run(a, h, nw, nn):
-            nxt = qkv.arrays[i + 1] if qkv is not None and i + 1 < n else None
-            out, q = cpu_matmul.layer_tail_f32(a, h, wo.arrays[i], (nw, norm[1]), gu.arrays[i], down.arrays[i],
-                                               nxt, nn)
-            if qkv is not None and q is None:  # the last layer: no next qkv
-                q = jnp.zeros((a.shape[0], qkv.arrays[0]["f"].shape[-3] * cpu_matmul.F32_STRIP), jnp.float32)
-            return out.astype(h.dtype), (None if q is None else q.astype(h.dtype))
-        return run
-    return jax.lax.switch(wo.index, [branch(i) for i in range(n)], a, h, norm[0], next_norm)
-
-
-def swiglu(x: jax.Array, w: Any, norm: Norm | None = None) -> jax.Array:
-    """silu(gate) * up of rms_norm(x) (x without `norm`) for a fused gate|up weight [in, 2I]
-    -> [T, I]. A float32 weight packed as SwiGLU pairs ({"fg"}, runtime/cpu_matmul.pack_swiglu)
-    gets it from the kernel's prologue and epilogue; any other is one product, split."""
-    if isinstance(w, LayerPick):
-        def branch(a):
-            return lambda x, nw: swiglu(x, a, None if nw is None else (nw, norm[1]))
-        return jax.lax.switch(w.index, [branch(a) for a in w.arrays], x, None if norm is None else norm[0])
-    if isinstance(w, dict) and "fg" in w:
-        from runtime import cpu_matmul
-
-        return cpu_matmul.linear_f32(x, w, norm=norm).astype(x.dtype)
-    gate, up = jnp.split(linear(x, w, norm=norm), 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
-def _rms_norm(x: jax.Array, norm: Norm) -> jax.Array:
-    from runtime.models.llama import rms_norm
-
-    return rms_norm(x, *norm)
+def linear(x: jax.Array, w: Any, residual: jax.Array | None = None, norm: Any = None) -> jax.Array:
+    """rms_norm(x) @ a stored weight (+ residual): its Linear's product (runtime/model/linear.py)."""
+    return from_stored(w).apply(x, residual, norm)
 
 
 def grouped_linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
-    """x [T, K] @ a grouped weight (GGUF Q8_0) -> float32 [T, N]: each row's groups of 32
-    inputs quantized with their own scale, one int8 dot per group, summed with both scales."""
-    q, g = w["q"], w["g"].astype(jnp.float32)
-    (K, N), G = q.shape, g.shape[0]
-    x32 = x.astype(jnp.float32)
-    if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:  # a matrix-vector product: the weights' read decides
-        return x32 @ (q.reshape(G, K // G, N).astype(jnp.float32) * g[:, None, :]).reshape(K, N)
-    xg = x32.reshape(x.shape[0], G, K // G)
-    sx = jnp.max(jnp.abs(xg), axis=-1, keepdims=True) / 127.0
-    sx = jnp.where(sx > 0, sx, 1.0)
-    xq = jnp.clip(jnp.round(xg / sx), -127, 127).astype(jnp.int8)
-    acc = jax.lax.dot_general(xq, q.reshape(G, K // G, N), (((2,), (1,)), ((1,), (0,))),
-                              preferred_element_type=jnp.int32)  # [G, T, N]
-    return jnp.einsum("gtn,tg,gn->tn", acc.astype(jnp.float32), sx[..., 0], g)
+    """x [T, K] @ a stored grouped (GGUF Q8_0) weight -> float32 [T, N]."""
+    return grouped_product(x, w["q"], w["g"])

@@ -19,7 +19,6 @@ PACKAGES = ("runtime", "console", "pallas_kernels")
 # break a cycle, delete its line.
 ALLOWED_CYCLES: tuple[frozenset[str], ...] = (
     frozenset({"runtime.attention", "runtime.cpu_attention"}),
-    frozenset({"runtime.models.llama", "runtime.quant"}),
 )
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from runtime.config import ModelConfig
-from runtime.quant import LayerPick, Norm, chains_qkv, layer_tail, linear, swiglu
+from runtime.model.linear import HeldPerLayer, Norm, rms_norm, typed
 
 Params = dict[str, Any]
 # attention(q [T,Hq,D], k_new [T,Hkv,D], v_new [T,Hkv,D], layer) -> out [T,Hq,D]; it also
@@ -57,18 +57,16 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = np.float32) -> Par
         param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
 
 
-# --- building blocks ---------------------------------------------------------------
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
-
+# --- the family's math ------------------------------------------------------------------
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     s = cfg.rope_scaling
+    if s is not None and s.rope_type == "linear":  # positions / factor: the same angles
+        return (inv / s.factor).astype(np.float32)
+    if s is not None and s.rope_type == "freq_factors":  # llama.cpp's rope_freqs.weight: a divisor per frequency
+        return (inv / np.asarray(s.freq_factors, np.float64)).astype(np.float32)
     if s is not None:  # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, smooth between.
         low_wl = s.original_max_position_embeddings / s.low_freq_factor
         high_wl = s.original_max_position_embeddings / s.high_freq_factor
@@ -94,11 +92,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 def qkv_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array,
                    inv_freq: jax.Array, norm: Norm | None = None,
-                   fused: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q, k, v of rms_norm(x) (x without `norm`), RoPE applied to q and k; `fused`: the
-    layer's q|k|v product already made (by the layer before's tail call)."""
+                   made: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v of rms_norm(x) (x without `norm`), RoPE applied to q and k. `made`: the
+    layer's q|k|v product already computed (a fused layer tail makes it for the next layer)."""
     T = x.shape[0]
-    q, k, v = qkv_linear(cfg, lp, x, norm) if fused is None else split_qkv(cfg, fused)
+    q, k, v = qkv_linear(cfg, lp, x, norm) if made is None else split_qkv(cfg, made)
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -109,12 +107,12 @@ def qkv_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Ar
 
 def qkv_linear(cfg: ModelConfig, lp: Params, x: jax.Array,
                norm: Norm | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The three projections of rms_norm(x) (x without `norm`); one product when they are
-    packed as one ("qkv", the C++ kernels' layout: runtime/cpu_matmul.py)."""
+    """The three projections of rms_norm(x) (x without `norm`); one product when the runner
+    holds them as one ("qkv")."""
     if "qkv" in lp:
-        return split_qkv(cfg, linear(x, lp["qkv"], norm=norm))
+        return split_qkv(cfg, lp["qkv"].apply(x, norm=norm))
     y = x if norm is None else rms_norm(x, *norm)
-    return linear(y, lp["wq"]), linear(y, lp["wk"]), linear(y, lp["wv"])
+    return lp["wq"].apply(y), lp["wk"].apply(y), lp["wv"].apply(y)
 
 
 def split_qkv(cfg: ModelConfig, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -124,64 +122,58 @@ def split_qkv(cfg: ModelConfig, qkv: jax.Array) -> tuple[jax.Array, jax.Array, j
 
 
 def mlp(lp: Params, x: jax.Array, residual: jax.Array | None = None, norm: Norm | None = None) -> jax.Array:
-    """The SwiGLU MLP of rms_norm(x) (x without `norm`), plus `residual` if given (the float
-    kernel normalizes and adds in the products' calls)."""
-    if "gate_up" in lp:  # gate and up packed as one product (as "qkv")
-        act = swiglu(x, lp["gate_up"], norm)
+    """The SwiGLU MLP of rms_norm(x) (x without `norm`), plus `residual` if given."""
+    if "gate_up" in lp:  # gate and up held as one product
+        act = lp["gate_up"].glu(x, norm)
     else:
         y = x if norm is None else rms_norm(x, *norm)
-        act = jax.nn.silu(linear(y, lp["w_gate"])) * linear(y, lp["w_up"])
-    return linear(act, lp["w_down"], residual)
+        act = jax.nn.silu(lp["w_gate"].apply(y)) * lp["w_up"].apply(y)
+    return lp["w_down"].apply(act, residual)
+
+
+def post_attention(lp: Params, a: jax.Array, h: jax.Array, norm: Norm) -> tuple[jax.Array, jax.Array | None]:
+    """h1 = h + a @ wo; h1 + mlp(rms_norm(h1)). Returns (output, the next layer's q|k|v when
+    the backend fused this tail with it, else None)."""
+    if "tail" in lp:  # the backend holds wo, the MLP and w_down as one fused object (same numbers)
+        return lp["tail"].apply(a, h, norm)
+    h = lp["wo"].apply(a, residual=h)
+    return mlp(lp, h, residual=h, norm=norm), None
 
 
 def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, positions: jax.Array,
                    attention: AttentionFn, cache: Any) -> tuple[jax.Array, Any]:
     """Run the decoder over flattened tokens [T]; returns final-normed hidden [T, d] and the
     cache as threaded through `attention(q, k, v, layer, cache) -> (out, cache)`."""
+    params = typed(params)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][token_ids]
     T = token_ids.shape[0]
     eps, layers = cfg.rms_norm_eps, params["layers"]
-    fused = first_qkv(cfg, layers, x)
+    tail = layers.get("tail")
+    made = tail.first_qkv(x, eps) if tail is not None and tail.chains else None
 
     def layer_step(carry, scanned):
-        h, cache, fused = carry
+        h, cache, made = carry
         lp, layer = scanned
-        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq, norm=(lp["attn_norm"], eps), fused=fused)
+        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq, norm=(lp["attn_norm"], eps), made=made)
         attn, cache = attention(q, k, v, layer, cache)
-        h, fused = layer_tail(attn.reshape(T, -1), h, lp, (lp["mlp_norm"], eps), next_attn_norm(cfg, layers, layer))
-        return (h, cache, fused), None
+        h, made = post_attention(lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps))
+        return (h, cache, made), None
 
-    (x, cache, _), _ = scan_layers(layer_step, (x, cache, fused), layers, cfg.num_layers)
+    (x, cache, _), _ = scan_layers(layer_step, (x, cache, made), layers, cfg.num_layers)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
-
-
-# With the float32 kernel, layer l's tail call also makes layer l + 1's qkv product (one
-# product call per layer): the layer scan carries it, and layer 0's is made before the scan.
-def first_qkv(cfg: ModelConfig, layers: Params, x: jax.Array) -> jax.Array | None:
-    """Layer 0's fused q|k|v of rms_norm(x) where the layer tails chain (chains_qkv), else None."""
-    if not chains_qkv(layers):
-        return None
-    return linear(x, layers["qkv"][0], norm=(layers["attn_norm"][0], cfg.rms_norm_eps))
-
-
-def next_attn_norm(cfg: ModelConfig, layers: Params, layer: jax.Array) -> jax.Array | None:
-    """Inside the scan: layer + 1's attention-norm weight for the chained tail, else None."""
-    if not chains_qkv(layers):
-        return None
-    return layers["attn_norm"][jnp.minimum(layer + 1, cfg.num_layers - 1)]
 
 
 def scan_layers(body: Callable, carry: Any, layers: Params, num_layers: int) -> tuple[Any, Any]:
     """lax.scan of body(carry, (layer params, layer index)) over the stacked layer tree. A
-    weight held per layer (a tuple of arrays: `unstack_weights`) is not scanned but reaches
-    the body as a LayerPick."""
-    stacked = {k: v for k, v in layers.items() if not isinstance(v, tuple)}
-    split = {k: v for k, v in layers.items() if isinstance(v, tuple)}
+    weight held per layer (HeldPerLayer: PerLayer, a fused tail) is not scanned
+    but reaches the body picked at the scan's layer."""
+    stacked = {k: v for k, v in layers.items() if not isinstance(v, HeldPerLayer)}
+    split = {k: v for k, v in layers.items() if isinstance(v, HeldPerLayer)}
 
     def step(c: Any, xs: Any) -> Any:
         lp, layer = xs
-        return body(c, ({**lp, **{k: LayerPick(v, layer) for k, v in split.items()}}, layer))
+        return body(c, ({**lp, **{k: v.at(layer) for k, v in split.items()}}, layer))
 
     return jax.lax.scan(step, carry, (stacked, jnp.arange(num_layers, dtype=jnp.int32)))
 
@@ -210,22 +202,8 @@ def unstack_weights(params: Params, names: Sequence[str]) -> Params:
 
 
 def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
-    """hidden [N, d] -> float32 logits [N, V]. A w8a8 tree carries an int8 copy of the head
-    ("head"): it serves every step of 2+ rows (64 rows: 14 ms against 23 ms float32 on a
-    2-core EPYC); XLA's int8 dot is slow for one row (40 ms against 4 ms), which keeps the
-    float head."""
-    if "head" in params and (hidden.shape[0] > 1 or "p" in params["head"]):  # (the C++ kernel: any rows)
-        return linear(hidden.astype(jnp.float32), params["head"])
-    if "head_f32" in params and hidden.shape[0] <= 64:
-        # the float kernel's packed copy of the head (model_runner): 1.1-2x XLA's product at
-        # 2-64 rows on a 2-core Zen 3 EPYC, and at 1 row since it prefetches its next strips
-        # (2.2 ms against 3.0 on a 2-core AMX Xeon); above 64 XLA's is as fast or faster
-        from runtime import cpu_matmul
-
-        return cpu_matmul.linear_f32(hidden.astype(jnp.float32), params["head_f32"])
-    # A tied head contracts the embedding's model axis in place (no transposed copy).
-    w, axis = (params["embed"], 1) if cfg.tie_word_embeddings else (params["lm_head"], 0)
-    return jax.lax.dot_general(hidden, w, (((1,), (axis,)), ((), ())), preferred_element_type=jnp.float32)
+    """hidden [N, d] -> float32 logits [N, V] (the head object picks its product)."""
+    return typed(params)["head"].apply(hidden)
 
 
 def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, num_segments_mask: jax.Array

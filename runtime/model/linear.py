@@ -1,0 +1,298 @@
+"""The `Linear` seam: every projection of a model family is an object that knows its own
+product. A family multiplies by `w.apply(x)` and never asks how `w` is stored.
+
+    Dense          float [in, out]                                   x @ w
+    Int8           w8a8: int8 [in, out], scale per output (+ SmoothQuant input scale)
+    Int8Grouped    GGUF Q8_0: int8 [in, out], one scale per 32 inputs of each output
+    Int8WeightOnly w8a16: int8 dequantized in the graph, float activations
+    PerLayer       a weight held as separate per-layer arrays inside the layer scan
+    LmHead         the vocabulary projection with its optional faster copies
+
+The C++ CPU kernels add their packed forms beside these (runtime/cpu_matmul.py: PackedInt8,
+PackedInt8Grouped, PackedF32, PackedSwiGLU, F32Tail), built once by the runner.
+
+`apply(x, residual, norm)` computes rms_norm(x) @ w + residual; a kernel that folds the
+norm (prologue) and the residual (epilogue) into its call overrides `apply`, the others
+inherit the plain ops below, so every path gives the numbers it gave as separate ops.
+
+Checkpoints and the runner hold the stored form (plain arrays and dicts: {"q", "s", "in"},
+the kernels' packed {"f"}, ...), which sharding rules, huge-page placement and inspection
+read. `typed()` reads it into these objects; the family calls it at trace time (no cost
+per step), so any caller passes the stored tree as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+Norm = tuple  # (weight [in], eps): an RMS norm a product applies to its input first
+
+# A 1-row step (one stream decoding) is a matrix-vector product, bound by the weight read:
+# there the int8 weights dequantized into a float product beat the int8 dot (SmolLM2 batch-1
+# step on a 2-core EPYC: 20.8 ms against 23.2 ms); from 2 rows on the int8 dot wins (2: 29
+# vs 33 ms, 8: 37 vs 43, 64: 172 vs 199). Rows are a compiled bucket size, so each bucket
+# compiles one path and the switch costs nothing per step.
+WEIGHT_ONLY_MAX_ROWS = 1
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def pytree(cls):
+    """A frozen dataclass registered as a pytree: array fields are leaves, fields marked
+    `static` (metadata) are part of the tree's structure."""
+    cls = dataclass(frozen=True)(cls)
+    meta = [f.name for f in dataclasses.fields(cls) if f.metadata.get("static")]
+    data = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("static")]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def static(default: Any = dataclasses.MISSING) -> Any:
+    return dataclasses.field(default=default, metadata={"static": True})
+
+
+class Linear:
+    """rms_norm(x) @ W (+ residual). Subclasses give `product`; kernels that fuse the norm and
+    the residual into their call override `apply`."""
+
+    fast_at_one_row: ClassVar[bool] = False  # an int8 product that also beats the float head at 1 row
+
+    def product(self, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def apply(self, x: jax.Array, residual: jax.Array | None = None, norm: Norm | None = None) -> jax.Array:
+        if norm is not None:
+            x = rms_norm(x, *norm)
+        y = self.product(x)
+        return y if residual is None else residual + y
+
+    def glu(self, x: jax.Array, norm: Norm | None = None, act: Any = jax.nn.silu) -> jax.Array:
+        """act(gate) * up for a weight holding gate|up side by side [in, 2I] -> [T, I]."""
+        gate, up = jnp.split(self.apply(x, norm=norm), 2, axis=-1)
+        return act(gate) * up
+
+    @property
+    def out_features(self) -> int:
+        raise NotImplementedError
+
+
+@pytree
+class Dense(Linear):
+    w: jax.Array  # [in, out] in the compute dtype
+
+    def product(self, x):
+        return x @ self.w
+
+    @property
+    def out_features(self):
+        return self.w.shape[-1]
+
+
+@pytree
+class Int8(Linear):
+    """w8a8: each row of x gets its own scale (absmax/127), so one outlier token never costs
+    the others their precision."""
+    q: jax.Array                      # [in, out] int8
+    s: jax.Array                      # [out] float32
+    in_scale: jax.Array | None = None  # [in] float32: SmoothQuant's 1/s, before quantizing x
+
+    def product(self, x):
+        x32 = x.astype(jnp.float32)
+        if self.in_scale is not None:
+            x32 = x32 * self.in_scale
+        if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:  # same int8 weights, float activations
+            return (x32 @ (self.q.astype(jnp.float32) * self.s[..., None, :])).astype(x.dtype)
+        sx = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / 127.0
+        sx = jnp.where(sx > 0, sx, 1.0)
+        xq = jnp.clip(jnp.round(x32 / sx), -127, 127).astype(jnp.int8)
+        acc = jax.lax.dot(xq, self.q, preferred_element_type=jnp.int32)
+        return (acc.astype(jnp.float32) * sx * self.s).astype(x.dtype)
+
+    @property
+    def out_features(self):
+        return self.q.shape[-1]
+
+
+@pytree
+class Int8Grouped(Linear):
+    """GGUF Q8_0's own values and block scales, never requantized: activations get a scale
+    per token and group of 32 (llama.cpp's Q8_0 dot)."""
+    q: jax.Array  # [in, out] int8
+    g: jax.Array  # [in/32, out] float32
+
+    def product(self, x):
+        return grouped_product(x, self.q, self.g).astype(x.dtype)
+
+    @property
+    def out_features(self):
+        return self.q.shape[-1]
+
+
+def grouped_product(x: jax.Array, q: jax.Array, g: jax.Array) -> jax.Array:
+    """x [T, K] @ a grouped weight -> float32 [T, N]: each row's groups of 32 inputs quantized
+    with their own scale, one int8 dot per group, summed with both scales."""
+    g = g.astype(jnp.float32)
+    (K, N), G = q.shape, g.shape[0]
+    x32 = x.astype(jnp.float32)
+    if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:  # a matrix-vector product: the weights' read decides
+        return x32 @ (q.reshape(G, K // G, N).astype(jnp.float32) * g[:, None, :]).reshape(K, N)
+    xg = x32.reshape(x.shape[0], G, K // G)
+    sx = jnp.max(jnp.abs(xg), axis=-1, keepdims=True) / 127.0
+    sx = jnp.where(sx > 0, sx, 1.0)
+    xq = jnp.clip(jnp.round(xg / sx), -127, 127).astype(jnp.int8)
+    acc = jax.lax.dot_general(xq, q.reshape(G, K // G, N), (((2,), (1,)), ((1,), (0,))),
+                              preferred_element_type=jnp.int32)  # [G, T, N]
+    return jnp.einsum("gtn,tg,gn->tn", acc.astype(jnp.float32), sx[..., 0], g)
+
+
+@pytree
+class Int8WeightOnly(Linear):
+    """w8a16: dequantized in the graph and multiplied in the compute dtype (halves the weight
+    bytes a bandwidth-bound decode reads)."""
+    w8: jax.Array  # [in, out] int8
+    s: jax.Array   # [out] float32
+
+    def product(self, x):
+        return x @ (self.w8.astype(x.dtype) * self.s.astype(x.dtype)[..., None, :])
+
+    @property
+    def out_features(self):
+        return self.w8.shape[-1]
+
+
+class HeldPerLayer:
+    """A weight the layer scan does not slice: it reaches the layer's body as `at(layer)`."""
+
+    def at(self, index: jax.Array) -> Any:
+        raise NotImplementedError
+
+
+@pytree
+class PerLayer(Linear, HeldPerLayer):
+    """Inside the layer scan: a weight held as separate per-layer arrays (`unstack_weights`
+    says why) and the layer the scan is at; each product is a lax.switch over the layers'
+    own weights (a custom call's operand is a whole buffer, a scanned slice a copy)."""
+    layers: tuple           # per-layer Linear objects
+    index: jax.Array | None = None  # the scan's layer (set by `at`)
+
+    def at(self, index: jax.Array) -> "PerLayer":
+        return PerLayer(self.layers, index)
+
+    def apply(self, x, residual=None, norm=None):
+        nw = None if norm is None else norm[0]
+
+        def branch(w):
+            return lambda x, r, nw: w.apply(x, r, None if nw is None else (nw, norm[1]))
+        return jax.lax.switch(self.index, [branch(w) for w in self.layers], x, residual, nw)
+
+    def glu(self, x, norm=None, act=jax.nn.silu):
+        nw = None if norm is None else norm[0]
+
+        def branch(w):
+            return lambda x, nw: w.glu(x, None if nw is None else (nw, norm[1]), act)
+        return jax.lax.switch(self.index, [branch(w) for w in self.layers], x, nw)
+
+    @property
+    def out_features(self):
+        return self.layers[0].out_features
+
+
+@pytree
+class LmHead:
+    """hidden [N, d] -> float32 logits [N, V]. `weight` is the stored head ([d, V], or the
+    tied embedding [V, d] contracted on its model axis in place: no transposed copy). Faster
+    copies the runner may add, each where it was measured to win:
+    `int8` (the w8a8 head, opt-in --quantize-lm-head) for 2+ rows, or any rows when its
+    kernel serves 1 row well (XLA's int8 dot is slow for one row: 40 ms against 4 ms);
+    `f32` (the float kernel's packed copy) up to F32_MAX_ROWS rows (1.1-2x XLA's product at
+    2-64 rows on a 2-core Zen 3 EPYC, 2.2 ms against 3.0 at 1 row on an AMX Xeon; above 64
+    XLA's is as fast or faster)."""
+    weight: jax.Array
+    int8: Linear | None = None
+    f32: Linear | None = None
+    tied: bool = static(True)
+    int8_any_rows: bool = static(False)
+    F32_MAX_ROWS: ClassVar[int] = 64
+
+    def apply(self, hidden: jax.Array) -> jax.Array:
+        rows = hidden.shape[0]
+        if self.int8 is not None and (rows > 1 or self.int8_any_rows):
+            return self.int8.apply(hidden.astype(jnp.float32))
+        if self.f32 is not None and rows <= self.F32_MAX_ROWS:
+            return self.f32.apply(hidden.astype(jnp.float32))
+        axis = 1 if self.tied else 0
+        return jax.lax.dot_general(hidden, self.weight, (((1,), (axis,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+
+# --- stored trees -> typed ------------------------------------------------------------------
+
+# Readers of stored forms defined elsewhere: runtime/cpu_matmul.py registers its packed dicts.
+# A packed dict only exists after that module made it, so its reader is registered by then
+# (and this module needs no import of the kernels).
+_READERS: list[Callable[[dict], "Linear | None"]] = []
+
+
+def register_reader(fn: Callable[[dict], "Linear | None"]) -> Callable[[dict], "Linear | None"]:
+    _READERS.append(fn)
+    return fn
+
+
+# Fusions of several typed weights into one object a backend runs as one call (runtime/
+# cpu_matmul.py registers its fused layer tail), applied by `typed` in order.
+_FUSERS: list[Callable[[dict], dict]] = []
+
+
+def register_fuser(fn: Callable[[dict], dict]) -> Callable[[dict], dict]:
+    _FUSERS.append(fn)
+    return fn
+
+
+def from_stored(w: Any) -> Any:
+    """One stored weight (float array, or a quantized dict as runtime/quant.py writes it) as
+    its Linear; a tuple of per-layer weights as PerLayer; a typed weight unchanged."""
+    if isinstance(w, Linear):
+        return w
+    if isinstance(w, tuple):
+        return PerLayer(tuple(from_stored(a) for a in w))
+    if isinstance(w, dict):
+        for read in _READERS:
+            lin = read(w)
+            if lin is not None:
+                return lin
+        if "w8" in w:
+            return Int8WeightOnly(w["w8"], w["s"])
+        if "g" in w:
+            return Int8Grouped(w["q"], w["g"])
+        return Int8(w["q"], w["s"], w.get("in"))
+    return Dense(w)
+
+
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "qkv", "gate_up")
+
+
+def typed(params: dict[str, Any]) -> dict[str, Any]:
+    """A parameter tree with every projection as its Linear and the head as an LmHead; a
+    typed tree is returned as it is."""
+    leaf = from_stored
+    if isinstance(params.get("head"), LmHead):
+        return params
+    layers = {k: leaf(v) if k in PROJECTIONS else v for k, v in params["layers"].items()}
+    tied = "lm_head" not in params
+    int8 = leaf(params["head"]) if "head" in params else None
+    head = LmHead(params["embed"] if tied else params["lm_head"], int8=int8,
+                  f32=leaf(params["head_f32"]) if "head_f32" in params else None,
+                  tied=tied, int8_any_rows=bool(int8 is not None and int8.fast_at_one_row))
+    rest = {k: v for k, v in params.items() if k not in ("layers", "lm_head", "head", "head_f32")}
+    out = {**rest, "layers": layers, "head": head}
+    for fuse in _FUSERS:
+        out = fuse(out)
+    return out
