@@ -26,14 +26,55 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ValueError(f"{name}: {msg}")
 
 
+# RoPE frequency scalings the model implements (runtime/models/llama.py rope_inv_freq);
+# "default" (no scaling) is rope_scaling null.
+ROPE_TYPES = ("llama3", "linear", "freq_factors")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+    """RoPE frequency scaling. rope_type "llama3": Llama 3.1's (long wavelengths slowed by
+    `factor`, short ones kept, smooth between); "linear": positions divided by `factor`;
+    "freq_factors": each inverse frequency divided by its own factor (llama.cpp's
+    `rope_freqs.weight`, the form a GGUF carries llama3 scaling in). rope_type comes last
+    and defaults to llama3: checkpoints converted before it existed were all llama3."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    freq_factors: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.rope_type in ROPE_TYPES, "rope_scaling.rope_type",
+               f"{self.rope_type!r} is not supported (supported: default, {', '.join(ROPE_TYPES)})")
+        object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))  # hashable: jit's static arg
+        if self.rope_type == "freq_factors":
+            _check(bool(self.freq_factors) and all(math.isfinite(f) and f > 0 for f in self.freq_factors),
+                   "rope_scaling.freq_factors", "must be positive finite numbers, one per rotary frequency")
+            return
+        _check(math.isfinite(self.factor) and self.factor > 0, "rope_scaling.factor", f"must be positive, got {self.factor}")
+        if self.rope_type == "llama3":
+            _check(self.high_freq_factor > self.low_freq_factor > 0, "rope_scaling.high_freq_factor",
+                   f"must exceed low_freq_factor (> 0), got {self.high_freq_factor} and {self.low_freq_factor}")
+            _check(self.original_max_position_embeddings > 0, "rope_scaling.original_max_position_embeddings",
+                   "must be positive")
+
+    def to_json(self) -> dict[str, Any]:
+        """Only the fields its rope_type uses."""
+        if self.rope_type == "freq_factors":
+            return {"rope_type": self.rope_type, "freq_factors": list(self.freq_factors)}
+        if self.rope_type == "linear":
+            return {"rope_type": self.rope_type, "factor": self.factor}
+        return {"rope_type": self.rope_type, **{k: v for k, v in dataclasses.asdict(self).items()
+                                                 if k not in ("rope_type", "freq_factors")}}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RopeScaling":
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        _check(not unknown, "rope_scaling", f"unknown fields {unknown}")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -57,6 +98,10 @@ class ModelConfig:
     pad_token_id: int | None = None
     add_bos_token: bool = False
     name: str = "model"
+    # Mistral / Qwen2 sliding-window attention: served exactly by never letting a sequence
+    # outgrow the window (the engine refuses a longer max_model_len), since every key in
+    # a sequence no longer than the window is inside it. None: full attention.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -66,6 +111,10 @@ class ModelConfig:
                f"{self.num_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
         _check(self.architecture in ("llama", "qwen2"), "architecture",
                f"unsupported architecture {self.architecture!r} (supported: llama, qwen2)")
+        _check(self.sliding_window is None or self.sliding_window > 0, "sliding_window", "must be positive")
+        s = self.rope_scaling
+        _check(s is None or s.rope_type != "freq_factors" or len(s.freq_factors) == self.head_dim // 2,
+               "rope_scaling.freq_factors", f"needs one factor per rotary frequency ({self.head_dim // 2})")
 
     # --- sizes used by inspect, the engine log and the planner -----------------
     def param_count(self) -> int:
@@ -86,6 +135,7 @@ class ModelConfig:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_json()
         return d
 
     @classmethod
@@ -95,7 +145,7 @@ class ModelConfig:
         unknown = set(d) - known
         _check(not unknown, "config.json", f"unknown fields {sorted(unknown)}")
         if d.get("rope_scaling"):
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+            d["rope_scaling"] = RopeScaling.from_json(d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         return cls(**d)
 

@@ -13,6 +13,17 @@ from runtime.config import ModelConfig, RopeScaling
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
 SUPPORTED_ARCHS = ("llama", "qwen2")
 CONTROL_TOKEN = 3
+# `{arch}.` metadata keys model_config reads or checks; any other one is refused by name, so
+# nothing that changes the math is skipped. rope.scaling.original_context_length and
+# .finetuned only inform YaRN (refused), rope.scaling.type "linear" ignores them.
+ARCH_KEYS = frozenset({
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "attention.key_length", "attention.value_length", "attention.sliding_window",
+    "rope.dimension_count", "rope.freq_base", "rope.scale_linear", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.attn_factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
+    "expert_count", "expert_used_count",
+})
 
 
 class GGUFSource:
@@ -59,40 +70,94 @@ class GGUFSource:
             raise CheckpointError(f"{self.path}: GGUF metadata lacks {self.arch}.{key!r}")
         return v
 
+    def _refuse(self, key: str, value: Any, why: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {key} {value!r} is not supported ({why})")
+
+    def _rope(self, head_dim: int) -> RopeScaling | None:
+        """llama.cpp's RoPE scaling: linear as rope.scaling.type (or the older rope.scale_linear),
+        llama3 as the `rope_freqs.weight` tensor of per-frequency divisors."""
+        a = self.arch
+        for key in (f"{a}.rope.scaling.attn_factor",):
+            v = self._field(key)
+            if v is not None and float(v) != 1.0:
+                raise self._refuse(key, v, "attention scaling of cos/sin is not implemented")
+        kind = str(self._field(f"{a}.rope.scaling.type", "linear"))
+        if kind not in ("none", "linear"):
+            raise self._refuse(f"{a}.rope.scaling.type", kind,
+                               "supported: none, linear; llama3 comes as the rope_freqs.weight tensor")
+        # llama.cpp divides positions by any factor it finds, whatever the type says
+        fkey = next((f"{a}.{k}" for k in ("rope.scaling.factor", "rope.scale_linear")
+                     if self._field(f"{a}.{k}") is not None), None)
+        factor = 1.0 if fkey is None else float(self._field(fkey))
+        if factor == 0.0:  # llama.cpp: 0 means unset
+            factor = 1.0
+        if factor < 0:
+            raise self._refuse(fkey, factor, "must be positive")
+        freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None and factor != 1.0:
+            raise self._refuse(fkey, factor, "linear scaling together with rope_freqs.weight is not implemented")
+        if freqs is not None:
+            from gguf.quants import dequantize
+
+            ff = np.asarray(dequantize(freqs.data, freqs.tensor_type), np.float64).reshape(-1)
+            if ff.size != head_dim // 2 or not np.all(np.isfinite(ff) & (ff > 0)):
+                raise CheckpointError(f"{self.path}: rope_freqs.weight has {ff.size} entries "
+                                      f"(needs {head_dim // 2} positive factors, one per rotary frequency)")
+            return None if np.all(ff == 1.0) else RopeScaling(rope_type="freq_factors", freq_factors=tuple(ff))
+        return None if factor == 1.0 else RopeScaling(factor, rope_type="linear")
+
     def model_config(self) -> ModelConfig:
+        a = self.arch
+        unknown = sorted(k for k in self.reader.fields
+                         if k.startswith(f"{a}.") and k.removeprefix(f"{a}.") not in ARCH_KEYS)
+        if unknown:
+            raise CheckpointError(f"{self.path}: unknown metadata {', '.join(map(repr, unknown))} "
+                                  "(pagedjax cannot tell whether it changes the model's outputs)")
+        for key in ("expert_count", "expert_used_count"):
+            v = self._field(f"{a}.{key}")
+            if v not in (None, 0):
+                raise self._refuse(f"{a}.{key}", v, "mixture-of-experts models are not supported")
         heads = int(self._arch("attention.head_count"))
         hidden = int(self._arch("embedding_length"))
         tokens = self._field("tokenizer.ggml.tokens") or []
         names = {t.name for t in self.reader.tensors}
-        scaling = None
-        if self._field(f"{self.arch}.rope.scaling.type") == "llama3":
-            scaling = RopeScaling(
-                factor=float(self._arch("rope.scaling.factor")),
-                original_max_position_embeddings=int(self._arch("rope.scaling.original_context_length")))
+        head_dim = int(self._arch("attention.key_length", self._arch("rope.dimension_count", hidden // heads)))
+        for key in ("rope.dimension_count", "attention.value_length"):
+            v = self._field(f"{a}.{key}")
+            if v is not None and int(v) != head_dim:
+                raise self._refuse(f"{a}.{key}", v, f"must equal the head dimension {head_dim}: "
+                                   "partial rotary embeddings / unequal K and V heads are not implemented")
+        window = self._field(f"{a}.attention.sliding_window")
         eos = self._field("tokenizer.ggml.eos_token_id")
         bos = self._field("tokenizer.ggml.bos_token_id")
         pad = self._field("tokenizer.ggml.padding_token_id")
-        return ModelConfig(
-            architecture=self.arch,
-            vocab_size=int(self._field(f"{self.arch}.vocab_size", len(tokens))),
-            hidden_size=hidden,
-            intermediate_size=int(self._arch("feed_forward_length")),
-            num_layers=int(self._arch("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(self._arch("attention.head_count_kv", heads)),
-            head_dim=int(self._arch("rope.dimension_count", hidden // heads)),
-            max_position_embeddings=int(self._arch("context_length", 4096)),
-            rope_theta=float(self._arch("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            rms_norm_eps=float(self._arch("attention.layer_norm_rms_epsilon", 1e-5)),
-            tie_word_embeddings="output.weight" not in names,
-            attention_bias="blk.0.attn_q.bias" in names,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=() if eos is None else (int(eos),),
-            pad_token_id=None if pad is None else int(pad),
-            add_bos_token=bool(self._field("tokenizer.ggml.add_bos_token", False)),
-            name=str(self._field("general.name", self.path.stem)),
-        )
+        try:
+            return ModelConfig(
+                architecture=self.arch,
+                vocab_size=int(self._field(f"{a}.vocab_size", len(tokens))),
+                hidden_size=hidden,
+                intermediate_size=int(self._arch("feed_forward_length")),
+                num_layers=int(self._arch("block_count")),
+                num_heads=heads,
+                num_kv_heads=int(self._arch("attention.head_count_kv", heads)),
+                head_dim=head_dim,
+                max_position_embeddings=int(self._arch("context_length", 4096)),
+                rope_theta=float(self._arch("rope.freq_base", 10000.0)),
+                rope_scaling=self._rope(head_dim),
+                rms_norm_eps=float(self._arch("attention.layer_norm_rms_epsilon", 1e-5)),
+                tie_word_embeddings="output.weight" not in names,
+                attention_bias="blk.0.attn_q.bias" in names,
+                bos_token_id=None if bos is None else int(bos),
+                eos_token_ids=() if eos is None else (int(eos),),
+                pad_token_id=None if pad is None else int(pad),
+                add_bos_token=bool(self._field("tokenizer.ggml.add_bos_token", False)),
+                name=str(self._field("general.name", self.path.stem)),
+                sliding_window=None if window is None or int(window) == 0 else int(window),
+            )
+        except CheckpointError:
+            raise
+        except ValueError as exc:  # ModelConfig's own checks name the field
+            raise CheckpointError(f"{self.path}: {exc}") from None
 
     # --- tensors -----------------------------------------------------------------
     def num_tensors(self) -> int:

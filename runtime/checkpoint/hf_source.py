@@ -11,7 +11,53 @@ import numpy as np
 from runtime.checkpoint.mapping import HF_RULES, CheckpointError, Rule
 from runtime.config import ModelConfig, RopeScaling
 
-ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# architecture -> (our model's architecture, the transformers family whose config.json keys apply)
+ARCHS = {"LlamaForCausalLM": ("llama", "llama"), "MistralForCausalLM": ("llama", "mistral"),
+         "Qwen2ForCausalLM": ("qwen2", "qwen2")}
+
+# config.json keys that never change the model's outputs: bookkeeping, training-only knobs
+# (dropout is off at inference, pretraining_tp only split the matmuls), generation defaults
+# (the request's sampling parameters decide), leftovers of other tools.
+HARMLESS = frozenset({
+    "_name_or_path", "_commit_hash", "_attn_implementation", "_attn_implementation_autoset",
+    "attn_implementation", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "use_cache", "initializer_range", "output_attentions", "output_hidden_states", "output_scores", "return_dict",
+    "return_dict_in_generate", "id2label", "label2id", "num_labels", "problem_type", "finetuning_task",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
+    "cross_attention_hidden_size", "torchscript", "use_bfloat16", "tf_legacy_loss", "prefix", "task_specific_params",
+    "tokenizer_class", "sep_token_id", "decoder_start_token_id", "keys_to_ignore_at_inference",
+    "attention_dropout", "pretraining_tp",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+    "forced_eos_token_id",
+    "is_llama_config", "transformers.js_config", "unsloth_version", "unsloth_fixed",
+})
+# Keys model_config reads, or checks value by value (refusing what it does not implement).
+IMPLEMENTED = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+    "bos_token_id", "eos_token_id", "pad_token_id", "rope_theta", "rope_scaling", "rope_parameters",
+    "original_max_position_embeddings", "partial_rotary_factor", "hidden_act", "quantization_config",
+    "pruned_heads", "auto_map", "rope_interleaved",
+})
+FAMILY_KEYS = {  # each family's own keys, implemented or checked (transformers' <Family>Config)
+    # the window keys: LlamaConfig has none, but Llama-architecture exports of other models
+    # carry them; accepted while they say "no window" (_sliding_window)
+    "llama": frozenset({"attention_bias", "mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+                        "layer_types"}),
+    "mistral": frozenset({"sliding_window"}),
+    "qwen2": frozenset({"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+                        "layer_types"}),
+}
+# Defaults of transformers' config classes where a key is absent and the default matters.
+MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+MISTRAL_SLIDING_WINDOW = 4096  # MistralConfig's default: a config.json without the key slides
+# rope_type -> the keys of its dict that it reads (beside rope_type/type, rope_theta and the
+# no-op partial_rotary_factor / attention_factor checked below)
+ROPE_KEYS = {"default": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 def _read_json(path: Path) -> dict:
@@ -32,9 +78,9 @@ class HFSource:
         self.path = path
         self.hf = _read_json(path / "config.json")
         archs = self.hf.get("architectures") or [self.hf.get("model_type", "?")]
-        self.arch = ARCHS.get(archs[0])
-        if self.arch is None:
+        if archs[0] not in ARCHS:
             raise CheckpointError(f"{path}: unsupported architecture {archs[0]!r} (supported: {', '.join(ARCHS)})")
+        self.arch, self.family = ARCHS[archs[0]]
         self.files = self._weight_files()
         if not (path / "tokenizer.json").is_file():
             raise CheckpointError(f"{path}: missing tokenizer.json")
@@ -53,20 +99,139 @@ class HFSource:
                 raise CheckpointError(f"{f}: listed in the index but missing")
         return files
 
+    def _refuse(self, msg: str) -> CheckpointError:
+        return CheckpointError(f"{self.path / 'config.json'}: {msg}")
+
+    def _check_keys(self) -> None:
+        """Every key is implemented, checked, or known to be harmless: a key that changed the
+        math and was skipped would make a model that loads and is silently wrong."""
+        c, fam = self.hf, self.family
+        unknown = sorted(set(c) - HARMLESS - IMPLEMENTED - FAMILY_KEYS[fam])
+        if unknown:
+            raise self._refuse(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                               f"for {fam} (pagedjax cannot tell whether it changes the model's outputs)")
+        refusals = [
+            ("hidden_act", c.get("hidden_act", "silu") not in ("silu", "swish"), "supported: silu"),
+            ("mlp_bias", bool(c.get("mlp_bias", False)), "MLP biases are not implemented"),
+            # Llama's attention_bias biases o_proj too (not implemented); Qwen2Attention has q/k/v
+            # biases whatever the key says (transformers ignores it), so only true is consistent.
+            ("attention_bias", bool(c.get("attention_bias")) != (fam == "qwen2"),
+             "Qwen2 always has q/k/v biases" if fam == "qwen2" else "attention biases are not implemented for llama"),
+            ("partial_rotary_factor", c.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0),
+             "partial rotary embeddings are not implemented"),
+            ("rope_interleaved", bool(c.get("rope_interleaved", False)), "interleaved RoPE is not implemented"),
+            ("quantization_config", c.get("quantization_config") is not None,
+             "pre-quantized weights are not supported; convert an unquantized checkpoint"),
+            ("pruned_heads", bool(c.get("pruned_heads")), "pruned attention heads are not supported"),
+            ("auto_map", any(k.startswith("AutoModel") for k in (c.get("auto_map") or {})),
+             "custom modelling code is not supported"),
+        ]
+        for key, bad, why in refusals:
+            if key in c and bad:
+                raise self._refuse(f"{key} {c[key]!r} is not supported ({why})")
+
+    def _rope(self) -> tuple[float, RopeScaling | None]:
+        """(rope_theta, scaling) from transformers 4.x (`rope_scaling` + `rope_theta`) or 5.x
+        (`rope_parameters` with rope_theta inside, possibly one dict per layer type)."""
+        c = self.hf
+        field = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+        rp = c.get(field) or {}
+        if not isinstance(rp, dict):
+            raise self._refuse(f"{field} {rp!r} is not supported (expected an object)")
+        nested = [k for k, v in rp.items() if isinstance(v, dict)]
+        if nested:  # per layer type: fine only while every layer gets the same RoPE
+            if len(nested) != len(rp) or any(rp[k] != rp[nested[0]] for k in nested):
+                raise self._refuse(f"{field} per layer type ({', '.join(nested)}) with different RoPE "
+                                   "is not supported")
+            field, rp = f"{field}.{nested[0]}", rp[nested[0]]
+        rtype = rp.get("rope_type", rp.get("type", "default"))
+        tfield = f"{field}.{'rope_type' if 'rope_type' in rp else 'type'}"
+        if not isinstance(rtype, str) or rtype not in ROPE_KEYS:
+            raise self._refuse(f"{tfield} {rtype!r} is not supported (supported: {', '.join(sorted(ROPE_KEYS))})")
+        for key in sorted(set(rp) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", "attention_factor"}
+                          - set(ROPE_KEYS[rtype])):
+            raise self._refuse(f"{field}.{key} is not supported with rope_type {rtype!r}")
+        for key, why in (("partial_rotary_factor", "partial rotary embeddings are not implemented"),
+                         ("attention_factor", "attention scaling of cos/sin is not implemented")):
+            if rp.get(key) not in (None, 1, 1.0):
+                raise self._refuse(f"{field}.{key} {rp[key]!r} is not supported ({why})")
+
+        def num(key: str, kind: type = float, default: object = None) -> float:
+            v = rp.get(key, default)
+            if v is None:
+                raise self._refuse(f"{field}.{key} is missing (rope_type {rtype!r} needs it)")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+                raise self._refuse(f"{field}.{key} {v!r} is not a number")
+            return kind(v)
+
+        theta = num("rope_theta", default=c.get("rope_theta", 10000.0))
+        orig_key = "original_max_position_embeddings"
+        if rtype == "llama3":
+            # transformers: a top-level original_max_position_embeddings wins; else max_position_embeddings
+            orig = c.get(orig_key, rp.get(orig_key))
+            if orig is None:
+                orig = c.get("max_position_embeddings", MAX_POSITIONS[self.family])
+            rp = {**rp, orig_key: orig}
+        try:
+            if rtype == "linear":
+                return theta, RopeScaling(num("factor"), rope_type="linear")
+            if rtype == "llama3":
+                return theta, RopeScaling(num("factor"), num("low_freq_factor"), num("high_freq_factor"),
+                                          int(num(orig_key, int)), rope_type="llama3")
+        except CheckpointError:
+            raise
+        except ValueError as exc:  # RopeScaling's checks: "rope_scaling.<key>: why"
+            raise self._refuse(f"{field}.{str(exc).removeprefix('rope_scaling.')}") from None
+        return theta, None
+
+    def _sliding_window(self) -> int | None:
+        """The attention window every layer of a sequence must stay within, or None."""
+        c, fam, n = self.hf, self.family, int(self.hf.get("num_hidden_layers", 0))
+        if fam == "llama":  # transformers' Llama has no window: only "no window" is unambiguous
+            windowed = [(k, v) for k, v in (("sliding_window", c.get("sliding_window")),
+                                            ("use_sliding_window", c.get("use_sliding_window") or None),
+                                            *(("layer_types", t) for t in c.get("layer_types") or ()
+                                              if t != "full_attention")) if v is not None]
+            if windowed:
+                key, v = windowed[0]
+                raise self._refuse(f"{key} {v!r} is not supported (LlamaForCausalLM has no sliding window)")
+            return None
+        if fam == "mistral":  # every layer slides; an absent key is MistralConfig's default
+            window = c.get("sliding_window", MISTRAL_SLIDING_WINDOW)
+        else:  # qwen2: layers from max_window_layers on slide, when use_sliding_window
+            window = c.get("sliding_window", 4096) if c.get("use_sliding_window", False) else None
+            types = c.get("layer_types")
+            if types is None:
+                first = c.get("max_window_layers", 28)
+                if isinstance(first, bool) or not isinstance(first, int):
+                    raise self._refuse(f"max_window_layers {first!r} is not an integer")
+                types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                         for i in range(n)]
+            bad = [t for t in types if t not in ("full_attention", "sliding_attention")]
+            if bad:
+                raise self._refuse(f"layer_types {bad[0]!r} is not supported (supported: full_attention, "
+                                   "sliding_attention)")
+            if len(types) != n:
+                raise self._refuse(f"layer_types has {len(types)} entries for {n} layers")
+            if "sliding_attention" not in types:
+                return None
+            if window is None:
+                raise self._refuse("layer_types has sliding_attention layers but use_sliding_window is off")
+        if window is None:
+            return None
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise self._refuse(f"sliding_window {window!r} is not a positive integer")
+        return window
+
     def model_config(self) -> ModelConfig:
         c = self.hf
-        heads = int(c["num_attention_heads"])
-        rs = c.get("rope_scaling") or None
-        scaling = None
-        if rs and rs.get("rope_type", rs.get("type")) == "llama3":
-            scaling = RopeScaling(float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
-                                  float(rs.get("high_freq_factor", 4.0)),
-                                  int(rs.get("original_max_position_embeddings", 8192)))
-        elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
-            raise CheckpointError(f"{self.path}: unsupported rope_scaling {rs!r}")
+        self._check_keys()
+        theta, scaling = self._rope()
+        window = self._sliding_window()
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         try:
+            heads = int(c["num_attention_heads"])
             return ModelConfig(
                 architecture=self.arch,
                 vocab_size=int(c["vocab_size"]),
@@ -74,22 +239,27 @@ class HFSource:
                 intermediate_size=int(c["intermediate_size"]),
                 num_layers=int(c["num_hidden_layers"]),
                 num_heads=heads,
-                num_kv_heads=int(c.get("num_key_value_heads", heads)),
+                num_kv_heads=int(c.get("num_key_value_heads") or heads),
                 head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-                max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
-                rope_theta=float(c.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(c.get("max_position_embeddings", MAX_POSITIONS[self.family])),
+                rope_theta=theta,
                 rope_scaling=scaling,
                 rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                attention_bias=bool(c.get("attention_bias", self.arch == "qwen2")),
+                attention_bias=self.arch == "qwen2",  # Qwen2: q/k/v biases always; llama: refused above
                 bos_token_id=c.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 pad_token_id=c.get("pad_token_id"),
                 add_bos_token=bool(self._tokenizer_config().get("add_bos_token", False)),
                 name=self.path.name,
+                sliding_window=window,
             )
         except KeyError as exc:
-            raise CheckpointError(f"{self.path / 'config.json'}: missing field {exc.args[0]!r}") from None
+            raise self._refuse(f"missing field {exc.args[0]!r}") from None
+        except CheckpointError:
+            raise
+        except ValueError as exc:  # ModelConfig's own checks name the field
+            raise self._refuse(str(exc)) from None
 
     def _tokenizer_config(self) -> dict:
         p = self.path / "tokenizer_config.json"

@@ -90,7 +90,9 @@ HF_RULES = (
     Rule("model.layers.{i}.mlp.down_proj.weight", "layers/w_down", "t"),
 )
 
-# Sources that carry no weights we need (rotary caches some exporters write).
+# Sources that carry no weights: rotary caches some HF exporters write (recomputed from the
+# config), and llama.cpp's rope_freqs.weight, which GGUFSource.model_config has already
+# turned into the config's rope_scaling (or refused).
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|rope_freqs\.weight)$")
 
 
