@@ -64,8 +64,9 @@ class ScheduledSeq:
 
 
 def step_row(req: "Request", n: int) -> ScheduledSeq:
-    """Request -> its row in the next step: `n` tokens from `num_computed_tokens`. Called once
-    per scheduled request (it advances the request's penalty bookkeeping)."""
+    """Request -> its row in the next step: `n` tokens from `num_computed_tokens`. It only
+    reads the request: the scheduler's `commit` accounts the step once it is launched
+    (computed tokens, the penalty state's `row_counted_upto`)."""
     from runtime.sampling import SamplingRow
 
     start = req.num_computed_tokens
@@ -80,7 +81,6 @@ def step_row(req: "Request", n: int) -> ScheduledSeq:
     if req.params.prompt_logprobs is not None and start < P - 1:
         nxt = req.token_ids[start + 1:min(start + n + 1, P)]
         seq.prompt_next = nxt + [-1] * (n - len(nxt))
-    req.row_counted_upto = max(req.row_counted_upto, start + n)
     return seq
 
 

@@ -16,23 +16,24 @@ The order is what makes it safe (DESIGN: never prefill into nowhere):
      that admits the request, after its hits were taken (runtime/scheduler.py `_admit`).
 On failure or timeout `release` returns every pinned block; the sender `drop`s its buffer.
 
-Only full blocks before the prompt's last token travel ((len - 1) // block_size of them):
+Only full blocks before the prompt's last token travel (runtime/request.py `cacheable_blocks`):
 the scheduler always computes the last token for its logits, so a block holding it would
 be computed again anyway. Requests whose prompt must be computed in full on the decode
-side (penalties, prompt logprobs: they bypass the prefix cache) transfer nothing.
+side (penalties, prompt logprobs: runtime/request.py `uses_prefix_cache`) transfer nothing.
+The room check is the scheduler's own admission rule (runtime/capacity.py).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from runtime import capacity
 from runtime.block_pool import BlockHash, hash_prompt_blocks
 from runtime.kv_transfer import KVBlocks, KVConnector, TransferError
 from runtime.model_runner import read_blocks, write_blocks
-from runtime.request import Request
+from runtime.request import Request, cacheable_blocks, uses_prefix_cache
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Overloaded
 
@@ -68,16 +69,10 @@ class Reservation:
         return self.block_ids[self.skip_blocks:self.skip_blocks + self.num_transfer]
 
 
-def _transferable(params: SamplingParams) -> bool:
-    # Mirrors Scheduler._prefix_hits: these requests compute every prompt token.
-    penalties = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-    return not penalties and params.prompt_logprobs is None
-
-
 def _usable_hashes(engine: "LLMEngine", prompt_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
     bs = engine.pool.block_size
     hashes = hash_prompt_blocks(list(prompt_ids), bs, (cache_salt,) if cache_salt else ())
-    return hashes[:(len(prompt_ids) - 1) // bs]
+    return hashes[:cacheable_blocks(len(prompt_ids), bs)]
 
 
 def reserve(engine: "LLMEngine", prompt_ids: Sequence[int], params: SamplingParams,
@@ -87,26 +82,23 @@ def reserve(engine: "LLMEngine", prompt_ids: Sequence[int], params: SamplingPara
         raise ValueError("disaggregated decode needs the prefix cache (imported blocks are served through it)")
     prompt = [int(t) for t in prompt_ids]
     total = len(prompt) + params.max_tokens
-    if not prompt or total > engine.envelope.max_model_len or sched.blocks_for(total) > pool.num_blocks:
+    if not prompt or capacity.never_fits(total, engine.envelope.max_model_len, pool):
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) does not fit "
                          f"this engine (max_model_len {engine.envelope.max_model_len})")
     with engine.lock:
-        hashes = _usable_hashes(engine, prompt, cache_salt) if _transferable(params) else []
+        hashes = _usable_hashes(engine, prompt, cache_salt) if uses_prefix_cache(params) else []
         hits = pool.lookup_prefix(hashes, prompt)
-        # Same arithmetic as Scheduler._admit, so a reservation that succeeds is admitted.
-        target = total if policy.admission_mode == "reserve" else len(prompt)
-        need = sched.blocks_for(target) - len(hits)
-        outstanding = sched._reserved_growth() if policy.admission_mode == "reserve" else 0
-        revived = sum(1 for b in hits if pool.ref_count(b) == 0)
-        watermark = math.ceil(policy.watermark * pool.num_blocks) if sched.running else 0
-        free_after = pool.num_free_blocks - revived - need - outstanding
-        if free_after < watermark:
+        # The scheduler's admission rule on the same state, so a reservation that succeeds is admitted.
+        promised = capacity.promised_growth(sched.running, policy.admission_mode, pool.block_size)
+        room = capacity.headroom(pool, policy, num_tokens=len(prompt), max_total_tokens=total, hits=hits,
+                                 promised=promised, engine_busy=bool(sched.running))
+        if not room.fits:
             engine.metrics.kv_reservations.labels("no_room").inc()
-            raise NoRoom(f"cannot reserve {need} KV blocks: {pool.num_free_blocks - revived - outstanding} "
-                         f"available, {watermark} kept free (watermark)")
+            raise NoRoom(f"cannot reserve {room.need} KV blocks: {room.available} available, "
+                         f"{room.kept_free} kept free (watermark)")
         pool.touch(hits)
         res = Reservation(id(engine), prompt, cache_salt, hashes, len(hits), len(hashes) - len(hits),
-                          list(hits) + pool.allocate(need))
+                          list(hits) + pool.allocate(room.need))
         engine.metrics.kv_reservations.labels("ok").inc()
         return res
 
@@ -195,6 +187,12 @@ def attach(engine: "LLMEngine", res: Reservation, req: Request) -> list[int]:
     return res.block_ids
 
 
+def hand_over(res: Reservation) -> None:
+    """The request `attach`ed to `res` was queued and holds its blocks now: the reservation
+    gives them up (nothing is left to release)."""
+    res.block_ids, res.state = [], "admitted"
+
+
 def _run(engine: "LLMEngine", req: Request) -> None:
     while not req.is_finished:
         engine.step()
@@ -237,5 +235,5 @@ def prefill_then_decode(prefill: "LLMEngine", decode: "LLMEngine", connector: KV
     return req
 
 
-__all__ = ["NoRoom", "KVMissing", "Reservation", "reserve", "release", "import_kv", "export_kv",
-           "prefill_then_decode"]
+__all__ = ["NoRoom", "KVMissing", "Reservation", "reserve", "release", "import_kv", "export_kv", "attach",
+           "hand_over", "prefill_then_decode"]

@@ -92,6 +92,10 @@ class LLMEngine:
                  warmup: bool = True, progress: bool = True, dtype: Any = None):
         import jax.numpy as jnp
 
+        window = config.model.sliding_window  # served exactly only within one window (ModelConfig)
+        if window is not None and config.scheduler.max_model_len > window:
+            raise ValueError(f"max_model_len: {config.scheduler.max_model_len} exceeds the model's sliding_window "
+                             f"{window} (windowed attention is served by limiting the context to the window)")
         self.config = config
         self.tokenizer = tokenizer
         self.envelope = config.scheduler
@@ -208,15 +212,13 @@ class LLMEngine:
         if params.guide is not None and matcher is None:
             matcher = self.compile_guide(params.guide)
         req = Request(request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", [int(t) for t in prompt_ids],
-                      params.with_seed(self._rng), priority, cache_salt)
-        req.matcher = matcher
+                      params.with_seed(self._rng), priority, cache_salt, matcher=matcher)
         with self.lock:
             if req.request_id in self._tracked:
                 raise ValueError(f"request_id: {req.request_id!r} is already in use")
-            if reservation is not None:
-                req.pinned_blocks = disagg.attach(self, reservation, req)
+            pinned = disagg.attach(self, reservation, req) if reservation is not None else ()
             try:
-                self.scheduler.add(req)
+                self.scheduler.add(req, pinned)
             except Overloaded as exc:
                 self.metrics.admission_rejections.labels(exc.reason).inc()
                 raise
@@ -226,7 +228,7 @@ class LLMEngine:
             self._tracked[req.request_id] = _Tracked(req)
             self.outputs.add(req.request_id, req.prompt_ids, req.params, on_output)
             if reservation is not None:
-                reservation.block_ids, reservation.state = [], "admitted"  # the request holds them now
+                disagg.hand_over(reservation)
         return req
 
     def compile_guide(self, guide: Any) -> Any:

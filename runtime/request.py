@@ -5,6 +5,13 @@ knows. With async scheduling the device is one step ahead: a token it has sample
 host has not read back yet is *pending* (`num_pending`, at most one) -- it counts in
 `num_tokens` (the scheduler plans around it) and the next step reads it from the device's
 own last-token state, so the host never waits for it.
+
+Each field has one writer. The scheduler (runtime/scheduler.py) owns the lifecycle:
+status, blocks, computed/pending/known tokens, the penalty-row bookkeeping, the prefix
+cache's registration and finish_reason. The engine (runtime/engine.py) owns what a step's
+read-back adds beside the token: timestamps, logprobs, stop_reason, the matcher. The
+methods here only derive (`extend_block_hashes` fills the hash cache of the known
+tokens), and `step_row` (runtime/batch.py) only reads.
 """
 
 from __future__ import annotations
@@ -105,16 +112,10 @@ class Request:
         """Prompt tokens 1.. in the same form (token 0 has none)."""
         return [format_logprob(e) for e in self.prompt_logprobs]
 
-    def append_token(self, token: int) -> None:
-        """The host learns a generated token (resolving the pending one, if any)."""
-        self.token_ids.append(token)
-        self.num_pending = max(0, self.num_pending - 1)
-
     # --- properties the scheduler asks -----------------------------------------------------
     @property
-    def uses_penalties(self) -> bool:
-        p = self.params
-        return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+    def uses_prefix_cache(self) -> bool:
+        return uses_prefix_cache(self.params)
 
     @property
     def banned_tokens(self) -> tuple[int, ...] | None:
@@ -147,6 +148,21 @@ class Request:
             parent = self.block_hashes[-1] if i else None
             self.block_hashes.append(
                 hash_block(parent, toks[i * block_size:(i + 1) * block_size], self.extra_keys))
+
+
+def uses_prefix_cache(params: SamplingParams) -> bool:
+    """Whether a request may take prompt blocks from the prefix cache. Penalties build their
+    state from the tokens a step computes, and prompt logprobs need every prompt token's
+    logits: such a request computes its whole prompt (and a disaggregated decode transfers
+    it nothing). The scheduler's lookup and runtime/disagg.py both ask this."""
+    penalties = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+    return not penalties and params.prompt_logprobs is None
+
+
+def cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """Leading full blocks a request may take from the prefix cache: those before its last
+    token, which is always computed (its logits give the next token)."""
+    return (num_tokens - 1) // block_size
 
 
 def format_logprob(raw: tuple) -> tuple[float, list[tuple[int, float]]]:

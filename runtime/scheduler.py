@@ -5,18 +5,24 @@ their block tables and preempting by priority when blocks run out (optimistic mo
 then admissions from the waiting queue -- preempted requests first, then interactive,
 then batch -- while the free blocks left after prefix-cache hits stay above the
 watermark. `reserve` mode admits only when prompt + max_tokens fit alongside what the
-running sequences may still grow into, so it never preempts.
+running sequences may still grow into, so it never preempts. The arithmetic of both
+modes is runtime/capacity.py's, which disaggregation and the fleet's stats share.
+
+The scheduler is the one writer of a request's lifecycle fields (runtime/request.py):
+it admits, grows, preempts and finishes, and `commit` / `append_token` account a
+launched step's tokens; the engine builds step rows from requests without changing them.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Sequence
 
+from runtime import capacity
 from runtime.block_pool import BlockPool, NoFreeBlocks
 from runtime.config import AdmissionPolicy, CacheConfig, SchedulerConfig
-from runtime.request import Request, Status
+from runtime.request import Request, Status, cacheable_blocks
 
 PRIORITY_RANK = {"interactive": 0, "batch": 1}
 
@@ -59,7 +65,7 @@ class Scheduler:
 
     # --- queue ---------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.bs)
+        return capacity.blocks_for(tokens, self.bs)
 
     @property
     def num_waiting(self) -> int:
@@ -71,13 +77,16 @@ class Scheduler:
     def _reject(self, reason: str) -> None:
         self.counters.rejections[reason] = self.counters.rejections.get(reason, 0) + 1
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, pinned_blocks: Sequence[int] = ()) -> None:
+        """Queue a request; `pinned_blocks`: blocks reserved for it (runtime/disagg.py), which
+        it holds while it waits and hands back at admission."""
         total = req.max_total_tokens()
-        if total > self.envelope.max_model_len:
+        why = capacity.never_fits(total, self.envelope.max_model_len, self.pool)
+        if why == "context":
             self._reject("too_long")
             raise ValueError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens}) "
                              f"exceeds the maximum context length of {self.envelope.max_model_len} tokens")
-        if self.blocks_for(total) > self.pool.num_blocks:
+        if why == "cache":
             self._reject("too_long")
             raise ValueError(f"prompt + max_tokens ({total} tokens) can never fit in the KV cache "
                              f"({self.pool.num_blocks * self.bs} tokens)")
@@ -88,6 +97,7 @@ class Scheduler:
         if self.queued_tokens + req.num_prompt_tokens > p.max_queued_tokens:
             self._reject("queued_tokens")
             raise Overloaded("queued_tokens", f"queued prompt tokens would exceed {p.max_queued_tokens}")
+        req.pinned_blocks = list(pinned_blocks)
         self.queued_tokens += req.num_prompt_tokens
         q = self.waiting[req.priority]
         if req.pinned_blocks:
@@ -211,13 +221,9 @@ class Scheduler:
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         return out
 
-    def _reserved_growth(self) -> int:
-        return sum(max(0, self.blocks_for(r.max_total_tokens()) - len(r.block_ids)) for r in self.running)
-
     def _admit(self, out: SchedulerOutput, budget: int, max_seqs: int) -> None:
         p = self.policy
-        watermark_blocks = math.ceil(p.watermark * self.pool.num_blocks)
-        outstanding = self._reserved_growth() if p.admission_mode == "reserve" else 0
+        promised = capacity.promised_growth(self.running, p.admission_mode, self.bs)
         pending = self._pending_prefix_blocks()
         held: set[str] = set()
         while (budget > 0 and len(self.running) < max_seqs and len(out.scheduled) < max_seqs
@@ -234,13 +240,10 @@ class Scheduler:
                 continue
             cached = len(hits) * self.bs
             n = self._chunk(req, cached, budget)
-            revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
-            free_after = self.pool.num_free_blocks - revived + self._freed_by_unpin(req, hits)
-            target = req.max_total_tokens() if p.admission_mode == "reserve" else req.num_tokens
-            need = self.blocks_for(target) - len(hits) + outstanding
-            # Never starve an idle engine; a reserved request passed the watermark when reserved.
-            reserve = watermark_blocks if self.running and not req.pinned_blocks else 0
-            if free_after - need < reserve:
+            room = capacity.headroom(self.pool, p, num_tokens=req.num_tokens, max_total_tokens=req.max_total_tokens(),
+                                     hits=hits, promised=promised, engine_busy=bool(self.running),
+                                     pinned=req.pinned_blocks)
+            if not room.fits:
                 return  # head of line waits: FCFS within its tier
             self._pop_waiting(req)
             self.pool.touch(hits)
@@ -251,19 +254,12 @@ class Scheduler:
                 req.block_ids = []
                 self._requeue_front(req)
                 return
-            if p.admission_mode == "reserve":
-                outstanding += self.blocks_for(req.max_total_tokens()) - len(req.block_ids)
+            promised += capacity.promised_growth([req], p.admission_mode, self.bs)  # (it runs now)
             self._start(req, cached)
             pending.update(req.block_hashes[len(hits):req.num_prompt_tokens // self.bs])
             out.scheduled.append((req, n))
             out.num_admitted += 1
             budget -= n
-
-    def _freed_by_unpin(self, req: Request, hits: list[int]) -> int:
-        """Pinned blocks of `req` that become allocatable when it is admitted: all but the
-        ones its hits take over (or that someone else shares)."""
-        hit = set(hits)
-        return sum(1 for b in req.pinned_blocks if b not in hit and self.pool.ref_count(b) == 1)
 
     def _pending_prefix_blocks(self) -> set:
         """Hashes of full prompt blocks that running requests are still prefilling. A waiting
@@ -284,12 +280,10 @@ class Scheduler:
         self.queued_tokens += req.num_prompt_tokens
 
     def _prefix_hits(self, req: Request) -> list[int]:
-        # (prompt logprobs need every prompt token computed: such requests skip the lookup)
-        if not self.cache.enable_prefix_cache or req.uses_penalties or req.params.prompt_logprobs is not None:
-            return []  # penalty state is built from computed tokens, so compute them all
+        if not self.cache.enable_prefix_cache or not req.uses_prefix_cache:
+            return []
         req.extend_block_hashes(self.bs)
-        usable = (req.num_tokens - 1) // self.bs  # the last token is always computed: its logits are needed
-        return self.pool.lookup_prefix(req.block_hashes[:usable], req.token_ids)
+        return self.pool.lookup_prefix(req.block_hashes[:cacheable_blocks(req.num_tokens, self.bs)], req.token_ids)
 
     def _start(self, req: Request, cached: int) -> None:
         first = req.num_cached_tokens < 0
@@ -313,6 +307,9 @@ class Scheduler:
         token is pending until `append_token` brings it back."""
         req.num_computed_tokens += n
         req.needs_row_reset = False
+        # The step's row adds its tokens to the penalty state (runtime/batch.py `step_row`
+        # skips those already there); recorded here, where the step is committed.
+        req.row_counted_upto = max(req.row_counted_upto, req.num_computed_tokens)
         sampled = req.num_computed_tokens == req.num_tokens
         if sampled:
             req.num_pending += 1
@@ -321,8 +318,9 @@ class Scheduler:
         return sampled
 
     def append_token(self, req: Request, token: int) -> None:
-        """The host read back a sampled token."""
-        req.append_token(token)
+        """The host read back a sampled token (resolving the pending one, if any)."""
+        req.token_ids.append(token)
+        req.num_pending = max(0, req.num_pending - 1)
         self._register_full_blocks(req)
 
     def _register_full_blocks(self, req: Request) -> None:

@@ -14,11 +14,11 @@ the engine's parts (`EngineParts`); LLMEngine is one.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
+from runtime import capacity
 from runtime.block_pool import BLOCK_STATES, BlockHash, block_state
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class EngineSnapshot:
     used_blocks: int
     cached_blocks: int
     free_blocks: int            # neither used nor cached
-    watermark_blocks: int
+    watermark_blocks: int       # kept free while the engine is busy (runtime/capacity.py)
     blocks: list[BlockView]
     requests: list[RequestView]
     policy: dict[str, Any]
@@ -226,12 +226,12 @@ def take_snapshot(src: EngineParts, with_blocks: bool = True) -> EngineSnapshot:
         policy = src.policy
         c = sched.counters
         counts = dict(num_blocks=pool.num_blocks, block_size=pool.block_size, used_blocks=pool.num_used_blocks,
+                      watermark_blocks=capacity.watermark_blocks(policy, pool.num_blocks),
                       cached_blocks=pool.num_cached_blocks,
                       free_blocks=pool.num_free_blocks - pool.num_cached_blocks,
                       prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits, evictions=pool.num_evictions,
                       preemptions=c.preemptions, rejections=dict(c.rejections),
                       evicted_ages=tuple(pool.evicted_ages), evicted_age_total=pool.evicted_age_total)
         blocks = block_views(src, 0, pool.num_blocks) if with_blocks else []
-    return EngineSnapshot(time=time.time(), watermark_blocks=math.ceil(policy.watermark * counts["num_blocks"]),
-                          blocks=blocks, requests=[RequestView(*r) for r in reqs], policy=policy.to_json(),
-                          **counts)
+    return EngineSnapshot(time=time.time(), blocks=blocks, requests=[RequestView(*r) for r in reqs],
+                          policy=policy.to_json(), **counts)

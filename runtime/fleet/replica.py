@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
 import time
 from collections import deque
 from typing import Any, AsyncIterator
 
+from runtime import capacity
 from runtime.fleet.policy import ReplicaStats
 
 log = logging.getLogger("pagedjax.fleet.replica")
@@ -72,20 +72,19 @@ def replica_stats(engine: Any, name: str, draining: bool = False, window_s: floa
     """The routing view of one engine (caller need not hold the lock). `free_blocks` is what
     a new request could still get: allocatable blocks less what is already promised, i.e.
     the growth reserved for running requests (reserve mode) and what the waiting ones need,
-    so the router's capacity check sees what the replica's own admission will see."""
+    so the router's capacity check sees what the replica's own admission will see (the
+    same rule: runtime/capacity.py)."""
     with engine.lock:
         pool, sched, policy = engine.pool, engine.scheduler, engine.policy
         waiting = sched.waiting_requests()
-        reserve = policy.admission_mode == "reserve"
-        queued = sum(len(r.prompt_ids) + r.params.max_tokens for r in waiting)
-        promised = (sched._reserved_growth() if reserve else 0) + sum(
-            sched.blocks_for(len(r.prompt_ids) + (r.params.max_tokens if reserve else 0)) for r in waiting)
+        queued = sum(r.max_total_tokens() for r in waiting)
+        promised = capacity.promised_blocks(sched.running, waiting, policy.admission_mode, pool.block_size)
         steps = [s for s in engine.metrics.window.recent(engine.metrics.window.steps, window_s) if s.num_tokens]
         c = sched.counters
         return ReplicaStats(
             replica=name, num_blocks=pool.num_blocks, block_size=pool.block_size,
             free_blocks=pool.num_free_blocks - promised,
-            watermark_blocks=math.ceil(policy.watermark * pool.num_blocks),
+            watermark_blocks=capacity.watermark_blocks(policy, pool.num_blocks),
             running=len(sched.running), waiting=len(waiting), max_num_seqs=policy.max_num_seqs,
             admission_mode=policy.admission_mode,
             step_time_s=sum(s.step_time for s in steps) / len(steps) if steps else 0.0,
