@@ -47,20 +47,19 @@ def _layer_matmuls(cfg: Any, params: Any, x: Any) -> Any:
     through the same functions as the model (int8 weights take the quantized product, packed
     ones the C++ kernel, whose layer tail makes wo, the MLP and the next layer's qkv one call)."""
 
-    from runtime.models.llama import first_qkv, next_attn_norm, qkv_linear, scan_layers, split_qkv
-    from runtime.quant import layer_tail
+    from runtime.model.linear import typed
+    from runtime.models.llama import first_made_qkv, post_attention, qkv_linear, scan_layers, split_qkv
 
-    layers, eps = params["layers"], cfg.rms_norm_eps
-    fused = first_qkv(cfg, layers, x)
+    layers, eps = typed(params)["layers"], cfg.rms_norm_eps
 
     def body(carry, xs):
-        h, fused = carry
+        h, made = carry
         lp, layer = xs
-        q, k, v = qkv_linear(cfg, lp, h) if fused is None else split_qkv(cfg, fused)
+        q, k, v = qkv_linear(cfg, lp, h) if made is None else split_qkv(cfg, made)
         a = q + 0 * (k.sum() + v.sum())  # (attention's place: q stands in for its output)
-        return layer_tail(a, h, lp, (lp["mlp_norm"], eps), next_attn_norm(cfg, layers, layer)), None
+        return post_attention(lp, a, h, (lp["mlp_norm"], eps)), None
 
-    return scan_layers(body, (x, fused), layers, cfg.num_layers)[0][0]
+    return scan_layers(body, (x, first_made_qkv(layers, x, eps)), layers, cfg.num_layers)[0][0]
 
 
 def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared_len: int = 320,

@@ -4,14 +4,27 @@ rows of requests that sit mid-decode, and an attention stand-in that reads no KV
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from runtime.attention import write_kv
+from runtime.model.attention_backend import AttentionBackend
 
 
-def _noop_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale,
-                    k_scale=None, v_scale=None):
-    """Same signature and output shape as the Pallas paged attention (a quantized cache comes
-    as values plus scales); reads no KV."""
-    return q
+@dataclass(frozen=True)
+class NoAttention(AttentionBackend):
+    """Writes the step's KV rows as the XLA path does and reads none: q stands in for
+    attention's output (the breakdown's step without attention)."""
+    name: ClassVar[str] = "none"
+
+    def write_kv(self, cache, k, v, slots):
+        return write_kv(*cache, k, v, slots)
+
+    def attend(self, q, cache, inp, base, sm_scale):
+        return q
+
+
+_noop_attention = NoAttention()
 
 
 def decode_rows(runner: Any, batch: int, context_len: int, shared_len: int = 0) -> list:

@@ -149,8 +149,7 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
     x = params["embed"][token_ids]
     T = token_ids.shape[0]
     eps, layers = cfg.rms_norm_eps, params["layers"]
-    tail = layers.get("tail")
-    made = tail.first_qkv(x, eps) if tail is not None and tail.chains else None
+    made = first_made_qkv(layers, x, eps)
 
     def layer_step(carry, scanned):
         h, cache, made = carry
@@ -162,6 +161,13 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
 
     (x, cache, _), _ = scan_layers(layer_step, (x, cache, made), layers, cfg.num_layers)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+def first_made_qkv(layers: Params, x: jax.Array, eps: float) -> jax.Array | None:
+    """Layer 0's q|k|v product where a fused tail chains the layers (each tail then makes the
+    next layer's), else None: the scan's carry starts with it."""
+    tail = layers.get("tail")
+    return tail.first_qkv(x, eps) if tail is not None and tail.chains else None
 
 
 def scan_layers(body: Callable, carry: Any, layers: Params, num_layers: int) -> tuple[Any, Any]:
