@@ -77,9 +77,12 @@ class RopeScaling:
         return cls(**d)
 
 
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # runtime/models FAMILIES
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2"
+    architecture: str  # a family of runtime/models: "llama" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -109,8 +112,8 @@ class ModelConfig:
             _check(getattr(self, f) > 0, f, "must be positive")
         _check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
                f"{self.num_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
-        _check(self.architecture in ("llama", "qwen2"), "architecture",
-               f"unsupported architecture {self.architecture!r} (supported: llama, qwen2)")
+        _check(self.architecture in ARCHITECTURES, "architecture",
+               f"unsupported architecture {self.architecture!r} (supported: {', '.join(ARCHITECTURES)})")
         _check(self.sliding_window is None or self.sliding_window > 0, "sliding_window", "must be positive")
         s = self.rope_scaling
         _check(s is None or s.rope_type != "freq_factors" or len(s.freq_factors) == self.head_dim // 2,
@@ -122,7 +125,7 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.attention_bias else 0)
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 3 * d * f + 2 * d + (2 * self.head_dim if self.architecture == "qwen3" else 0)
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         return L * per_layer + emb + d
 

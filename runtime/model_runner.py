@@ -28,7 +28,8 @@ from runtime.attention import QuantizedPages
 from runtime.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
 from runtime.config import QUANTIZED_KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 from runtime.model.attention_backend import AttentionBackend, make_backend, paged_attention
-from runtime.models.llama import Params, forward_hidden, lm_head
+from runtime.models import family
+from runtime.models.llama import Params
 from runtime.quant import cast_params
 from runtime.sampling import SampleOutput, penalties_on, sample
 
@@ -105,7 +106,7 @@ def prompt_logprobs(cfg: ModelConfig, params: Params, hidden: jax.Array, targets
 
     def slab(args):
         hs, ts = args
-        logits = lm_head(cfg, params, hs)
+        logits = family(cfg).lm_head(cfg, params, hs)
         lse = jax.nn.logsumexp(logits, -1)
         chosen = jnp.take_along_axis(logits, jnp.maximum(ts, 0)[:, None], 1)[:, 0] - lse
         vals, ids = jax.lax.top_k(logits, NUM_LOGPROBS)
@@ -157,12 +158,13 @@ def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: An
 
         attention = partial(shard_attention(local, mesh), inp)
 
-    hidden, kv = forward_hidden(cfg, params, token_ids, inp.positions, attention, kv)
+    fam = family(cfg)
+    hidden, kv = fam.forward_hidden(cfg, params, token_ids, inp.positions, attention, kv)
     T = token_ids.shape[0]
     plp = jax.lax.cond(jnp.any(inp.prompt_targets >= 0),
                        lambda: prompt_logprobs(cfg, params, hidden, inp.prompt_targets),
                        lambda: _no_prompt_logprobs(T))
-    logits = lm_head(cfg, params, hidden[inp.logits_indices])
+    logits = fam.lm_head(cfg, params, hidden[inp.logits_indices])
     if mesh is not None:  # vocab-sharded products, then one all-gather of the [S, V] logits (not of the
         # head's weights); sampling then runs whole on every device
         from runtime.tp import gather_logits

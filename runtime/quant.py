@@ -217,7 +217,8 @@ def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any, lm_he
 def activation_absmax(cfg: Any, params: dict[str, Any], token_ids: list[int]) -> dict[str, np.ndarray]:
     """Per layer, the largest |value| of each input channel of the four projection groups
     (attention in, attention out, MLP in, MLP down) over `token_ids`, float model, dense."""
-    from runtime.models.llama import dense_causal_attention, qkv_projection, rms_norm, rope_inv_freq
+    from runtime.models import family
+    from runtime.models.llama import dense_causal_attention, rms_norm, rope_inv_freq
 
     p = jax.tree_util.tree_map(jnp.asarray, params)
     T = len(token_ids)
@@ -230,7 +231,7 @@ def activation_absmax(cfg: Any, params: dict[str, Any], token_ids: list[int]) ->
 
         def layer(h, lp):
             y = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = qkv_projection(cfg, {**lp, **{n: Dense(lp[n]) for n in ("wq", "wk", "wv")}}, y, pos, inv)
+            q, k, v = family(cfg).qkv_projection(cfg, {**lp, **{n: Dense(lp[n]) for n in ("wq", "wk", "wv")}}, y, pos, inv)
             a = dense_causal_attention(q, k, v, mask).reshape(T, -1)
             h = h + a @ lp["wo"]
             z = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)

@@ -43,10 +43,12 @@ def kv_roundtrip_logits(cfg: Any, params: Any, token_ids: Any, kv_dtype: str) ->
 
     from runtime.attention import quantize_rows
     from runtime.model_runner import KV_DTYPES
-    from runtime.models.llama import dense_causal_attention, dense_logits, forward_hidden, lm_head
+    from runtime.models import family
+    from runtime.models.llama import dense_causal_attention
 
+    fam = family(cfg)
     if kv_dtype == "float32":
-        return dense_logits(cfg, params, token_ids)
+        return fam.dense_logits(cfg, params, token_ids)
     T = token_ids.shape[0]
     mask = jnp.tril(jnp.ones((T, T), dtype=bool))
 
@@ -57,8 +59,8 @@ def kv_roundtrip_logits(cfg: Any, params: Any, token_ids: Any, kv_dtype: str) ->
     def attention(q, k, v, layer, cache):
         return dense_causal_attention(q, roundtrip(k), roundtrip(v), mask), cache
 
-    hidden, _ = forward_hidden(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
-    return lm_head(cfg, params, hidden)
+    hidden, _ = fam.forward_hidden(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
+    return fam.lm_head(cfg, params, hidden)
 
 
 def token_logprobs(cfg: Any, params: Any, ids: list[int], window: int, kv_dtype: str = "float32") -> np.ndarray:

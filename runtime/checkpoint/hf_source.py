@@ -13,7 +13,7 @@ from runtime.config import ModelConfig, RopeScaling
 
 # architecture -> (our model's architecture, the transformers family whose config.json keys apply)
 ARCHS = {"LlamaForCausalLM": ("llama", "llama"), "MistralForCausalLM": ("llama", "mistral"),
-         "Qwen2ForCausalLM": ("qwen2", "qwen2")}
+         "Qwen2ForCausalLM": ("qwen2", "qwen2"), "Qwen3ForCausalLM": ("qwen3", "qwen3")}
 
 # config.json keys that never change the model's outputs: bookkeeping, training-only knobs
 # (dropout is off at inference, pretraining_tp only split the matmuls), generation defaults
@@ -50,9 +50,11 @@ FAMILY_KEYS = {  # each family's own keys, implemented or checked (transformers'
     "mistral": frozenset({"sliding_window"}),
     "qwen2": frozenset({"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
                         "layer_types"}),
+    "qwen3": frozenset({"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+                        "layer_types"}),
 }
 # Defaults of transformers' config classes where a key is absent and the default matters.
-MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
 MISTRAL_SLIDING_WINDOW = 4096  # MistralConfig's default: a config.json without the key slides
 # rope_type -> the keys of its dict that it reads (beside rope_type/type, rope_theta and the
 # no-op partial_rotary_factor / attention_factor checked below)
@@ -116,7 +118,7 @@ class HFSource:
             # Llama's attention_bias biases o_proj too (not implemented); Qwen2Attention has q/k/v
             # biases whatever the key says (transformers ignores it), so only true is consistent.
             ("attention_bias", bool(c.get("attention_bias")) != (fam == "qwen2"),
-             "Qwen2 always has q/k/v biases" if fam == "qwen2" else "attention biases are not implemented for llama"),
+             "Qwen2 always has q/k/v biases" if fam == "qwen2" else f"attention biases are not implemented for {fam}"),
             ("partial_rotary_factor", c.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0),
              "partial rotary embeddings are not implemented"),
             ("rope_interleaved", bool(c.get("rope_interleaved", False)), "interleaved RoPE is not implemented"),

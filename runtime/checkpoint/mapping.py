@@ -84,6 +84,8 @@ HF_RULES = (
     Rule("model.layers.{i}.self_attn.q_proj.bias", "layers/bq", optional=True),
     Rule("model.layers.{i}.self_attn.k_proj.bias", "layers/bk", optional=True),
     Rule("model.layers.{i}.self_attn.v_proj.bias", "layers/bv", optional=True),
+    Rule("model.layers.{i}.self_attn.q_norm.weight", "layers/q_norm", optional=True),  # Qwen3
+    Rule("model.layers.{i}.self_attn.k_norm.weight", "layers/k_norm", optional=True),
     Rule("model.layers.{i}.post_attention_layernorm.weight", "layers/mlp_norm"),
     Rule("model.layers.{i}.mlp.gate_proj.weight", "layers/w_gate", "t"),
     Rule("model.layers.{i}.mlp.up_proj.weight", "layers/w_up", "t"),

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from runtime.checkpoint.mapping import CheckpointError, ParamAssembler, check_shapes
 from runtime.config import ModelConfig
-from runtime.models.llama import param_shapes
+from runtime.models import param_shapes
 
 log = logging.getLogger(__name__)
 FILES = ("config.json", "tokenizer.json")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +64,10 @@ class XlaAttention(AttentionBackend):
 @dataclass(frozen=True)
 class PallasAttention(AttentionBackend):
     """The Mosaic GPU paged attention kernel: per-sequence reads (no cascade); a quantized
-    cache's 1-byte values and their scales go in apart."""
+    cache's 1-byte values and their scales go in apart. `kernel`: another function with the
+    kernel's signature (tests lower the hardware kernel for CUDA on a CPU machine)."""
     interpret: bool = False
+    kernel: Callable[..., jax.Array] | None = None
     name: ClassVar[str] = "pallas"
 
     def write_kv(self, cache, k, v, slots):
@@ -74,13 +76,14 @@ class PallasAttention(AttentionBackend):
     def attend(self, q, cache, inp, base, sm_scale):
         from pallas_kernels.paged_attention import ragged_paged_attention
 
+        kernel = self.kernel or ragged_paged_attention
         k_cache, v_cache = cache
         kw: dict[str, Any] = {"interpret": True} if self.interpret else {}
         if isinstance(k_cache, QuantizedPages):
             kw.update(k_scale=k_cache.scales, v_scale=v_cache.scales)
             k_cache, v_cache = k_cache.values, v_cache.values
-        return ragged_paged_attention(q, k_cache, v_cache, inp.kv_lens, inp.block_tables + base,
-                                      inp.query_start_loc, inp.num_seqs, sm_scale=sm_scale, **kw)
+        return kernel(q, k_cache, v_cache, inp.kv_lens, inp.block_tables + base, inp.query_start_loc, inp.num_seqs,
+                      sm_scale=sm_scale, **kw)
 
 
 def resolve(name: str) -> str:

@@ -42,8 +42,9 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     return shapes
 
 
-def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = np.float32) -> Params:
-    """Random weights (numpy) with the checkpoint's exact tree: tiny test models use it."""
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = np.float32, shapes: Any = None) -> Params:
+    """Random weights (numpy) with the checkpoint's exact tree (`shapes`: a family's
+    param_shapes(cfg), this family's by default): tiny test models use it."""
     rng = np.random.default_rng(seed)
 
     def make(path: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -54,7 +55,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = np.float32) -> Par
 
     return jax.tree_util.tree_map_with_path(
         lambda p, s: make(jax.tree_util.keystr(p, simple=True, separator="/"), s),
-        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+        param_shapes(cfg) if shapes is None else shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 # --- the family's math ------------------------------------------------------------------
@@ -141,9 +142,12 @@ def post_attention(lp: Params, a: jax.Array, h: jax.Array, norm: Norm) -> tuple[
 
 
 def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, positions: jax.Array,
-                   attention: AttentionFn, cache: Any) -> tuple[jax.Array, Any]:
+                   attention: AttentionFn, cache: Any, attention_inputs: Callable = qkv_projection
+                   ) -> tuple[jax.Array, Any]:
     """Run the decoder over flattened tokens [T]; returns final-normed hidden [T, d] and the
-    cache as threaded through `attention(q, k, v, layer, cache) -> (out, cache)`."""
+    cache as threaded through `attention(q, k, v, layer, cache) -> (out, cache)`. A family
+    that differs only in how q, k, v are made passes its own `attention_inputs` (the
+    signature of qkv_projection)."""
     params = typed(params)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][token_ids]
@@ -154,7 +158,7 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
     def layer_step(carry, scanned):
         h, cache, made = carry
         lp, layer = scanned
-        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq, norm=(lp["attn_norm"], eps), made=made)
+        q, k, v = attention_inputs(cfg, lp, h, positions, inv_freq, norm=(lp["attn_norm"], eps), made=made)
         attn, cache = attention(q, k, v, layer, cache)
         h, made = post_attention(lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps))
         return (h, cache, made), None
@@ -225,16 +229,18 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, num_segment
     return jnp.einsum("hts,shd->thd", p, v.astype(jnp.float32)).astype(q.dtype)
 
 
-def dense_logits(cfg: ModelConfig, params: Params, token_ids: jax.Array) -> jax.Array:
-    """Reference forward without any cache: token_ids [T] -> logits [T, V] (float32).
-    Used by parity tests and the dense (non-paged) greedy baseline."""
+def dense_logits(cfg: ModelConfig, params: Params, token_ids: jax.Array, forward: Callable | None = None
+                 ) -> jax.Array:
+    """Reference forward without any cache: token_ids [T] -> logits [T, V] (float32), through
+    `forward` (a family's forward_hidden; this one's by default). Used by parity tests and
+    the dense (non-paged) greedy baseline."""
     T = token_ids.shape[0]
     mask = jnp.tril(jnp.ones((T, T), dtype=bool))
 
     def attention(q, k, v, layer, cache):
         return dense_causal_attention(q, k, v, mask), cache
 
-    hidden, _ = forward_hidden(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
+    hidden, _ = (forward or forward_hidden)(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
     return lm_head(cfg, params, hidden)
 
 

@@ -50,7 +50,8 @@ def build_hf(out: Path, arch: str = "llama", seed: int = 0, **kw) -> Path:
     choices, no near-ties), saved as a Hugging Face directory with our tiny tokenizer."""
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
     sizes = dict(SIZES)
     if arch == "qwen2":
         sizes.pop("head_dim")  # Qwen2Config derives it

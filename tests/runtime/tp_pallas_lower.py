@@ -28,12 +28,13 @@ def main(ckpt: Path, kv_dtype: str) -> None:
     from runtime.bench.step_rows import decode_rows
     from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
     from runtime.engine import LLMEngine
+    from runtime.model.attention_backend import PallasAttention
 
     from runtime import tp
 
     # Stand in for two GPUs: the hardware kernel in place of the interpreter, and past the
     # check that refuses Pallas under TP off a GPU (right for a run, not for a lowering).
-    model_runner.select_attention = lambda backend: hardware_attention
+    model_runner.make_backend = lambda *a, **kw: PallasAttention(kernel=hardware_attention)
     validate = tp.validate
     tp.validate = lambda cfg, n, **kw: validate(cfg, n, **{**kw, "attention_backend": "xla"})
 
