@@ -90,9 +90,12 @@ def quantize_rows(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]
 
 
 def _scatter(cache: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
-    nb, bs = cache.shape[:2]
-    flat = cache.reshape(nb * bs, *cache.shape[2:]).at[idx].set(rows.astype(cache.dtype), mode="drop")
-    return flat.reshape(cache.shape)
+    """rows [T, ...] into cache [NB, BS, ...] at flat slots idx (NB * BS: dropped), indexed by
+    (block, offset). Not through a [NB * BS, ...] reshape: with one KV head per device (TP =
+    Hkv, e.g. SmolLM2 at TP 3) XLA gave the reshaped-back cache a layout with the size-1 head
+    axis major and copied every device's whole cache ~8 times per layer and step."""
+    bs = cache.shape[1]
+    return cache.at[idx // bs, idx % bs].set(rows.astype(cache.dtype), mode="drop")
 
 
 def write_kv(k_cache: Any, v_cache: Any, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,

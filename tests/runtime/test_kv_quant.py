@@ -10,7 +10,8 @@ import pytest
 from runtime.attention import QuantizedPages, quantize_rows, write_kv, xla_ragged_paged_attention
 from runtime.batch import choose_shared_prefix
 from runtime.config import CacheConfig
-from runtime.model_runner import KV_DTYPES, resolve_attention_backend
+from runtime.model.attention_backend import make_backend, resolve
+from runtime.model_runner import KV_DTYPES
 from tests.attention_oracle import oracle, random_batch
 from tests.engine_util import make_engine
 
@@ -110,12 +111,14 @@ def test_engine_with_quantized_cache_allocates_it_and_generates(tiny_ckpt, kv_dt
 def test_attention_backend_for_a_quantized_cache():
     """The Pallas kernel reads int8 / fp8 caches (tests/runtime/test_engine_pallas.py runs
     it); auto stays XLA without a GPU."""
-    assert resolve_attention_backend("pallas", "int8") == "pallas"
-    assert resolve_attention_backend("pallas", "fp8_e4m3") == "pallas"
-    assert resolve_attention_backend("auto", "int8") == "xla"
-    assert resolve_attention_backend("xla", "fp8_e4m3") == "xla"
+    assert resolve("pallas") == "pallas"
+    assert resolve("auto") == "xla"
+    assert resolve("xla") == "xla"
     with pytest.raises(ValueError, match="attention_backend"):
-        resolve_attention_backend("cuda", "float32")
+        resolve("cuda")
+    # the C++ kernels read float32 and int8 caches only; fp8 stays on plain XLA
+    assert not make_backend("xla", "fp8_e4m3", cpu_kernels=True).cpu_kernel
+    assert not make_backend("xla", "int8", cpu_kernels=False).cpu_kernel
 
 
 @pytest.mark.real_model

@@ -193,9 +193,34 @@ def test_cli_rejects_bad_size_with_one_line(ckpts):
     assert "only 4 devices; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8" in too_many.stderr
 
 
+def _assert_kv_in_place(r: dict) -> None:
+    """The compiled step holds no temporary as large as one device's KV-cache shard: it writes
+    the donated cache in place (tp_check.step_memory). A copied cache is not seen in tokens,
+    step counts or compilations, only here (and in seconds per decode step)."""
+    assert r["step_temp_bytes"] < r["kv_shard_bytes"], r
+
+
+def test_tp_step_writes_kv_cache_in_place(ckpts):
+    """TP 4 over 4 KV heads (one per device, as SmolLM2 at TP 3) and TP 2 (two per device):
+    `generate`'s path (no warm-up, a 20-token prompt in two chunks, 4 tokens) over a
+    2048-block pool. The same tokens, engine steps and 2 step programs as TP 1, and no
+    per-layer copy of the cache: at TP 4 that copy once took 6 shards of temporaries
+    (25 MB against the 4 MB shard) while tokens, steps and compilations stayed the same."""
+    res = _run_check(ckpts["8q4kv"], "2", "4", "--memory")
+    for tp in (1, 2, 4):
+        r = res[tp]
+        assert r["same_tokens"] and len(r["tokens"]) == 4, r
+        assert r["compilations"] == 2 and r["steps"] == res[1]["steps"], r  # one prefill shape, one decode shape
+        _assert_kv_in_place(r)
+
+
 @pytest.mark.real_model
 def test_smollm2_tp3_matches_tp1(smollm2_ckpt):
-    """SmolLM2-135M: 9 query / 3 KV heads, vocabulary 49152, MLP 1536: TP 3 (2 prompts x 8 tokens, 16-token chunks)."""
-    res = _run_check(smollm2_ckpt, "3", "--quick")
+    """SmolLM2-135M: 9 query / 3 KV heads, vocabulary 49152, MLP 1536: TP 3 (2 prompts x 8 tokens,
+    16-token chunks), one KV head per device; its step writes the cache in place (a copied
+    cache made `pagedjax generate --tensor-parallel-size 3` take seconds to minutes per token)."""
+    res = _run_check(smollm2_ckpt, "3", "--quick", "--step-memory")
     _assert_parity(res, [3], pressure=False)
     assert res[3]["kv_shard_shape"][2] == 1
+    for tp in (1, 3):
+        _assert_kv_in_place(res[tp])

@@ -6,11 +6,18 @@ must force the host devices before jax starts):
 Builds an engine at TP 1 and at each TP given, runs the same greedy workloads (a shared
 prefix for the prefix cache, a prompt longer than max_num_batched_tokens for chunked
 prefill, a small KV pool in optimistic mode for preemption), and prints one JSON line per
-TP with its tokens, logprobs and counters beside TP 1's."""
+TP with its tokens, logprobs and counters beside TP 1's; with --step-memory also the
+compiled step's per-device temporaries beside one KV-cache shard (`step_memory`).
+
+    ... tp_check.py CKPT TP [TP ...] --memory
+
+only builds each engine over a large KV pool, generates a few tokens without warm-up (as
+`pagedjax generate` does) and prints the step's memory, compilations and engine steps."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -71,26 +78,79 @@ def workload(eng, n_tokens: int, vocab: int, quick: bool) -> dict:
     return out
 
 
+def step_memory(eng) -> dict:
+    """The engine's last launched step program, lowered and compiled again, by XLA's memory
+    analysis: per-device temporaries beside the bytes of one KV-cache leaf's shard. The step
+    donates the cache and writes each layer's rows in place, so its temporaries are
+    activations, logits and sampling state: far below one shard. A cache copied inside the
+    step shows up as temporaries of whole shards: with one KV head per device (SmolLM2 at
+    TP 3) the KV write's flattening reshape once got a layout with the size-1 head axis
+    major, and each shard was copied ~8 times per layer (~80 GB per device per decode step
+    over the 2 GiB default pool) with the same tokens, step count and compilations."""
+    import jax
+
+    r = eng.runner
+    compiled = r._step.lower(r.params, r.kv, r.penalty, r.last_input).compile()
+    stats = compiled.memory_analysis()
+    leaf = jax.tree.leaves(r.kv)[0]
+    shard = math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    return {"step_temp_bytes": int(stats.temp_size_in_bytes), "kv_shard_bytes": int(shard)}
+
+
+def memory_check(ckpt: Path, tps: list[int], num_blocks: int, n_tokens: int = 4) -> None:
+    """One short greedy generation per TP size without warm-up over a pool of `num_blocks`
+    (large, so that one KV shard dwarfs the step's activations); prints the step memory, the
+    step programs compiled and the engine steps taken."""
+    import jax
+
+    from runtime.model_runner import compilations
+    from runtime.sampling import SamplingParams
+
+    ref = None
+    for tp in [1, *tps]:
+        eng = engine(ckpt, tp, num_blocks=num_blocks, max_num_seqs=1, max_num_batched_tokens=16, warmup=False)
+        params = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
+        before, steps = compilations(), 0
+        req = eng.add_request([3 + (7 * i) % 250 for i in range(20)], params)  # 20 tokens: two prefill chunks
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+        res = dict(tp=tp, devices=jax.device_count(), tokens=req.output_ids, steps=steps,
+                   compilations=compilations() - before, **step_memory(eng))
+        ref = ref or res
+        res["same_tokens"] = res["tokens"] == ref["tokens"]
+        print(json.dumps(res), flush=True)
+        del eng
+
+
 def main(argv: list[str]) -> None:
     import jax
 
     from runtime.cli import enable_compilation_cache
 
     enable_compilation_cache()
-    quick = "--quick" in argv
-    argv = [a for a in argv if a != "--quick"]
+    flags = ("--quick", "--memory", "--step-memory")
+    quick, memory, with_memory = (f in argv for f in flags)
+    argv = [a for a in argv if a not in flags]
     ckpt, tps = Path(argv[0]), [int(a) for a in argv[1:]]
+    if memory:
+        memory_check(ckpt, tps, num_blocks=2048)
+        return
     n_tokens = 8 if quick else 12
     results = {}
     for tp in [1, *tps]:
         t0 = time.perf_counter()
         # A pool of 16 blocks: the prefix-cache and chunked-prefill prompts fit; six 30-60
         # token prompts of 40 tokens each (~3 blocks' worth each) preempt (optimistic admission).
-        # quick (SmolLM2): one sequence at a time in 16-token chunks: 2 step shapes compile.
-        eng = engine(ckpt, tp, max_num_batched_tokens=16 if quick else 32, num_blocks=64 if quick else 16,
+        # quick (SmolLM2): one sequence at a time in 16-token chunks: 2 step shapes compile; 128
+        # blocks (of which it uses 8) make one KV shard (15.7 MB at TP 3) dwarf the step's
+        # activations (4.7 MB) for --step-memory.
+        eng = engine(ckpt, tp, max_num_batched_tokens=16 if quick else 32, num_blocks=128 if quick else 16,
                      max_num_seqs=1 if quick else 4, admission_mode="optimistic", watermark=0.0)
         built = time.perf_counter() - t0
         res = workload(eng, n_tokens, eng.config.model.vocab_size, quick)
+        if with_memory:  # (after the workload's compilation count: it lowers the step again)
+            res.update(step_memory(eng))
         shard = eng.runner.kv[0].sharding
         res.update(tp=tp, build_seconds=round(built, 2), devices=jax.device_count(),
                    kv_shard_shape=list(shard.shard_shape(eng.runner.kv[0].shape)),
