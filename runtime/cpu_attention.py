@@ -1,6 +1,6 @@
 """The CPU decode-attention kernel (runtime/cpu_attention.cc) as an XLA FFI custom call.
 
-Built and registered by runtime/cpu_kernels.py. Where it cannot be built (no compiler,
+Built and registered by runtime/kernels/cpu/build.py. Where it cannot be built (no compiler,
 another platform) or PAGEDJAX_CPU_KERNELS=0, `enabled()` is False and attention stays on the
 XLA path: same numbers, slower. runtime/attention.py uses it for every query token of a step
 (the last token of each sequence in decode mode, the others of prefill chunks in prefill
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.cpu_kernels import available, enabled, num_threads  # noqa: F401 (this kernel's switches)
+from runtime.kernels.cpu.build import available, enabled, num_threads  # noqa: F401 (this kernel's switches)
 
 if TYPE_CHECKING:
     from runtime.attention import SharedPrefix

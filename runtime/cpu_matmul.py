@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime import cpu_kernels
+from runtime.kernels.cpu import build as cpu_kernels
 
 TARGET = "pagedjax_int8_linear"
 GROUPED_TARGET = "pagedjax_int8_linear_g32"

@@ -14,11 +14,11 @@ spec="."
 # build/ goes first: setuptools packs whatever an earlier build left in build/lib.
 rm -rf build
 .venv/bin/python -m pip install -q --disable-pip-version-check "$spec"
-# The C++ CPU kernels (decode attention, runtime/cpu_attention.cc; w8a8 products,
-# runtime/cpu_matmul.cc) are compiled on first use; without a C++ compiler the step runs as
+# The C++ CPU kernels (runtime/kernels/cpu: attention, float32 and w8a8 products) are built
+# here for this CPU (else on first use); without a C++ compiler the step runs as
 # plain XLA (same outputs, slower). Install one when this machine can (Debian/Ubuntu as
 # root), and build them now so the first request does not pay for it.
 if ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   apt-get install -y -q g++ >/dev/null 2>&1 || echo "setup: g++ not installed; the step stays plain XLA" >&2
 fi
-.venv/bin/python -c 'from runtime import cpu_kernels as c; c.available() or print("setup: CPU kernels not built; plain XLA path")' 2>/dev/null || true
+.venv/bin/python -m runtime.kernels.cpu.build 2>/dev/null || true  # (prints the library, or why not: then plain XLA)

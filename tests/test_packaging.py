@@ -26,6 +26,7 @@ SNIPPET = textwrap.dedent("""
     from pathlib import Path
 
     import console, runtime
+    from runtime.kernels.cpu import build as kernels
     from console.app import create_app
     from console.assets import static_dir, templates_dir
     from console.settings import ServerSettings
@@ -39,6 +40,7 @@ SNIPPET = textwrap.dedent("""
                       "templates": str(templates_dir()), "static": str(static_dir()),
                       "login_status": login.status_code, "login": login.text,
                       "htmx_status": htmx.status_code, "htmx_bytes": len(htmx.content),
+                      "kernel_sources": [str(p) for p in (*kernels.SOURCES, *kernels.HEADERS) if p.is_file()],
                       "sys_path": sys.path}))
 """)
 
@@ -73,7 +75,9 @@ def test_wheel_holds_every_module_template_and_static_file(tmp_path):
     assert not modules - names, f"modules missing from the wheel (pyproject.toml packages): {modules - names}"
     assert not templates - names, f"templates missing from the wheel: {templates - names}"
     assert not static - names, f"static files missing from the wheel: {static - names}"
-    assert {"runtime/cpu_attention.cc", "runtime/cpu_matmul.cc", "runtime/cpu_parallel.h", "runtime/cpu_exp.h"} <= names
+    kernels = {p.relative_to(REPO).as_posix() for ext in ("*.cc", "*.h")
+               for p in (REPO / "runtime" / "kernels" / "cpu").glob(ext)}
+    assert len(kernels) >= 5 and not kernels - names, f"C++ kernel sources missing from the wheel: {kernels - names}"
     assert not any(n.startswith(("tests/", "templates/")) for n in names)
 
 
@@ -110,3 +114,6 @@ def test_installed_wheel_serves_the_console(tmp_path):
     assert '<form method="post" action="/admin/login">' in r["login"] and 'name="token"' in r["login"]
     assert MARKER in r["login"]  # rendered from the venv's copy of the template
     assert r["htmx_status"] == 200 and r["htmx_bytes"] == (REPO / "console/static/htmx.min.js").stat().st_size
+    # the C++ kernels build from the installed copy's sources (runtime/kernels/cpu/build.py)
+    assert len(r["kernel_sources"]) == 5 and all(Path(p).resolve().is_relative_to(site.resolve())
+                                                  for p in r["kernel_sources"]), r["kernel_sources"]

@@ -162,7 +162,7 @@ def test_engine_serves_float32_through_the_kernel(tiny_ckpt, monkeypatch):
     # layer 0's qkv alone; then each layer's wo, MLP and the next layer's qkv in one call
     assert cpu_matmul.F32_TARGET in hlo and cpu_matmul.TAIL_TARGET in hlo
     monkeypatch.delenv("PAGEDJAX_F32_KERNEL")
-    from runtime import cpu_kernels
+    from runtime.kernels.cpu import build as cpu_kernels
 
     assert make_engine(tiny_ckpt).runner.f32_kernel == bool(cpu_kernels.library().PagedjaxF32LinearPreferred())
 

@@ -1,5 +1,5 @@
 // W8A8 linear layer on CPU as an XLA FFI custom call: y = (quant(x * in) @ Wq) * sx * sw.
-// Built with cpu_attention.cc into one library by runtime/cpu_kernels.py; runtime/cpu_matmul.py
+// Built with cpu_attention.cc into one library by runtime/kernels/cpu/build.py; runtime/cpu_matmul.py
 // packs the weights and calls it from the jitted step.
 //
 // Why not XLA: XLA:CPU's int8 x int8 -> int32 dot runs at 130-250 GOP/s on a 2-core
@@ -544,6 +544,11 @@ extern "C" int PagedjaxInt8LinearVectorized() { return kVectorized ? 1 : 0; }
 
 // 1 when w8a8 products of 16+ rows run on AMX tiles here (compiled in, and the OS lends them).
 extern "C" int PagedjaxInt8LinearAmx() { return kAmx && amx_permitted() ? 1 : 0; }
+
+// The instruction-set path compiled into this build (runtime/kernels/cpu/build.py variants):
+// "amx" (AVX512-VNNI and AMX-INT8: tiles from 16 rows where the OS lends them, VNNI below),
+// "avx512-vnni", or "scalar" (any build without AVX512-VNNI, AVX2 ones included).
+extern "C" const char* PagedjaxInt8LinearPath() { return kAmx ? "amx" : kVectorized ? "avx512-vnni" : "scalar"; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxInt8Linear, Int8Linear,
                               ffi::Ffi::Bind()

@@ -4,7 +4,7 @@
 //   prefill  (seq_of/pos given) the other tokens of prefill chunks, in tiles of consecutive
 //            tokens of one sequence, each row causal up to its own position.
 // Both read a prefix that many sequences share (a system prompt) once for all of them first
-// (cascade). Built by runtime/cpu_kernels.py (g++ -O3 -march=native) and called inside the
+// (cascade). Built by runtime/kernels/cpu/build.py (g++ -O3 -march=native) and called inside the
 // jitted step (runtime/attention.py).
 //
 // Why not XLA: at 64 sequences of ~370 tokens XLA:CPU runs the batched tiny products
@@ -868,6 +868,18 @@ ffi::Error KvWrite(ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
 }
 
 }  // namespace
+
+// The instruction-set path compiled into this build (runtime/kernels/cpu/build.py variants):
+// "avx512", "avx2" (AVX2 + FMA) or "scalar".
+extern "C" const char* PagedjaxAttentionPath() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxKvWrite, KvWrite,
                               ffi::Ffi::Bind()

@@ -114,6 +114,7 @@ struct Job {
 struct Handoff {
   std::atomic<Job*> slot{nullptr};
   std::atomic<int> lingering{0};
+  std::atomic<int64_t> taken{0};  // jobs a lingering helper took (read by tests/kernels/ffi_driver.cc)
 };
 
 inline Handoff& handoff() {
@@ -143,6 +144,7 @@ inline void linger() {
     Job* j = h.slot.load(std::memory_order_acquire);
     if (j != nullptr && (j = h.slot.exchange(nullptr, std::memory_order_acq_rel)) != nullptr) {
       h.lingering.fetch_sub(1);
+      h.taken.fetch_add(1, std::memory_order_relaxed);
       const int64_t t0 = now_ns();
       j->run();
       delete j;

@@ -1,5 +1,5 @@
 // Float32 linear layer on CPU as an XLA FFI custom call: y = x @ W. Built with the other
-// kernels into one library by runtime/cpu_kernels.py; runtime/cpu_matmul.py packs the
+// kernels into one library by runtime/kernels/cpu/build.py; runtime/cpu_matmul.py packs the
 // weights and calls it from the jitted step.
 //
 // Why not XLA: XLA:CPU's float32 dot runs a 64-row SmolLM2 projection (64 x 576 by 576 x
@@ -432,6 +432,18 @@ ffi::Error F32LayerTail(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buff
 
 // 1 when the library was compiled with AVX2 + FMA.
 extern "C" int PagedjaxF32LinearVectorized() { return kVectorized ? 1 : 0; }
+
+// The instruction-set path compiled into this build: "avx512" (12 x 32 tiles), "avx2" (AVX2 +
+// FMA, 6 x 16 tiles) or "scalar".
+extern "C" const char* PagedjaxF32LinearPath() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
 
 // 1 where the kernel serves float32 layers by default (runtime/cpu_matmul.py): wherever it
 // is vectorized. Measured faster than XLA's dot at 1-512 rows with the AVX2 tile on a Zen 3
