@@ -94,8 +94,9 @@ def operator_revoke(request: Request, name: str) -> Response:
         _store(request).revoke_operator(name, s.who)
     except StateError as exc:
         return _render(request, "operators", _operators_ctx(request, error=str(exc)), 422)
-    request.route_handler.opt["admin_auth"].end_sessions_of(name)
-    if name == s.who:  # revoked oneself: that session is over too
+    # Their sessions end at their next request (AdminAuth.session_for re-reads the row).
+    if name == s.who:  # revoked oneself: this session is over too
+        request.clear_session()
         return Redirect("/admin/login", status_code=303, headers={"HX-Redirect": "/admin/login"})
     if not is_htmx(request):
         return Redirect("/admin/operators", status_code=303)

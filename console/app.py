@@ -22,6 +22,7 @@ from litestar import Litestar, Request, Response, Router, get
 from litestar.connection import ASGIConnection
 from litestar.contrib.jinja import JinjaTemplateEngine
 from litestar.enums import ScopeType
+from litestar.exceptions import PermissionDeniedException
 from litestar.handlers import BaseRouteHandler
 from litestar.middleware import ASGIMiddleware
 from litestar.openapi import OpenAPIConfig
@@ -34,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from console import schemas as S
 from console.api import ACCESS_KEY, ROUTES, AccessRecord
 from console.assets import static_dir, templates_dir
+from console.auth import SESSION_STORE, StateSessionStore, csrf_config, handle_csrf_refusal, session_config
 from console.native import ROOT_ROUTES
 from console.errors import EXCEPTION_HANDLERS, APIError
 from console.keys import KeyGate, LimitExceeded, retry_after_header
@@ -311,8 +313,11 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
         route_handlers=handlers,
         on_startup=[_publish_schemas],
         lifespan=[_lifespan(engine_factory, fleet)],
-        middleware=[AccessMiddleware(http_metrics, settings.access_log, gate)],
-        exception_handlers=EXCEPTION_HANDLERS,
+        # The console's sessions (kept in the state file) and CSRF check: Litestar's, on /admin only.
+        middleware=[AccessMiddleware(http_metrics, settings.access_log, gate), session_config().middleware],
+        stores={SESSION_STORE: StateSessionStore(store)},
+        csrf_config=csrf_config(store),
+        exception_handlers={**EXCEPTION_HANDLERS, PermissionDeniedException: handle_csrf_refusal},
         openapi_config=openapi,
         template_config=TemplateConfig(directory=templates_dir(), engine=JinjaTemplateEngine,
                                        engine_callback=_template_filters),

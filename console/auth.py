@@ -1,5 +1,5 @@
-"""Operator login for /admin: operator tokens, roles, signed server-side sessions, CSRF and
-a failed-login rate limit.
+"""Operator login for /admin: operator tokens, roles, server-side sessions in the state file,
+CSRF and a failed-login rate limit.
 
 Who may log in: the --admin-token (the bootstrap operator "admin"), or a named operator's
 token from the state file (`pagedjax admin add-operator`; console/state.py). A viewer sees
@@ -8,174 +8,251 @@ the policy, abort requests and flush the prefix cache.
 
 Operator tokens and API keys are separate secrets: only a session cookie (made by
 logging in) opens /admin, and that cookie is scoped to /admin so it is never even sent
-with /v1 calls. Sessions live in this process's memory, so logout and restarts really end
-them, and every request re-reads its operator's row, so a revoke ends their sessions at
-once (from the console or from `pagedjax admin revoke-operator` in another process).
+with /v1 calls. The machinery is Litestar's: server-side sessions (the cookie holds a
+random id; the session lives in the state file's console_sessions table, so logging out
+really ends it and a restart does not) and its CSRF middleware (a signed token in a
+cookie, sent back by every form and HTMX request; the signing key is kept in the state
+file too). Every request re-reads its operator's row, so a revoke ends their sessions at
+once (from the console or from `pagedjax admin revoke-operator` in another process), and a
+restart with another --admin-token ends the bootstrap operator's sessions.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
+import asyncio
+import dataclasses
 import hmac
 import logging
-import secrets
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from datetime import timedelta
 from urllib.parse import quote
 
+from limits import RateLimitItemPerSecond
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter
 from litestar import Request, Response, get, post
-from litestar.datastructures import Cookie
+from litestar.config.csrf import CSRFConfig
+from litestar.connection import ASGIConnection
+from litestar.datastructures import Cookie, MutableScopeHeaders
+from litestar.exceptions import PermissionDeniedException
+from litestar.middleware.session.server_side import ServerSideSessionBackend, ServerSideSessionConfig
 from litestar.response import Redirect, Template
+from litestar.stores.base import Store
+from litestar.types import Message, ScopeSession
 
+from console.errors import handle_http_exception
 from console.render import is_htmx
-from console.state import BOOTSTRAP
+from console.state import BOOTSTRAP, StateStore
 
 log = logging.getLogger("pagedjax.admin.auth")
 
 SESSION_COOKIE = "pagedjax_admin"
-LOGIN_COOKIE = "pagedjax_login"   # pre-session CSRF nonce for the login form itself
-CSRF_FIELD = "_csrf"
-CSRF_HEADER = "x-csrf-token"
+CSRF_COOKIE = "pagedjax_csrf"
+CSRF_HEADER = "x-csrf-token"      # what HTMX sends (hx-headers on <body>); forms send `_csrf_token`
+SESSION_STORE = "admin_sessions"  # the name Litestar's app-level store registry knows it by
 SESSION_TTL_S = 8 * 3600
-LOGIN_NONCE_TTL_S = 15 * 60
 MAX_FAILURES = 5                  # failed logins per client per window before refusing
-FAILURE_WINDOW_S = 60.0
+FAILURE_WINDOW_S = 60
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 PUBLIC = "admin_public"           # route opt key: reachable without a session
 ANY_ROLE = "admin_any_role"       # route opt key: a POST viewers may make too (logout)
+NEW_SESSION = "pagedjax.new_session"  # scope key: the login handler asks for a fresh session id
+NOT_ADMIN = r"^/(?!admin(?:/|$))."    # every path but /admin/*: no CSRF, no session there (/v1 has its keys)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Session:
-    sid: str
-    csrf: str
+    """The logged-in operator, as the session stores it (plain JSON values)."""
+
     who: str                  # the operator's name: what the audit log records
+    role: str                 # viewer | operator
+    client: str
     created: float
-    expires: float
-    role: str = "operator"    # viewer | operator
-    client: str = ""
+    expires: float            # fixed at login: using the console does not extend it
+    admin: str = ""           # the bootstrap operator's: StateStore.bootstrap_fingerprint of its token
 
     @property
     def can_write(self) -> bool:
         return self.role == "operator"
 
+    @classmethod
+    def of(cls, request: ASGIConnection) -> "Session | None":
+        data = request.session
+        try:
+            return cls(**data) if data else None
+        except TypeError:  # written by another version: log in again
+            return None
+
+
+# --- Litestar's sessions and CSRF, configured for the console -------------------------------------------
+
+class StateSessionStore(Store):
+    """Litestar's Store over the state file's console_sessions table (console/state.py)."""
+
+    def __init__(self, state: StateStore) -> None:
+        self.state = state
+
+    @staticmethod
+    def _deadline(expires_in: int | timedelta | None) -> float | None:
+        if expires_in is None:
+            return None
+        seconds = expires_in.total_seconds() if isinstance(expires_in, timedelta) else expires_in
+        return time.time() + seconds
+
+    async def set(self, key: str, value: str | bytes, expires_in: int | timedelta | None = None) -> None:
+        data = value.encode() if isinstance(value, str) else value
+        await asyncio.to_thread(self.state.put_session, key, data, self._deadline(expires_in))
+
+    async def get(self, key: str, renew_for: int | timedelta | None = None) -> bytes | None:
+        found = await asyncio.to_thread(self.state.session, key)
+        if found is None:
+            return None
+        if renew_for is not None and found[1] is not None:
+            await asyncio.to_thread(self.state.renew_session, key, self._deadline(renew_for))
+        return found[0]
+
+    async def delete(self, key: str) -> None:
+        await asyncio.to_thread(self.state.delete_sessions, key)
+
+    async def delete_all(self) -> None:
+        await asyncio.to_thread(self.state.delete_sessions)
+
+    async def exists(self, key: str) -> bool:
+        return await asyncio.to_thread(self.state.session, key) is not None
+
+    async def expires_in(self, key: str) -> int | None:
+        found = await asyncio.to_thread(self.state.session, key)
+        return None if found is None or found[1] is None else max(0, int(found[1] - time.time()))
+
+
+class _SessionBackend(ServerSideSessionBackend):
+    """Litestar's server-side sessions with three changes it has no setting for: a request
+    without a session stores nothing and gets no cookie (Litestar stores an empty session for
+    every request); logging in takes a new id (never one a browser brought: no session
+    fixation); the cookie is Secure when the request came over https (a TLS proxy in front)."""
+
+    async def store_in_message(self, scope_session: ScopeSession, message: Message,
+                               connection: ASGIConnection) -> None:
+        store = self.config.get_store_from_app(connection.scope["app"])
+        brought = connection.cookies.get(self.config.key)
+        fresh = bool(connection.scope.get(NEW_SESSION))  # type: ignore[call-overload]
+        if brought and (fresh or not scope_session):  # logged in again, logged out, or a stale cookie
+            await self.delete(brought, store=store)
+        if not scope_session and not brought:
+            return
+        c = self.config
+
+        def cookie(value: str, max_age: int) -> str:
+            return Cookie(key=c.key, value=value, max_age=max_age, path=c.path, domain=c.domain, httponly=c.httponly,
+                          samesite=c.samesite, secure=c.secure or connection.url.scheme == "https").to_header(header="")
+
+        headers = MutableScopeHeaders.from_message(message)
+        if not scope_session:
+            headers.add("Set-Cookie", cookie("", 0))
+            return
+        sid = self.generate_session_id() if fresh or not brought else brought
+        await self.set(session_id=sid, data=self.serialize_data(scope_session, connection.scope), store=store)
+        headers.add("Set-Cookie", cookie(sid, c.max_age))
+
 
 @dataclass
+class _SessionConfig(ServerSideSessionConfig):
+    _backend_class = _SessionBackend
+
+
+def session_config() -> ServerSideSessionConfig:
+    """The console's sessions (app-level middleware; the store is registered as SESSION_STORE)."""
+    return _SessionConfig(key=SESSION_COOKIE, path="/admin", max_age=SESSION_TTL_S, httponly=True,
+                          samesite="strict", store=SESSION_STORE, exclude=NOT_ADMIN)
+
+
+def csrf_config(state: StateStore) -> CSRFConfig:
+    """Litestar's CSRF middleware for /admin: the token signed with a key the state file keeps
+    (a restart does not invalidate the token a logged-in browser holds)."""
+    return CSRFConfig(secret=state.console_key("csrf").hex(), cookie_name=CSRF_COOKIE, cookie_path="/admin",
+                      header_name=CSRF_HEADER, cookie_httponly=True, cookie_samesite="strict", exclude=NOT_ADMIN)
+
+
+def handle_csrf_refusal(request: Request, exc: PermissionDeniedException) -> Response:
+    """Litestar's CSRF middleware refused a console state change (no token, or not the cookie's)."""
+    if not request.url.path.startswith("/admin"):
+        return handle_http_exception(request, exc)
+    log.warning("admin %s %s refused: %s (%s)", request.method, request.url.path, exc.detail, client_of(request))
+    return Response("CSRF token missing or invalid", status_code=403, media_type="text/plain")
+
+
+# --- failed logins -----------------------------------------------------------------------------------------
+
 class LoginLimiter:
-    """Sliding-window count of failed logins per client address."""
+    """Failed logins per client address in a moving window (the `limits` library)."""
 
-    max_failures: int = MAX_FAILURES
-    window_s: float = FAILURE_WINDOW_S
-    _fails: dict[str, deque[float]] = field(default_factory=dict)
+    def __init__(self, max_failures: int = MAX_FAILURES, window_s: int = FAILURE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._item = RateLimitItemPerSecond(max_failures, window_s)
+        self._limiter = MovingWindowRateLimiter(MemoryStorage())
 
-    def retry_after(self, client: str, now: float | None = None) -> float:
+    def retry_after(self, client: str) -> float:
         """Seconds until `client` may try again (0 when allowed)."""
-        now = time.monotonic() if now is None else now
-        q = self._fails.get(client)
-        if not q:
+        if self._limiter.test(self._item, client):
             return 0.0
-        while q and now - q[0] > self.window_s:
-            q.popleft()
-        if len(q) < self.max_failures:
-            return 0.0
-        return max(0.0, self.window_s - (now - q[0]))
+        return max(0.0, self._limiter.get_window_stats(self._item, client).reset_time - time.time())
 
     def fail(self, client: str) -> int:
-        if len(self._fails) > 10_000:  # many distinct clients: forget those with no recent failure
-            now = time.monotonic()
-            for k in [k for k, q in self._fails.items() if not q or now - q[-1] > self.window_s]:
-                del self._fails[k]
-        q = self._fails.setdefault(client, deque())
-        q.append(time.monotonic())
-        return len(q)
+        """Count a failure; returns the failures in the window."""
+        self._limiter.hit(self._item, client)
+        return self._item.amount - self._limiter.get_window_stats(self._item, client).remaining
 
     def reset(self, client: str) -> None:
-        self._fails.pop(client, None)
+        self._limiter.clear(self._item, client)
 
 
 class AdminAuth:
-    """Per-app session store and login limiter (one per admin_router())."""
+    """Per-app login limiter and the gate every /admin request passes (one per admin_router())."""
 
-    def __init__(self, ttl_s: float = SESSION_TTL_S) -> None:
-        self.ttl_s = ttl_s
-        self.sessions: dict[str, Session] = {}
+    def __init__(self) -> None:
         self.limiter = LoginLimiter()
+        self._fingerprint: tuple[str, str] | None = None   # (admin token, its fingerprint)
 
-    # --- signing ------------------------------------------------------------------------
-    @staticmethod
-    def _secret(request: Request) -> bytes:
-        return request.app.state.settings.session_secret
+    async def fingerprint(self, request: Request) -> str:
+        """StateStore.bootstrap_fingerprint of this server's --admin-token (scrypt: once)."""
+        token: str = request.app.state.settings.admin_token
+        if self._fingerprint is None or self._fingerprint[0] != token:
+            state: StateStore = request.app.state.store
+            self._fingerprint = (token, await asyncio.to_thread(state.bootstrap_fingerprint, token))
+        return self._fingerprint[1]
 
-    @staticmethod
-    def sign(secret: bytes, value: str) -> str:
-        mac = hmac.new(secret, value.encode(), hashlib.sha256).digest()
-        return f"{value}.{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
-
-    @classmethod
-    def unsign(cls, secret: bytes, signed: str | None) -> str | None:
-        if not signed or "." not in signed:
+    async def session_for(self, request: Request) -> Session | None:
+        """The request's session if it is still good: not expired, its operator not revoked, and
+        for the bootstrap operator the --admin-token it logged in with still this server's."""
+        s = Session.of(request)
+        if s is None:
             return None
-        value = signed.rsplit(".", 1)[0]
-        return value if hmac.compare_digest(cls.sign(secret, value), signed) else None
-
-    # --- sessions -----------------------------------------------------------------------
-    def create(self, who: str, role: str = "operator", client: str = "") -> Session:
-        now = time.time()
-        self._expire(now)
-        s = Session(secrets.token_urlsafe(24), secrets.token_urlsafe(24), who, now, now + self.ttl_s, role, client)
-        self.sessions[s.sid] = s
-        return s
-
-    def end_sessions_of(self, who: str) -> int:
-        gone = [k for k, s in self.sessions.items() if s.who == who]
-        for k in gone:
-            del self.sessions[k]
-        return len(gone)
-
-    def _expire(self, now: float) -> None:
-        for sid in [k for k, s in self.sessions.items() if s.expires <= now]:
-            del self.sessions[sid]
-
-    def session_for(self, request: Request) -> Session | None:
-        sid = self.unsign(self._secret(request), request.cookies.get(SESSION_COOKIE))
-        s = self.sessions.get(sid) if sid else None
-        if s is None or s.expires <= time.time():
-            return None
-        return s
-
-    def session_cookie(self, request: Request, s: Session | None) -> Cookie:
-        secure = request.url.scheme == "https"
-        if s is None:  # logout: expire it in the browser too
-            return Cookie(SESSION_COOKIE, path="/admin", value="", max_age=0, httponly=True,
-                          samesite="strict", secure=secure)
-        return Cookie(SESSION_COOKIE, path="/admin", value=self.sign(self._secret(request), s.sid),
-                      max_age=int(self.ttl_s), httponly=True, samesite="strict", secure=secure)
+        why = ("expired" if s.expires <= time.time()
+               else "the operator was revoked" if s.who != BOOTSTRAP and request.app.state.store.operator(s.who) is None
+               else "the server's --admin-token changed" if s.who == BOOTSTRAP and not hmac.compare_digest(
+                   s.admin, await self.fingerprint(request))
+               else None)
+        if why is None:
+            return s
+        log.info("admin session of %s ended: %s", s.who, why)
+        request.clear_session()
+        return None
 
     # --- the gate (router before_request hook) -----------------------------------------------
     async def before_request(self, request: Request) -> Response | None:
-        """Every /admin request: a valid session, and for state changes a CSRF token."""
+        """Every /admin request but the login form: a good session, and for state changes (which
+        Litestar's CSRF middleware has checked already) an operator unless the route lets viewers."""
         if request.route_handler.opt.get(PUBLIC):
             return None
-        s = self.session_for(request)
-        if s is not None and s.who != BOOTSTRAP and request.app.state.store.operator(s.who) is None:
-            log.info("admin session of %s ended: the operator was revoked", s.who)
-            self.end_sessions_of(s.who)
-            s = None
+        s = await self.session_for(request)
         if s is None:
             return login_required(request)
         request.state.admin_session = s
-        if request.method not in SAFE_METHODS:
-            if not await csrf_ok(request, s.csrf):
-                log.warning("admin %s %s refused: missing or wrong CSRF token (%s)", request.method,
-                            request.url.path, client_of(request))
-                return Response("CSRF token missing or invalid", status_code=403, media_type="text/plain")
-            if not s.can_write and not request.route_handler.opt.get(ANY_ROLE):
-                log.warning("admin %s %s refused: %s is a viewer", request.method, request.url.path, s.who)
-                return Response(f"{s.who} is a viewer: viewers can see every page but change nothing",
-                                status_code=403, media_type="text/plain")
+        if request.method not in SAFE_METHODS and not s.can_write and not request.route_handler.opt.get(ANY_ROLE):
+            log.warning("admin %s %s refused: %s is a viewer", request.method, request.url.path, s.who)
+            return Response(f"{s.who} is a viewer: viewers can see every page but change nothing",
+                            status_code=403, media_type="text/plain")
         return None
 
 
@@ -194,14 +271,6 @@ def login_required(request: Request) -> Response:
                     headers={"HX-Redirect": target})
 
 
-async def csrf_ok(request: Request, expected: str) -> bool:
-    given = request.headers.get(CSRF_HEADER)
-    if not given:
-        form = await request.form()
-        given = form.get(CSRF_FIELD)
-    return isinstance(given, str) and bool(given) and hmac.compare_digest(given.encode(), expected.encode())
-
-
 def _safe_next(nxt: str | None) -> str:
     # Only same-site admin paths: never an open redirect to "//evil" or "https://...".
     if nxt and nxt.startswith("/admin") and not nxt.startswith("//") and "\\" not in nxt:
@@ -215,25 +284,11 @@ def _auth(request: Request) -> AdminAuth:
 
 def _login_page(request: Request, *, error: str | None, status: int, nxt: str,
                 retry_after: float = 0.0) -> Template:
-    secret = AdminAuth._secret(request)
-    nonce = secrets.token_urlsafe(18)
-    cookie = Cookie(LOGIN_COOKIE, path="/admin/login", value=AdminAuth.sign(secret, f"{nonce}.{int(time.time())}"),
-                    max_age=LOGIN_NONCE_TTL_S, httponly=True, samesite="strict",
-                    secure=request.url.scheme == "https")
     headers = {"Cache-Control": "no-store"}
     if retry_after:
         headers["Retry-After"] = str(int(retry_after) + 1)
-    return Template("admin/login.html", context={"error": error, "nonce": nonce, "next": nxt, "page": "login"},
-                    status_code=status, cookies=[cookie], headers=headers)
-
-
-def _nonce_ok(request: Request, form_nonce: Any) -> bool:
-    raw = AdminAuth.unsign(AdminAuth._secret(request), request.cookies.get(LOGIN_COOKIE))
-    if not raw or not isinstance(form_nonce, str):
-        return False
-    nonce, _, issued = raw.rpartition(".")
-    fresh = issued.isdigit() and time.time() - int(issued) < LOGIN_NONCE_TTL_S
-    return fresh and hmac.compare_digest(nonce.encode(), form_nonce.encode())
+    return Template("admin/login.html", context={"error": error, "next": nxt, "page": "login"},
+                    status_code=status, headers=headers)
 
 
 def _operator_for(request: Request, token: str) -> tuple[str | None, str]:
@@ -247,15 +302,16 @@ def _operator_for(request: Request, token: str) -> tuple[str | None, str]:
     return (op.name, op.role) if op else (None, "")
 
 
-@get("/login", opt={PUBLIC: True}, name="admin_login_form", sync_to_thread=False)
-def login_form(request: Request, next: str | None = None) -> Response:  # noqa: A002 -- the query name
-    if _auth(request).session_for(request) is not None:
+@get("/login", opt={PUBLIC: True}, name="admin_login_form")
+async def login_form(request: Request, next: str | None = None) -> Response:  # noqa: A002 -- the query name
+    if await _auth(request).session_for(request) is not None:
         return Redirect(_safe_next(next), status_code=303)
     return _login_page(request, error=None, status=200, nxt=_safe_next(next))
 
 
 @post("/login", opt={PUBLIC: True}, name="admin_login")
 async def login(request: Request) -> Response:
+    """(Litestar's CSRF middleware has checked the form's token: no login CSRF.)"""
     auth, client = _auth(request), client_of(request)
     form = await request.form()
     nxt = _safe_next(form.get("next"))
@@ -264,9 +320,6 @@ async def login(request: Request) -> Response:
         log.warning("admin login from %s refused: rate limited (%.0f s left)", client, wait)
         return _login_page(request, error=f"Too many failed attempts. Try again in {int(wait) + 1} s.",
                            status=429, nxt=nxt, retry_after=wait)
-    if not _nonce_ok(request, form.get(CSRF_FIELD)):
-        log.warning("admin login from %s refused: stale or missing login form token", client)
-        return _login_page(request, error="The login form expired. Please try again.", status=403, nxt=nxt)
     token = form.get("token")
     who, role = _operator_for(request, token.strip() if isinstance(token, str) else "")
     if who is None:
@@ -275,22 +328,25 @@ async def login(request: Request) -> Response:
                     auth.limiter.window_s)
         return _login_page(request, error="Invalid or revoked token.", status=401, nxt=nxt)
     auth.limiter.reset(client)
-    s = auth.create(who, role, client)
+    now = time.time()
+    s = Session(who, role, client, now, now + SESSION_TTL_S,
+                await auth.fingerprint(request) if who == BOOTSTRAP else "")
+    request.set_session(dataclasses.asdict(s))
+    request.scope[NEW_SESSION] = True  # type: ignore[literal-required]
     log.info("admin login: %s (%s) from %s", who, role, client)
-    resp = Redirect(nxt, status_code=303)
-    resp.set_cookie(auth.session_cookie(request, s))
-    resp.set_cookie(Cookie(LOGIN_COOKIE, path="/admin/login", value="", max_age=0))
-    return resp
+    return Redirect(nxt, status_code=303)
 
 
 @post("/logout", name="admin_logout", opt={ANY_ROLE: True})
 async def logout(request: Request) -> Response:
-    auth = _auth(request)
     s: Session = request.state.admin_session
-    auth.sessions.pop(s.sid, None)
+    request.clear_session()
     log.info("admin logout (%s)", s.who)
     resp = Redirect("/admin/login", status_code=303)
-    resp.set_cookie(auth.session_cookie(request, None))
     if is_htmx(request):
         resp.headers["HX-Redirect"] = "/admin/login"
     return resp
+
+
+__all__ = ["AdminAuth", "LoginLimiter", "Session", "StateSessionStore", "csrf_config",
+           "handle_csrf_refusal", "login", "login_form", "logout", "session_config"]

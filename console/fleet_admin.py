@@ -21,6 +21,7 @@ from litestar.response import Redirect, Template
 from console.admin import NO_STORE, POLICY_FIELDS, parse_number, parse_policy_form
 from console.admin_state import STATE_ROUTES
 from console.auth import AdminAuth, is_htmx, login, login_form, logout
+from console.render import csrf_token
 
 AUTOSCALE_FIELDS: list[tuple[str, str, type, str]] = [
     ("min_replicas", "Min replicas", int, "Never scale in below this."),
@@ -46,7 +47,7 @@ def _client(request: Request) -> Any:
 def _render(request: Request, ctx: dict[str, Any], status: int = 200) -> Template:
     s = request.state.admin_session
     name = "admin/_fleet_fragment.html" if is_htmx(request) else "admin/fleet.html"
-    ctx = {**ctx, "csrf": s.csrf, "who": s.who, "role": s.role, "can_write": s.can_write, "page": "fleet",
+    ctx = {**ctx, "csrf": csrf_token(request), "who": s.who, "role": s.role, "can_write": s.can_write, "page": "fleet",
            "fleet": True, "clock": time.strftime("%H:%M:%S")}
     return Template(name, context=ctx, status_code=status, headers=NO_STORE)
 

@@ -3,9 +3,9 @@
 A request is admitted against its key's limits before its body is read (the route guard),
 and settles when its response has been sent in full (the access middleware): that is
 when its tokens are known and its concurrency slot frees. Limits are sliding 60-second
-windows per key, kept in this process: rpm counts admitted requests, tpm counts the
-prompt and completion tokens of settled requests, max_concurrent counts requests whose
-responses have not finished. A key over a limit gets 429 with Retry-After and the limit
+windows per key, kept in this process: rpm counts admitted requests (the `limits`
+library's moving window), tpm counts the prompt and completion tokens of settled
+requests, max_concurrent counts requests whose responses have not finished. A key over a limit gets 429 with Retry-After and the limit
 named. Usage is counted per key (Prometheus labels, the console's keys page) and added to
 the state file every few seconds, so at most that much is lost to a `kill -9`.
 """
@@ -20,11 +20,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from limits import RateLimitItemPerSecond
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from console.state import ApiKey, StateStore
 
-WINDOW_S = 60.0
+WINDOW_S = 60
 SHARED = "api-key"          # the one --api-key, as a key name: no limits
 
 
@@ -43,16 +46,20 @@ class Grant:
 
 @dataclass
 class _Window:
-    admitted: deque[float] = field(default_factory=deque)            # admission times
+    """A key's tokens per minute and requests in flight. Hand-written: tpm charges a response's
+    tokens after it is sent, past the limit, and `limits` refuses (records nothing for) a charge
+    that would pass it and keeps one entry per unit of cost."""
     tokens: deque[tuple[float, int]] = field(default_factory=deque)  # (settle time, tokens)
     token_sum: int = 0
     in_flight: int = 0
 
     def expire(self, now: float) -> None:
-        while self.admitted and now - self.admitted[0] >= WINDOW_S:
-            self.admitted.popleft()
         while self.tokens and now - self.tokens[0][0] >= WINDOW_S:
             self.token_sum -= self.tokens.popleft()[1]
+
+
+def _per_minute(n: int) -> RateLimitItemPerSecond:
+    return RateLimitItemPerSecond(n, WINDOW_S)
 
 
 class KeyGate:
@@ -62,6 +69,7 @@ class KeyGate:
         self.store = store
         self._lock = threading.Lock()
         self._windows: dict[str, _Window] = {}
+        self._rpm = MovingWindowRateLimiter(MemoryStorage())
         self._pending: dict[str, list[int]] = {}   # key -> [requests, rejected, prompt, completion] not yet stored
         self.requests = Counter("pagedjax:api_key_requests", "Requests by API key name and outcome",
                                 ["key", "outcome"], registry=registry)
@@ -78,32 +86,34 @@ class KeyGate:
         return self.store.verify_key(given)
 
     # --- limits -----------------------------------------------------------------------------------
-    def admit(self, key: ApiKey | str, now: float | None = None) -> Grant:
+    def admit(self, key: ApiKey | str) -> Grant:
         """Count the request against the key's limits or raise LimitExceeded (counted as rejected)."""
-        now = time.monotonic() if now is None else now
+        now = time.time()  # (the clock `limits` keeps its windows by)
         name = key if isinstance(key, str) else key.name
         with self._lock:
             w = self._windows.setdefault(name, _Window())
             w.expire(now)
-            refusal = None if isinstance(key, str) else self._refusal(key, w, now)
-            if refusal is not None:
-                self._count(name, rejected=1)
-                self.requests.labels(name, "rate_limited").inc()
-                raise refusal
-            w.admitted.append(now)
+            if not isinstance(key, str):
+                refusal = self._refusal(key, w, now)
+                if refusal is not None:
+                    self._count(name, rejected=1)
+                    self.requests.labels(name, "rate_limited").inc()
+                    raise refusal
+                if key.rpm is not None:
+                    self._rpm.hit(_per_minute(key.rpm), name)  # (free: _refusal tested it)
             w.in_flight += 1
             self._count(name, requests=1)
         self.requests.labels(name, "admitted").inc()
         self.in_flight.labels(name).inc()
         return Grant(name)
 
-    @staticmethod
-    def _refusal(key: ApiKey, w: _Window, now: float) -> LimitExceeded | None:
+    def _refusal(self, key: ApiKey, w: _Window, now: float) -> LimitExceeded | None:
         if key.max_concurrent is not None and w.in_flight >= key.max_concurrent:
             return LimitExceeded(f"rate limit: key {key.name!r} has {w.in_flight} requests in flight, its "
                                  f"max_concurrent limit is {key.max_concurrent}", 1.0, "max_concurrent")
-        if key.rpm is not None and len(w.admitted) >= key.rpm:
-            wait = WINDOW_S - (now - w.admitted[len(w.admitted) - key.rpm])
+        if key.rpm is not None and not self._rpm.test(_per_minute(key.rpm), key.name):
+            # Until the oldest admission in the window ages out.
+            wait = self._rpm.get_window_stats(_per_minute(key.rpm), key.name).reset_time - now
             return LimitExceeded(f"rate limit: key {key.name!r} is over its limit of {key.rpm} requests per "
                                  "minute", wait, "rpm")
         if key.tpm is not None and w.token_sum >= key.tpm:
@@ -118,13 +128,12 @@ class KeyGate:
                                  f"limit is {key.tpm} tokens per minute", wait, "tpm")
         return None
 
-    def settle(self, grant: Grant, prompt_tokens: int | None, completion_tokens: int | None,
-               now: float | None = None) -> None:
+    def settle(self, grant: Grant, prompt_tokens: int | None, completion_tokens: int | None) -> None:
         """The response has been sent: free the slot, count the tokens (once)."""
         if grant.settled:
             return
         grant.settled = True
-        now = time.monotonic() if now is None else now
+        now = time.time()
         p, c = prompt_tokens or 0, completion_tokens or 0
         with self._lock:
             w = self._windows.setdefault(grant.key, _Window())

@@ -8,6 +8,7 @@ from typing import Any
 
 from litestar import Request
 from litestar.response import Template
+from litestar.template.base import csrf_token as _csrf_token
 
 NO_STORE = {"Cache-Control": "no-store", "Vary": "HX-Request"}
 
@@ -16,10 +17,15 @@ def is_htmx(request: Request) -> bool:
     return request.headers.get("hx-request") == "true"
 
 
+def csrf_token(request: Request) -> str:
+    """This request's CSRF token (Litestar's CSRF middleware sets it), for the forms and hx-headers."""
+    return _csrf_token({"request": request})
+
+
 def render(request: Request, page: str, ctx: dict[str, Any], status: int = 200) -> Template:
     """`templates/admin/{page}.html`, or `_{page}_fragment.html` for an HTMX request."""
     s = request.state.admin_session
     name = f"admin/_{page}_fragment.html" if is_htmx(request) else f"admin/{page}.html"
-    ctx = {**ctx, "csrf": s.csrf, "who": s.who, "role": s.role, "can_write": s.can_write, "page": page,
+    ctx = {**ctx, "csrf": csrf_token(request), "who": s.who, "role": s.role, "can_write": s.can_write, "page": page,
            "fleet": request.app.state.get("is_fleet", False), "clock": time.strftime("%H:%M:%S")}
     return Template(name, context=ctx, status_code=status, headers=NO_STORE)

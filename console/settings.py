@@ -18,8 +18,8 @@ class ServerSettings:
     """Everything the web layer needs that is not the engine itself.
 
     Only `admin_token`, `model_name` and `checkpoint` matter to most tests; the rest have
-    serving defaults. `session_secret` is random per start on purpose: restarting the
-    server logs every console session out.
+    serving defaults. (Console sessions and the key their CSRF tokens are signed with live in
+    the state file, console/state.py: a restart keeps operators logged in.)
     """
 
     host: str = "127.0.0.1"
@@ -29,7 +29,6 @@ class ServerSettings:
     model_name: str = "pagedjax"            # the served model id (/v1/models, `model` field)
     checkpoint: Path = Path(".")
     shutdown_grace_s: float = 30.0          # SIGTERM: in-flight requests get this long to finish
-    session_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     admin_token_generated: bool = False     # True when nobody chose the token (it was printed once)
     access_log: bool = True                 # one JSON line per request on `pagedjax.access`
     warmup: bool = True                     # compile every step shape before reporting ready

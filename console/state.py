@@ -1,5 +1,5 @@
 """Operator state that survives restarts: the admission policy, the audit log, operators
-and API keys, in one SQLite file (`<state-dir>/state.db`).
+and API keys, and the console's login sessions, in one SQLite file (`<state-dir>/state.db`).
 
 Why SQLite: one file, no server, and transactions -- every change is one `BEGIN
 IMMEDIATE ... COMMIT`, so a `kill -9` mid-change leaves the old state or the new one,
@@ -9,7 +9,9 @@ lock, so the stored policy is always the engine's last applied one.
 
 Secrets are never stored: a token is `pjo_<id>_<secret>` (operators) or `pjk_<id>_<secret>`
 (API keys); the public id finds the row, and only a salted scrypt hash of the whole token
-is kept. It is printed once, when it is made.
+is kept. It is printed once, when it is made. A console session is kept under the sha256
+of its id (the cookie), never the id. The one key kept as it is: what the console's CSRF
+tokens are signed with (useful only together with a session cookie).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 log = logging.getLogger("pagedjax.state")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATE_FILE = "state.db"
 ROLES = ("viewer", "operator")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
@@ -75,6 +77,19 @@ CREATE TABLE api_keys (
   rejected INTEGER NOT NULL DEFAULT 0,
   prompt_tokens INTEGER NOT NULL DEFAULT 0,
   completion_tokens INTEGER NOT NULL DEFAULT 0
+);
+"""
+# Schema 2: console sessions (Litestar's server-side sessions, console/auth.py), so an
+# operator stays logged in across a restart, and the console's own keys.
+_SCHEMA_2 = """
+CREATE TABLE console_sessions (
+  id_hash BLOB PRIMARY KEY,      -- sha256 of the session id (the cookie's value)
+  data BLOB NOT NULL,            -- the session as Litestar serialised it (JSON)
+  expires REAL                   -- unix time it ends; NULL: never
+);
+CREATE TABLE console_keys (
+  name TEXT PRIMARY KEY,         -- csrf: signs the CSRF tokens; bootstrap-salt: see bootstrap_fingerprint
+  value BLOB NOT NULL
 );
 """
 
@@ -209,7 +224,10 @@ class StateStore:
                 tables = self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
                 if tables:
                     raise StateError(f"{self.path}: an SQLite file, but not a pagedjax state file")
-                self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+                self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} {_SCHEMA_2} "
+                                       f"PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+            elif version == 1:
+                self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA_2} PRAGMA user_version = 2; COMMIT;")
             ok = self._db.execute("PRAGMA quick_check").fetchone()[0]
             if ok != "ok":
                 raise StateError(f"{self.path}: the state file is damaged ({ok})")
@@ -391,6 +409,54 @@ class StateStore:
             db.executemany("UPDATE api_keys SET requests = requests + ?, rejected = rejected + ?, "
                            "prompt_tokens = prompt_tokens + ?, completion_tokens = completion_tokens + ? "
                            "WHERE name = ?", [(*v, k) for k, v in usage.items()])
+
+
+    # --- console sessions and keys (console/auth.py) ----------------------------------------------
+    @staticmethod
+    def _sid(session_id: str) -> bytes:
+        return hashlib.sha256(session_id.encode()).digest()
+
+    def session(self, session_id: str) -> tuple[bytes, float | None] | None:
+        """(data, expires) of a session that has not ended, else None."""
+        rows = self._read("SELECT data, expires FROM console_sessions WHERE id_hash = ? AND "
+                          "(expires IS NULL OR expires > ?)", (self._sid(session_id), time.time()))
+        return (bytes(rows[0][0]), rows[0][1]) if rows else None
+
+    def put_session(self, session_id: str, data: bytes, expires: float | None) -> None:
+        """Store it (a write only when the data changed: the console's pages and their HTMX
+        polls hand the same session back on every request); ended sessions are dropped here."""
+        key = self._sid(session_id)
+        if self._read("SELECT 1 FROM console_sessions WHERE id_hash = ? AND data = ?", (key, data)):
+            return
+        with self._write() as db:
+            db.execute("DELETE FROM console_sessions WHERE expires <= ?", (time.time(),))
+            db.execute("INSERT INTO console_sessions (id_hash, data, expires) VALUES (?, ?, ?) ON CONFLICT "
+                       "(id_hash) DO UPDATE SET data = excluded.data, expires = excluded.expires",
+                       (key, data, expires))
+
+    def renew_session(self, session_id: str, expires: float | None) -> None:
+        with self._write() as db:
+            db.execute("UPDATE console_sessions SET expires = ? WHERE id_hash = ?", (expires, self._sid(session_id)))
+
+    def delete_sessions(self, session_id: str | None = None) -> None:
+        """One session, or (None) every one."""
+        with self._write() as db:
+            if session_id is None:
+                db.execute("DELETE FROM console_sessions")
+            else:
+                db.execute("DELETE FROM console_sessions WHERE id_hash = ?", (self._sid(session_id),))
+
+    def console_key(self, name: str, nbytes: int = 32) -> bytes:
+        """A random key made once per state file (kept across restarts)."""
+        with self._write() as db:
+            db.execute("INSERT OR IGNORE INTO console_keys (name, value) VALUES (?, ?)",
+                       (name, secrets.token_bytes(nbytes)))
+            return bytes(db.execute("SELECT value FROM console_keys WHERE name = ?", (name,)).fetchone()[0])
+
+    def bootstrap_fingerprint(self, admin_token: str) -> str:
+        """What a bootstrap ("admin") session records of the --admin-token it was opened with,
+        so a restart with another token ends it: a salted scrypt hash, like stored tokens'."""
+        return _hash(admin_token, self.console_key("bootstrap-salt", 16)).hex()
 
 
 # --- policy: restore at start, apply + record --------------------------------------------------------

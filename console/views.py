@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
+
 from console import charts
 from runtime import snapshot as read
-from runtime.metrics import percentile
 from runtime.snapshot import BLOCK_STATES, BlockView
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def block_map(engine: LLMEngine, max_cells: int = MAX_CELLS) -> BlockMap:
 
 
 def _p(values: Sequence[float], q: float) -> float | None:
-    return percentile(values, q)
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 def dashboard(engine: LLMEngine) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from runtime.batch import step_row
 from runtime import disagg
 from runtime.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
-from runtime.metrics import EngineMetrics, StepSample
+from runtime.metrics import EngineMetrics, EngineState, StepSample
 from runtime.model_runner import ModelRunner, StepHandle, compilations
 from runtime.output_processor import OutputProcessor
 from runtime.request import Request
@@ -114,7 +114,7 @@ class LLMEngine:
                                   config.attention_backend, dtype, config.quantization,
                                   tensor_parallel_size=config.tensor_parallel_size)
         self.guides = GuideCompiler(tokenizer, config.model.vocab_size)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(lambda: EngineState.read(self.scheduler, self.pool, compilations))
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
         self.lock = threading.RLock()
         self._tracked: dict[str, _Tracked] = {}
@@ -134,7 +134,7 @@ class LLMEngine:
         self._last_read_back = 0.0
         self._rng = random.Random()
         self._ids = itertools.count()
-        self._last = dict(queries=0, hits=0, evictions=0, preemptions=0, rejections={})
+        self._last = dict(evictions=0)  # pool.num_evictions when _refresh_gauges last saw it
         self.warmup_seconds = 0.0
         self._last_idle_sample = 0.0
         self.compilations_at_ready = 0
@@ -186,7 +186,6 @@ class LLMEngine:
     def warmup(self, progress: bool = True) -> None:
         self.warmup_seconds = self.runner.warmup(progress)
         self.compilations_at_ready = compilations()
-        self.metrics.compilations.set(self.compilations_at_ready)
         log.info("warm-up compiled %d step shapes in %.1f s", len(self.envelope.bucket_pairs()),
                  self.warmup_seconds)
 
@@ -480,30 +479,16 @@ class LLMEngine:
                             stop_reason=stop_reason, error=error, text_ids=text_ids)
 
     def _refresh_gauges(self, step_time: float = 0.0, num_tokens: int = 0, new_tokens: int = 0) -> None:
+        """Per-step records: the ages of blocks evicted since the last call (a histogram of
+        events) and the console's chart sample. The gauges and totals of the scheduler's and
+        pool's state are read at scrape time (runtime/metrics.py EngineStateCollector)."""
         m, s, pool = self.metrics, self.scheduler, self.pool
         c = s.counters
-        m.num_requests_running.set(len(s.running))
-        m.num_requests_waiting.set(s.num_waiting)
-        m.num_requests_preempted.set(len(s.resumed))
-        m.kv_cache_usage_perc.set(pool.usage())
-        m.vllm_running.set(len(s.running))
-        m.vllm_waiting.set(s.num_waiting)
-        m.vllm_kv_usage.set(pool.usage())
-        m.kv_blocks.labels("used").set(pool.num_used_blocks)
-        m.kv_blocks.labels("cached").set(pool.num_cached_blocks)
-        m.kv_blocks.labels("free").set(pool.num_free_blocks - pool.num_cached_blocks)
-        last = self._last
-        m.prefix_cache_queries.inc(c.prefix_queries - last["queries"])
-        m.prefix_cache_hits.inc(c.prefix_hits - last["hits"])
-        m.num_preemptions.inc(c.preemptions - last["preemptions"])
-        new_ev = pool.num_evictions - last["evictions"]
+        new_ev = pool.num_evictions - self._last["evictions"]
         if new_ev:
-            m.prefix_cache_evictions.inc(new_ev)
             for age in list(pool.evicted_ages)[-min(new_ev, len(pool.evicted_ages)):]:
                 m.evicted_block_age.observe(age)
-        last.update(queries=c.prefix_queries, hits=c.prefix_hits, preemptions=c.preemptions,
-                    evictions=pool.num_evictions)
-        m.compilations.set(compilations())
+            self._last["evictions"] = pool.num_evictions
         now = time.monotonic()
         if not num_tokens and now - self._last_idle_sample < 1.0:
             return  # idle loop iterations: one chart sample a second is enough

@@ -1,51 +1,109 @@
 """Engine metrics (prometheus_client, vLLM-compatible meanings under `pagedjax:`) and
 snapshot records the console renders.
 
-Each engine owns its CollectorRegistry, so several engines (tests) never collide.
-Gauges that mirror scheduler state are refreshed once per step by the engine thread.
+Each engine owns its CollectorRegistry, so several engines (tests) never collide. Events
+(tokens, latencies, finished requests) are counted where they happen; the scheduler's and
+block pool's state (queue lengths, KV blocks, prefix-cache and preemption totals, compiled
+programs) is read when Prometheus scrapes, by `EngineStateCollector`.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Sequence
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from runtime.block_pool import BlockPool
+    from runtime.scheduler import Scheduler
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 P = "pagedjax:"
+V = "vllm:"  # the model-server protocol series llm-d's endpoint picker scrapes (vLLM's names)
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the collector reports: the scheduler's and pool's live values at one scrape."""
+
+    running: int
+    waiting: int              # incl. preempted
+    preempted: int
+    kv_usage: float           # 0-1
+    used_blocks: int
+    cached_blocks: int
+    free_blocks: int          # free and not holding cached data
+    prefix_queries: int       # cumulative totals from here on
+    prefix_hits: int
+    evictions: int
+    preemptions: int
+    compilations: int
+
+    @classmethod
+    def read(cls, scheduler: "Scheduler", pool: "BlockPool", compilations: Callable[[], int]) -> "EngineState":
+        """Without the engine lock: each value is one attribute read, so a scrape (on the web
+        server's event loop) never waits for a step; values may straddle a step, as any scrape does."""
+        s, c = scheduler, scheduler.counters
+        used, cached = pool.num_used_blocks, pool.num_cached_blocks
+        return cls(len(s.running), s.num_waiting, len(s.resumed), pool.usage(), used, cached,
+                   max(0, pool.num_free_blocks - cached), c.prefix_queries, c.prefix_hits, pool.num_evictions,
+                   c.preemptions, compilations())
+
+
+class EngineStateCollector(Collector):
+    """A prometheus_client collector: reads the engine's state when scraped (nothing to keep
+    in step with it). The `vllm:` series repeat the `pagedjax:` ones under vLLM's names."""
+
+    def __init__(self, read: Callable[[], EngineState]) -> None:
+        self.read = read
+        self.created = time.time()  # the counters' _created, as prometheus_client's Counter has it
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.read()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value, created=self.created)
+
+        yield gauge(P + "num_requests_running", "Requests in the running batch", st.running)
+        yield gauge(P + "num_requests_waiting", "Requests waiting (incl. preempted)", st.waiting)
+        yield gauge(P + "num_requests_preempted", "Preempted requests waiting to resume", st.preempted)
+        yield gauge(P + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", st.kv_usage)
+        blocks = GaugeMetricFamily(P + "kv_blocks", "KV blocks by state", labels=["state"])
+        for state, n in (("used", st.used_blocks), ("cached", st.cached_blocks), ("free", st.free_blocks)):
+            blocks.add_metric([state], n)
+        yield blocks
+        yield counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", st.prefix_queries)
+        yield counter(P + "prefix_cache_hits", "Prompt tokens served by the prefix cache", st.prefix_hits)
+        yield counter(P + "prefix_cache_evictions", "Cached blocks reused for new data", st.evictions)
+        yield counter(P + "num_preemptions", "Preemptions (recompute)", st.preemptions)
+        yield gauge(P + "compilations_total", "XLA programs built for the engine step", st.compilations)
+        yield gauge(V + "num_requests_waiting", "Requests waiting (model-server protocol)", st.waiting)
+        yield gauge(V + "num_requests_running", "Requests running (model-server protocol)", st.running)
+        yield gauge(V + "kv_cache_usage_perc", "KV cache usage 0-1 (model-server protocol)", st.kv_usage)
 
 
 class EngineMetrics:
-    def __init__(self) -> None:
+    def __init__(self, read_state: Callable[[], EngineState] | None = None) -> None:
         r = self.registry = CollectorRegistry()
-        self.num_requests_running = Gauge(P + "num_requests_running", "Requests in the running batch", registry=r)
-        self.num_requests_waiting = Gauge(P + "num_requests_waiting", "Requests waiting (incl. preempted)",
-                                          registry=r)
-        self.num_requests_preempted = Gauge(P + "num_requests_preempted", "Preempted requests waiting to resume",
-                                            registry=r)
-        self.kv_cache_usage_perc = Gauge(P + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)",
-                                         registry=r)
-        self.kv_blocks = Gauge(P + "kv_blocks", "KV blocks by state", ["state"], registry=r)
-        self.prefix_cache_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                            registry=r)
-        self.prefix_cache_hits = Counter(P + "prefix_cache_hits", "Prompt tokens served by the prefix cache",
-                                         registry=r)
-        self.prefix_cache_evictions = Counter(P + "prefix_cache_evictions", "Cached blocks reused for new data",
-                                              registry=r)
+        if read_state is not None:
+            r.register(EngineStateCollector(read_state))
         self.evicted_block_age = Histogram(P + "prefix_cache_evicted_block_age_seconds",
                                            "Time an evicted block sat cached", buckets=LATENCY_BUCKETS, registry=r)
-        self.num_preemptions = Counter(P + "num_preemptions", "Preemptions (recompute)", registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=r)
         self.request_success = Counter(P + "request_success", "Finished requests", ["finished_reason"], registry=r)
         self.admission_rejections = Counter(P + "admission_rejections", "Requests refused at admission",
                                             ["reason"], registry=r)
-        self.compilations = Gauge(P + "compilations_total", "XLA programs built for the engine step", registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
                               registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Inter-token latency", buckets=LATENCY_BUCKETS,
@@ -69,13 +127,6 @@ class EngineMetrics:
                                             registry=r)
         self.kv_reservations = Counter(P + "kv_reservations", "Decode-side KV reservations by outcome",
                                        ["outcome"], registry=r)
-        # The model-server protocol series llm-d's endpoint picker scrapes (vLLM's names),
-        # beside our own; LLMEngine keeps them equal to the pagedjax: gauges.
-        V = "vllm:"
-        self.vllm_waiting = Gauge(V + "num_requests_waiting", "Requests waiting (model-server protocol)", registry=r)
-        self.vllm_running = Gauge(V + "num_requests_running", "Requests running (model-server protocol)", registry=r)
-        self.vllm_kv_usage = Gauge(V + "kv_cache_usage_perc", "KV cache usage 0-1 (model-server protocol)",
-                                   registry=r)
         self.vllm_cache_config = Gauge(V + "cache_config_info", "KV cache configuration (model-server protocol)",
                                        ["block_size", "num_gpu_blocks"], registry=r)
         self.window = RecentWindow()
@@ -118,16 +169,3 @@ class StepSample:
     def __getitem__(self, i: int):  # (t, ...) tuple-like access for RecentWindow.recent
         return (self.t,)[i]
 
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """q-th percentile (0..100) with linear interpolation between closest ranks (the
-    numpy default); None for no values. The one definition: console and benchmarks."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"q: must be within 0..100, got {q}")
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

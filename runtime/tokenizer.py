@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.decoders import DecodeStream
 
 # Split regexes for GGUF `tokenizer.ggml.pre` values whose merges were learned on them.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -119,28 +120,42 @@ class TextTokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing token list into text deltas without ever emitting half a UTF-8
-    character: text is emitted only once decoding no longer ends in U+FFFD, and words
-    are decoded with a few tokens of left context so byte-level merges render right."""
+    """A growing token list -> text deltas, never half a UTF-8 character: `tokenizers`'
+    DecodeStream, primed with a few prompt tokens of left context so byte-level merges and
+    leading spaces render as in a whole decode. `text` is everything emitted so far."""
 
-    CONTEXT = 5
+    CONTEXT = 5       # prompt tokens of left context, at least
+    MAX_CONTEXT = 24  # looked back at most for a context that decodes without U+FFFD
 
-    def __init__(self, tokenizer: TextTokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.ids: list[int] = prompt_ids[-self.CONTEXT:]
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(ids=self._context(list(prompt_ids)), skip_special_tokens=skip_special_tokens)
         self.text = ""
 
+    def _context(self, prompt_ids: list[int]) -> list[int]:
+        # A context whose text holds U+FFFD (it starts or ends inside a character: token-id
+        # prompts) would be emitted as output by the stream; take a longer one, or none.
+        for n in range(self.CONTEXT, self.MAX_CONTEXT + 1):
+            ctx = prompt_ids[-n:]
+            if "\ufffd" not in self.tokenizer.decode(ctx, self.skip_special_tokens):
+                return ctx
+            if n >= len(prompt_ids):
+                break
+        return []
+
     def push(self, token_ids: Sequence[int]) -> str:
-        self.ids.extend(token_ids)
-        dec = self.tokenizer.decode
-        prefix_text = dec(self.ids[self.prefix_offset:self.read_offset])
-        new_text = dec(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if not token_ids:
             return ""
-        delta = new_text[len(prefix_text):]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        self.text += delta
-        return delta
+        try:
+            delta = self._stream.step(self.tokenizer.tok, list(token_ids))
+        except Exception as exc:  # noqa: BLE001 -- tokenizers raises a plain Exception
+            if "Invalid prefix" not in str(exc):
+                raise
+            # A decoder whose text of a longer list does not begin with that of the shorter
+            # (vllm-project/vllm#17448): start over from these tokens, without context.
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            delta = self._stream.step(self.tokenizer.tok, list(token_ids))
+        if delta:
+            self.text += delta
+        return delta or ""

@@ -11,7 +11,7 @@
 #
 # Writes bench-results/disagg/<setup>.json (the interference report: ITL p50/p99/max of the
 # streams, TTFT of the long prompts, throughput, CPU model and load) and plan-h200.json (the
-# planner's split for an H200 pair); `pagedjax bench render` puts both in BENCHMARKS.md. Environment: SETUPS,
+# planner's split for an H200 pair); `python scripts/render_benchmarks.py` puts both in BENCHMARKS.md. Environment: SETUPS,
 # BENCH_DISAGG_FLAGS (more `bench interference` flags), BENCH_DISAGG_PORT (default 18561).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -13,7 +13,7 @@
 #
 # Writes bench-results/peers-<system>.json (the `bench serve` report plus a "peer" record:
 # server command, version, start-up seconds, warm-up reply, and "machine": CPU model, cores,
-# 1-minute load average at start); `pagedjax bench render` puts them in BENCHMARKS.md.
+# 1-minute load average at start); `python scripts/render_benchmarks.py` puts them in BENCHMARKS.md.
 # A system whose install is missing is skipped with the reason. Install the peers first:
 #   bash scripts/peers/vllm_cpu.sh install; bash scripts/peers/llama_cpp.sh install
 #
@@ -183,7 +183,7 @@ for system in "${SYSTEMS[@]}"; do
     continue
   fi
   server_cmd "$system" "$port"
-  load_launch=$("$PY" -m runtime.bench.benchmarks_md loadavg)
+  load_launch=$("$PY" -m runtime.bench.machine loadavg)
   echo "  load average (1 min) $load_launch; starting: ${SERVER_CMD[*]#$ROOT/}"
   t0=$SECONDS
   # Its own session (setsid), so stop_server can signal the server and all its children.
@@ -198,8 +198,8 @@ for system in "${SYSTEMS[@]}"; do
   echo "  ready after $startup s; warm-up reply: $reply"
   # How busy the machine is right before the run (our idle server included): the load
   # average still remembers the previous system's run, the 3 s CPU sample does not.
-  load_bench=$("$PY" -m runtime.bench.benchmarks_md loadavg)
-  busy=$("$PY" -m runtime.bench.benchmarks_md cpu-busy 3)
+  load_bench=$("$PY" -m runtime.bench.machine loadavg)
+  busy=$("$PY" -m runtime.bench.machine cpu-busy 3)
   bench=("$PY" -m runtime.cli bench serve --url "$url" --scenario "$SCENARIO" --num-requests "$N"
          --concurrency "$CONCURRENCY" --max-tokens "$MAX_TOKENS" --timeout 600 --max-duration 900
          --no-progress --out "$result" "${EXTRA_ARGS[@]}")
@@ -221,7 +221,7 @@ print(json.dumps({"system": system, "version": version or None, "startup_s": int
                   "cpu_busy_pct_before": num(busy)}))
 EOF
 )
-    "$PY" -m runtime.bench.benchmarks_md peer "$result" "$meta"
+    "$PY" -m runtime.bench.machine peer "$result" "$meta"
     echo "  wrote ${result#$ROOT/}"
   fi
 done

@@ -2,7 +2,7 @@
 # Tensor parallelism on this machine: `pagedjax bench tp` (the decode step at TP 1 and TP N on
 # forced host devices that share the cores: an overhead figure, not a speed-up) and the
 # planner's TP tables for Llama-3-70B on H100 and H200. Writes bench-results/tp/; then
-# `pagedjax bench render` puts them in BENCHMARKS.md.
+# `python scripts/render_benchmarks.py` puts them in BENCHMARKS.md.
 #
 #   bash scripts/bench_tp.sh            # TP 3 (SmolLM2: 9 query, 3 KV heads; BENCH_TP_SIZE to change)
 set -euo pipefail

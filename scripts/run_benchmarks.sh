@@ -55,7 +55,7 @@ PAGEDJAX=("$PY" -m runtime.cli)
 
 step "checkpoint + machine"
 "${PAGEDJAX[@]}" pull >/dev/null
-BENCH_SHARED_MACHINE=${BENCH_SHARED_MACHINE:-0} "$PY" -m runtime.bench.benchmarks_md machine "$OUT/machine.json"
+BENCH_SHARED_MACHINE=${BENCH_SHARED_MACHINE:-0} "$PY" -m runtime.bench.machine machine "$OUT/machine.json"
 
 step "offline: host step, throughput (64 shared-prefix chats), decode split"
 rm -f "$OUT/offline.json"
@@ -137,16 +137,16 @@ else
           --data kind=synthetic_text,prompt_tokens=128,output_tokens=32 \
           --tokenizer "kind=hf_auto,model=$TOKDIR" --output "kind=json,path=$OUT/guidellm.json" \
           --disable-progress > "$OUT/guidellm-console.txt" 2>&1); then
-      "$PY" -m runtime.bench.benchmarks_md guidellm "$OUT/guidellm.json" "$OUT/guidellm-summary.json" "$DESC"
+      "$PY" scripts/render_benchmarks.py guidellm "$OUT/guidellm.json" "$OUT/guidellm-summary.json" "$DESC"
       grep -A 12 "Request Latency Statistics" "$OUT/guidellm-console.txt" || true
     else
       tail -5 "$OUT/guidellm-console.txt"
-      "$PY" -m runtime.bench.benchmarks_md guidellm-failed "$OUT/guidellm-summary.json" \
+      "$PY" scripts/render_benchmarks.py guidellm-failed "$OUT/guidellm-summary.json" \
         "guidellm run failed: $(tail -1 "$OUT/guidellm-console.txt")"
     fi
     rm -rf "$TOKDIR"  # scratch: a copy of the checkpoint's tokenizer
   else
-    "$PY" -m runtime.bench.benchmarks_md guidellm-failed "$OUT/guidellm-summary.json" "guidellm could not be installed"
+    "$PY" scripts/render_benchmarks.py guidellm-failed "$OUT/guidellm-summary.json" "guidellm could not be installed"
   fi
 fi
 
@@ -155,5 +155,5 @@ wait "$SERVER_PID" 2>/dev/null || true
 trap - EXIT
 
 step "render BENCHMARKS.md"
-"${PAGEDJAX[@]}" bench render --results "$OUT" --commands "$COMMANDS" --out "$BENCH_MD"
+"$PY" scripts/render_benchmarks.py --results "$OUT" --commands "$COMMANDS" --out "$BENCH_MD"
 echo "done in $(( $(date +%s) - START )) s"

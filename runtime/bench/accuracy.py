@@ -130,7 +130,7 @@ def greedy_agreement(ckpt: Path, prompts: list[list[int]], method: str, max_toke
 
 
 def run_accuracy(args: argparse.Namespace) -> int:
-    from runtime.bench.benchmarks_md import machine_info
+    from runtime.bench.machine import machine_info
     from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.checkpoint.store import load_checkpoint
 

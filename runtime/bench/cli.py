@@ -1,4 +1,5 @@
-"""`pagedjax bench serve | sweep | offline | render`."""
+"""`pagedjax bench serve | sweep | offline | accuracy | structured | interference | tp`
+(BENCHMARKS.md is rendered by scripts/render_benchmarks.py, outside the package)."""
 
 from __future__ import annotations
 
@@ -105,25 +106,6 @@ def cmd_offline(args: argparse.Namespace) -> int:
     return run_offline(args)
 
 
-def cmd_render(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from runtime.bench.benchmarks_md import render_benchmarks
-
-    if not Path(args.results).is_dir():
-        return _err(f"results: {args.results} is not a directory")
-    commands = Path(args.commands).read_text().strip() if args.commands else None
-    text = render_benchmarks(args.results, commands)
-    if args.out:
-        tmp = Path(args.out).with_name(f".{Path(args.out).name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out)
-        print(f"wrote {args.out}")
-    else:
-        print(text)
-    return 0
-
-
 def _add_load_arguments(p: argparse.ArgumentParser) -> None:
     from runtime.bench.loadgen import SCENARIOS
 
@@ -194,9 +176,3 @@ def add_bench_parser(subparsers: Any) -> None:
 
     add_interference_parser(sub)
     add_tp_parser(sub)
-
-    s = sub.add_parser("render", help="render BENCHMARKS.md from a results directory")
-    s.add_argument("--results", default="bench-results")
-    s.add_argument("--commands", help="file with the commands to list in the page")
-    s.add_argument("--out", help="output file (default: stdout)")
-    s.set_defaults(func=cmd_render)

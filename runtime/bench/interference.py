@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
 
-from runtime.bench.benchmarks_md import machine_info
+from runtime.bench.machine import machine_info
 from runtime.bench.loadgen import RequestRecord, RequestSpec, discover_model, random_text, root_url, send_one
-from runtime.metrics import percentile
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,10 @@ class InterferenceConfig:
 
 def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1e3, 2)
+
+
+def _pct_ms(xs: list[float], q: float) -> float | None:
+    return _ms(float(np.percentile(xs, q))) if xs else None
 
 
 async def run_async(cfg: InterferenceConfig) -> dict[str, Any]:
@@ -91,9 +95,9 @@ async def run_async(cfg: InterferenceConfig) -> dict[str, Any]:
         "window_s": round(window_end - window_start, 2),
         "streams_ok": sum(r.ok for r in stream_recs), "long_ok": sum(r.ok for r in long_recs), "errors": errors[:5],
         "long_prompt_tokens": max((r.prompt_tokens for r in long_recs if r.ok), default=0),
-        "itl_ms": {"n": len(gaps), "p50": _ms(percentile(gaps, 50)), "p99": _ms(percentile(gaps, 99)),
+        "itl_ms": {"n": len(gaps), "p50": _pct_ms(gaps, 50), "p99": _pct_ms(gaps, 99),
                    "max": _ms(max(gaps) if gaps else None)},
-        "long_ttft_ms": {"n": len(ttft), "p50": _ms(percentile(ttft, 50)), "p99": _ms(percentile(ttft, 99))},
+        "long_ttft_ms": {"n": len(ttft), "p50": _pct_ms(ttft, 50), "p99": _pct_ms(ttft, 99)},
         "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / wall, 1) if wall else 0.0,
     }
 

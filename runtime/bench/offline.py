@@ -274,7 +274,7 @@ def loadavg() -> float | None:
 def run_offline(args: argparse.Namespace) -> int:
     import json
 
-    from runtime.bench.benchmarks_md import machine_info
+    from runtime.bench.machine import machine_info
     from runtime.bench.report import write_json
 
     parts = ALL_PARTS if args.part == "all" else tuple(args.part.split(","))

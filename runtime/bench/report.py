@@ -1,7 +1,8 @@
-"""Benchmark statistics, JSON reports, text tables and plots (BENCHMARKS.md: benchmarks_md.py).
+"""Benchmark statistics, JSON reports, text tables and plots.
 
 Everything here works from plain data (lists of floats, the report dicts written as
-JSON), so plots and BENCHMARKS.md can be regenerated from bench-results/*.json alone.
+JSON), so plots and BENCHMARKS.md (scripts/render_benchmarks.py) can be regenerated
+from bench-results/*.json alone.
 """
 
 from __future__ import annotations
@@ -13,26 +14,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.metrics import percentile  # noqa: F401  (re-exported for the benchmarks)
+import numpy as np
 
 PERCENTILES = (50, 90, 99)
-
-
-# --- results files and markdown tables (BENCHMARKS.md renderers) -----------------------
-def _load(d: Path, name: str) -> dict[str, Any] | None:
-    p = d / name
-    if not p.is_file():
-        return None
-    try:
-        return json.loads(p.read_text())
-    except ValueError:
-        return None
-
-
-def _table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return out
 
 
 # --- statistics --------------------------------------------------------------------------
@@ -40,7 +24,7 @@ def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
     xs = [float(v) for v in values if v is not None]
     out: dict[str, float | int | None] = {"count": len(xs), "mean": sum(xs) / len(xs) if xs else None}
     for q in PERCENTILES:
-        out[f"p{q}"] = percentile(xs, q)
+        out[f"p{q}"] = float(np.percentile(xs, q)) if xs else None
     out["min"] = min(xs) if xs else None
     out["max"] = max(xs) if xs else None
     return out

@@ -110,7 +110,7 @@ def _engine_steps(ckpt: Path, rows: int, steps: int) -> tuple[float, float]:
 
 
 def run_structured(args: argparse.Namespace) -> int:
-    from runtime.bench.benchmarks_md import cpu_busy_pct, loadavg_1m, machine_info
+    from runtime.bench.machine import cpu_busy_pct, loadavg_1m, machine_info
     from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.checkpoint.store import load_checkpoint
     from runtime.structured import GuideCompiler, TokenMasks

@@ -76,7 +76,7 @@ def bench_tp(ckpt: Path, size: int, *, batches: tuple[int, ...] = (1, 8, 32), co
              rounds: int = 5, iters: int = 4) -> dict[str, Any]:
     import jax
 
-    from runtime.bench.benchmarks_md import loadavg_1m, machine_info
+    from runtime.bench.machine import loadavg_1m, machine_info
 
     if jax.device_count() < size:
         raise ValueError(f"tensor_parallel_size: {size} needs {size} devices, only {jax.device_count()}; on CPU "

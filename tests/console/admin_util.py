@@ -41,12 +41,12 @@ def console_client(engine: LLMEngine, *, api_key: str | None = API_KEY, ckpt: Pa
 def login_nonce(client: TestClient, next_path: str = "/admin") -> str:
     r = client.get(f"/admin/login?next={next_path}")
     assert r.status_code == 200, r.text
-    return re.search(r'name="_csrf" value="([^"]+)"', r.text).group(1)
+    return re.search(r'name="_csrf_token" value="([^"]+)"', r.text).group(1)
 
 
 def login(client: TestClient, token: str = ADMIN_TOKEN, next_path: str = "/admin") -> Any:
     nonce = login_nonce(client, next_path)
-    return client.post("/admin/login", data={"token": token, "_csrf": nonce, "next": next_path},
+    return client.post("/admin/login", data={"token": token, "_csrf_token": nonce, "next": next_path},
                        follow_redirects=False)
 
 

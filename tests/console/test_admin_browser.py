@@ -246,7 +246,7 @@ def test_a_viewer_sees_every_page_read_only(page, server):
     shot(page, "viewer-keys")
     # Even a hand-made POST from this session is refused.
     csrf = page.evaluate("JSON.parse(document.body.getAttribute('hx-headers'))['X-CSRF-Token']")
-    r = page.request.post(server.url + "/admin/policy", form={"watermark": "0.5", "_csrf": csrf})
+    r = page.request.post(server.url + "/admin/policy", form={"watermark": "0.5", "_csrf_token": csrf})
     assert r.status == 403
     assert page.request.get(server.url + "/admin/policy.json").json()["watermark"] != 0.5
 

@@ -62,7 +62,7 @@ def test_pages_say_warming_up_until_the_engine_exists(engine):
 def test_policy_change_applies_and_is_audited(client, engine):
     store = client.app.state.store
     audit = store.audit_count("policy")
-    r = client.post("/admin/policy", data={"watermark": "0.2", "max_admissions_per_step": "3", "_csrf": client.csrf},
+    r = client.post("/admin/policy", data={"watermark": "0.2", "max_admissions_per_step": "3", "_csrf_token": client.csrf},
                     follow_redirects=False)
     assert r.status_code == 303
     assert engine.policy.watermark == 0.2 and engine.policy.max_admissions_per_step == 3
@@ -91,7 +91,7 @@ def test_policy_change_applies_and_is_audited(client, engine):
 def test_invalid_value_shows_inline_error_and_changes_nothing(client, engine, field, value, message):
     before, audit = engine.policy, client.app.state.store.audit_count()
     # A valid change to another field in the same submission is not applied either.
-    r = client.post("/admin/policy", data={field: value, "max_admissions_per_step": "5", "_csrf": client.csrf})
+    r = client.post("/admin/policy", data={field: value, "max_admissions_per_step": "5", "_csrf_token": client.csrf})
     assert r.status_code == 422
     err = text_of(r.text, f"e-{field}")
     assert message in err
@@ -132,7 +132,7 @@ def test_requests_table_and_abort(client, engine):
     engine.step()
     assert req.is_finished and done[-1].finish_reason == "abort"
     assert req.request_id not in client.get("/admin/requests").text
-    r = client.post(f"/admin/requests/{req.request_id}/abort", data={"_csrf": client.csrf})
+    r = client.post(f"/admin/requests/{req.request_id}/abort", data={"_csrf_token": client.csrf})
     assert r.status_code == 200 and f"No running or waiting request <code>{req.request_id}</code>" in r.text
 
 
@@ -150,7 +150,7 @@ def test_prefix_cache_hits_and_flush(client, engine):
     assert int(re.search(r'id="pc-cached-blocks" data-value="(\d+)"', page).group(1)) == snap.cached_blocks > 0
     confirm = client.get("/admin/prefix-cache/flush").text
     assert "Flush the prefix cache?" in confirm and 'method="post"' in confirm
-    r = client.post("/admin/prefix-cache/flush", data={"_csrf": client.csrf}, follow_redirects=False)
+    r = client.post("/admin/prefix-cache/flush", data={"_csrf_token": client.csrf}, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == f"/admin/prefix-cache?flushed={snap.cached_blocks}"
     assert engine.snapshot().cached_blocks == 0
     row = client.app.state.store.audit(limit=1)[0]

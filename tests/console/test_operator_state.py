@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from litestar.testing import TestClient
@@ -43,8 +44,8 @@ def serving(engine, state_dir: Path, **settings) -> Iterator[TestClient]:
 
 def log_in(client: TestClient, token: str) -> str:
     """The real login form; returns the session's CSRF token."""
-    nonce = re.search(r'name="_csrf" value="([^"]+)"', client.get("/admin/login").text).group(1)
-    r = client.post("/admin/login", data={"token": token, "_csrf": nonce, "next": "/admin/policy"},
+    nonce = re.search(r'name="_csrf_token" value="([^"]+)"', client.get("/admin/login").text).group(1)
+    r = client.post("/admin/login", data={"token": token, "_csrf_token": nonce, "next": "/admin/policy"},
                     follow_redirects=False)
     assert r.status_code == 303, r.text
     return re.search(r'"X-CSRF-Token": "([^"]+)"', client.get("/admin/policy").text).group(1)
@@ -121,27 +122,65 @@ def test_a_key_over_its_tpm_waits_for_its_tokens_to_age_out(engine, tmp_path):
         assert "limit is 10 tokens per minute" in r.json()["error"]["message"]
 
 
-def test_gate_windows_slide_and_concurrency_frees_on_settle(tmp_path):
+def test_gate_windows_slide_and_concurrency_frees_on_settle(tmp_path, monkeypatch):
+    import limits.storage.memory
     from prometheus_client import CollectorRegistry
+
+    import console.keys
+
+    now = [1000.0]  # one clock for the gate and the `limits` windows it keeps rpm in
+    clock = SimpleNamespace(time=lambda: now[0])
+    monkeypatch.setattr(console.keys, "time", clock)
+    monkeypatch.setattr(limits.storage.memory, "time", clock)
+
+    def at(t):
+        now[0] = 1000.0 + t
 
     store = StateStore.open(tmp_path)
     store.add_key("c", max_concurrent=1, rpm=3)
     gate = KeyGate(store, CollectorRegistry())
     k = store.keys()[0]
-    g = gate.admit(k, now=0.0)
+    g = gate.admit(k)
+    at(1.0)
     with pytest.raises(LimitExceeded, match="max_concurrent limit is 1"):
-        gate.admit(k, now=1.0)
-    gate.settle(g, 3, 4, now=2.0)
-    gate.settle(g, 3, 4, now=2.0)          # settling twice frees one slot, counts once
-    gate.settle(gate.admit(k, now=10.0), 1, 1, now=10.0)
-    gate.settle(gate.admit(k, now=20.0), 1, 1, now=20.0)
+        gate.admit(k)
+    at(2.0)
+    gate.settle(g, 3, 4)
+    gate.settle(g, 3, 4)          # settling twice frees one slot, counts once
+    at(10.0)
+    gate.settle(gate.admit(k), 1, 1)
+    at(20.0)
+    gate.settle(gate.admit(k), 1, 1)
+    at(30.0)
     with pytest.raises(LimitExceeded) as exc:
-        gate.admit(k, now=30.0)
+        gate.admit(k)
     assert exc.value.limit == "rpm" and exc.value.retry_after == pytest.approx(30.0)   # the 0.0 admission ages out at 60
-    gate.settle(gate.admit(k, now=60.5), 0, 0, now=60.5)
+    at(60.5)
+    gate.settle(gate.admit(k), 0, 0)
     gate.flush()
     row = store.keys()[0]
     assert (row.requests, row.rejected, row.prompt_tokens, row.completion_tokens) == (4, 2, 5, 6)
+
+
+def test_gate_tpm_waits_until_enough_tokens_age_out(tmp_path, monkeypatch):
+    from prometheus_client import CollectorRegistry
+
+    import console.keys
+
+    now = [0.0]
+    monkeypatch.setattr(console.keys, "time", SimpleNamespace(time=lambda: now[0]))
+    store = StateStore.open(tmp_path)
+    store.add_key("t", tpm=100)
+    gate, k = KeyGate(store, CollectorRegistry()), store.keys()[0]
+    for t, n in ((0.0, 60), (10.0, 30), (20.0, 50)):   # 140 tokens: the last response passed the limit
+        now[0] = t
+        gate.settle(gate.admit(k), n, 0)
+    now[0] = 30.0
+    with pytest.raises(LimitExceeded, match="used 140 tokens") as exc:
+        gate.admit(k)
+    assert exc.value.limit == "tpm" and exc.value.retry_after == pytest.approx(30.0)  # 60 of them leave at 60
+    now[0] = 60.0
+    gate.settle(gate.admit(k), 0, 0)
 
 
 # --- operators and roles ----------------------------------------------------------------------------
@@ -158,11 +197,11 @@ def test_a_viewer_sees_pages_but_every_change_is_403_and_nothing_changes(engine,
         for path, data in [("/admin/policy", {"watermark": "0.3"}), ("/admin/prefix-cache/flush", {}),
                            ("/admin/requests/nope/abort", {}), ("/admin/keys", {"name": "x"}),
                            ("/admin/operators", {"name": "y", "role": "operator"})]:
-            r = c.post(path, data={**data, "_csrf": csrf}, follow_redirects=False)
+            r = c.post(path, data={**data, "_csrf_token": csrf}, follow_redirects=False)
             assert r.status_code == 403 and "viewer" in r.text, path
         assert engine.policy == before and c.app.state.store.audit_count() == rows
         assert c.app.state.store.keys() == [] and [o.name for o in c.app.state.store.operators()] == ["vera"]
-        assert c.post("/admin/logout", data={"_csrf": csrf}, follow_redirects=False).status_code == 303
+        assert c.post("/admin/logout", data={"_csrf_token": csrf}, follow_redirects=False).status_code == 303
 
 
 def test_revoking_an_operator_logs_them_out_at_once(engine, tmp_path):
@@ -175,8 +214,8 @@ def test_revoking_an_operator_logs_them_out_at_once(engine, tmp_path):
         r = c.get("/admin", follow_redirects=False)
         assert r.status_code == 303 and r.headers["location"].startswith("/admin/login")
         assert c.get("/admin/requests", headers={"HX-Request": "true"}).status_code == 401
-        nonce = re.search(r'name="_csrf" value="([^"]+)"', c.get("/admin/login").text).group(1)
-        assert c.post("/admin/login", data={"token": token, "_csrf": nonce}).status_code == 401
+        nonce = re.search(r'name="_csrf_token" value="([^"]+)"', c.get("/admin/login").text).group(1)
+        assert c.post("/admin/login", data={"token": token, "_csrf_token": nonce}).status_code == 401
 
 
 def test_concurrent_policy_changes_from_two_operators_serialise_and_are_both_audited(engine, tmp_path):
@@ -194,7 +233,7 @@ def test_concurrent_policy_changes_from_two_operators_serialise_and_are_both_aud
             c, csrf = clients[name]
             field, values = fields[name]
             for v in values:
-                r = c.post("/admin/policy", data={field: str(v), "_csrf": csrf}, follow_redirects=False)
+                r = c.post("/admin/policy", data={field: str(v), "_csrf_token": csrf}, follow_redirects=False)
                 if r.status_code != 303:
                     errors.append(r.text)
 
@@ -217,7 +256,7 @@ def test_policy_survives_a_restart_with_its_audit_row(tiny_ckpt, tmp_path, caplo
     token = StateStore.open(tmp_path).add_operator("rita", "operator")
     with serving(engine_for(tiny_ckpt), tmp_path) as c:
         csrf = log_in(c, token)
-        r = c.post("/admin/policy", data={"watermark": "0.25", "admission_mode": "reserve", "_csrf": csrf},
+        r = c.post("/admin/policy", data={"watermark": "0.25", "admission_mode": "reserve", "_csrf_token": csrf},
                    follow_redirects=False)
         assert r.status_code == 303
     with caplog.at_level(logging.INFO, logger="pagedjax.state"), serving(engine_for(tiny_ckpt), tmp_path) as c:

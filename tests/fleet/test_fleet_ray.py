@@ -215,9 +215,9 @@ def test_policy_change_for_one_replica_from_the_console(fleet, console):
     page = console.get("/admin").text
     csrf = re.search(r'"X-CSRF-Token": "([^"]+)"', page).group(1)
     a, b = sorted(r["replica"] for r in state(console)["replicas"])
-    bad = console.post("/admin/fleet/policy", data={"_csrf": csrf, "replica": a, "watermark": "2"})
+    bad = console.post("/admin/fleet/policy", data={"_csrf_token": csrf, "replica": a, "watermark": "2"})
     assert bad.status_code == 422 and "Nothing was changed" in bad.text
-    r = console.post("/admin/fleet/policy", data={"_csrf": csrf, "replica": a, "admission_mode": "optimistic"})
+    r = console.post("/admin/fleet/policy", data={"_csrf_token": csrf, "replica": a, "admission_mode": "optimistic"})
     assert r.status_code == 200 and f"Policy applied to {a}" in r.text
     modes = lambda: {x["replica"]: x["admission_mode"] for x in state(console)["replicas"]}  # noqa: E731
     wait_for(lambda: modes() == {a: "optimistic", b: "reserve"}, 10, "the change to reach one replica only")
@@ -227,7 +227,7 @@ def test_policy_change_for_one_replica_from_the_console(fleet, console):
     stored = StateStore.open(fleet.state_dir).audit(limit=1, action="policy")[0]
     assert stored.id == change["id"] and stored.who == "admin"
     # Back to the fleet-wide setting for the tests that follow.
-    console.post("/admin/fleet/policy", data={"_csrf": csrf, "admission_mode": "reserve", "replica": a})
+    console.post("/admin/fleet/policy", data={"_csrf_token": csrf, "admission_mode": "reserve", "replica": a})
     wait_for(lambda: set(modes().values()) == {"reserve"}, 10, "reserve mode on both")
 
 
@@ -277,7 +277,7 @@ def test_scale_in_drains_then_scale_out_under_load(fleet, console):
     assert all(h.choices for h in heads)
     page = console.get("/admin").text
     csrf = re.search(r'"X-CSRF-Token": "([^"]+)"', page).group(1)
-    r = console.post("/admin/fleet/autoscale", data={"_csrf": csrf, "scale_in_delay_s": "1"})
+    r = console.post("/admin/fleet/autoscale", data={"_csrf_token": csrf, "scale_in_delay_s": "1"})
     assert r.status_code == 200 and "Autoscaler updated" in r.text
     # Both streams complete (finish "length", not an error event). The text is counted from
     # the head on: the tiny model's random bytes can keep the detokenizer waiting for a whole
@@ -293,7 +293,7 @@ def test_scale_in_drains_then_scale_out_under_load(fleet, console):
     change = state(console)["changes"][0]
     assert change["action"] == "autoscaler" and change["detail"]["changes"]["scale_in_delay_s"][1] == 1
     # Put the delay back up, then queue more work than one replica can hold.
-    console.post("/admin/fleet/autoscale", data={"_csrf": csrf, "scale_in_delay_s": "600"})
+    console.post("/admin/fleet/autoscale", data={"_csrf_token": csrf, "scale_in_delay_s": "600"})
     # Rounds of 4 until the autoscaler acts: one round can finish (the tiny model is fast on
     # a quiet machine) before the autoscaler's next look at the queue.
     def scaled_out() -> bool:

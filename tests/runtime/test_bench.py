@@ -14,27 +14,20 @@ import pytest
 from runtime.bench import loadgen, report
 from runtime.bench.loadgen import LoadConfig, RequestRecord, build_workload
 from runtime.bench.offline import bench_host, format_host
-from runtime.bench.benchmarks_md import render_benchmarks
-from runtime.bench.report import build_report, percentile, summarize
+from runtime.bench.report import build_report, summarize
+from scripts.bench_render.benchmarks_md import render_benchmarks
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- statistics ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("n", [1, 2, 3, 10, 101])
-def test_percentile_matches_numpy_linear(n):
-    rng = random.Random(n)
-    xs = [rng.expovariate(1.0) for _ in range(n)]
-    for q in (0, 1, 25, 50, 90, 99, 100):
-        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
-
-
-def test_percentile_edges():
-    assert percentile([], 50) is None
-    assert percentile([3.0], 99) == 3.0
-    assert percentile([1, 2, 3, 4], 50) == 2.5
-    with pytest.raises(ValueError, match="q"):
-        percentile([1.0], 101)
+def test_summarize_percentiles_are_numpys():
+    rng = random.Random(7)
+    xs = [rng.expovariate(1.0) for _ in range(101)]
+    s = summarize(xs)
+    for q in (50, 90, 99):
+        assert s[f"p{q}"] == float(np.percentile(xs, q))
+    assert summarize([1, 2, 3, 4])["p50"] == 2.5 and summarize([3.0])["p99"] == 3.0
 
 
 def test_summarize_fields_and_order():
@@ -183,19 +176,31 @@ def test_offline_host_via_cli(tmp_path, capsys):
     assert "schedule + commit" in capsys.readouterr().out
 
 
-def test_render_benchmarks_from_json(tmp_path):
+def test_render_benchmarks_from_json(tmp_path, capsys):
+    """scripts/render_benchmarks.py (the renderers are not in the installed package)."""
+    from scripts.render_benchmarks import main as render_main
+
     host = bench_host(num_seqs=8, steps=3)
     report.write_json({"kind": "offline", "host": host}, tmp_path / "offline.json")
     text = render_benchmarks(tmp_path)
     assert "# Benchmarks" in text and "schedule + commit" in text and "_not measured_" in text
+    (tmp_path / "commands.txt").write_text("pagedjax bench offline --part host\n")
+    out = tmp_path / "BENCHMARKS.md"
+    assert render_main(["--results", str(tmp_path), "--commands", str(tmp_path / "commands.txt"),
+                        "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "pagedjax bench offline --part host" in page and "renderer: `scripts/render_benchmarks.py`" in page
+    assert render_main(["--results", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert render_main(["guidellm-failed", str(tmp_path / "g.json"), "no venv"]) == 0
+    assert json.loads((tmp_path / "g.json").read_text()) == {"ok": False, "reason": "no venv"}
 
 
-def test_bench_cli_errors(tmp_path, capsys):
+def test_bench_cli_errors(capsys):
     from runtime.cli import main
 
     assert main(["bench", "sweep", "--url", "http://127.0.0.1:9", "--concurrencies", "1,x"]) == 2
     assert "concurrencies" in capsys.readouterr().err
-    assert main(["bench", "render", "--results", str(tmp_path / "missing")]) == 2
 
 
 def test_plot_without_matplotlib_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import re
 
-from runtime.bench.benchmarks_md import annotate_peer, render_benchmarks
-from runtime.bench.peers_md import load_peers, render_peers
+from runtime.bench.machine import annotate_peer
+from scripts.bench_render.benchmarks_md import render_benchmarks
+from scripts.bench_render.peers_md import load_peers, render_peers
 
 CONFIG = {"scenario": "shared-prefix", "concurrency": 64, "max_tokens": 64, "ignore_eos": False, "seed": 0,
           "model": "smollm2-135m-instruct"}
@@ -111,7 +112,7 @@ def test_annotate_peer_records_machine_and_load(tmp_path):
 
 
 def test_fleet_section_compares_the_routers_and_shows_the_plan(tmp_path):
-    from runtime.bench.peers_md import render_fleet
+    from scripts.bench_render.peers_md import render_fleet
 
     assert "_not run_" in "\n".join(render_fleet(tmp_path))
     fleet = tmp_path / "fleet"
@@ -173,7 +174,7 @@ def test_best_setting_comes_from_the_faster_vllm_s_session(tmp_path):
 
 
 def test_disaggregation_section_shows_each_setup_and_the_planners_split(tmp_path):
-    from runtime.bench.peers_md import render_disagg
+    from scripts.bench_render.peers_md import render_disagg
 
     assert "_not run_" in "\n".join(render_disagg(tmp_path))
     d = tmp_path / "disagg"
@@ -197,7 +198,7 @@ def test_disaggregation_section_shows_each_setup_and_the_planners_split(tmp_path
 
 
 def test_tp_section_shows_the_ratio_and_the_planner(tmp_path):
-    from runtime.bench.engine_md import render_tp
+    from scripts.bench_render.engine_md import render_tp
 
     assert "_not run_" in "\n".join(render_tp(tmp_path))
     d = tmp_path / "tp"

