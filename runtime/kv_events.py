@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
@@ -96,9 +96,11 @@ class Residency:
     Two sources: events (exact, a little late) and `expect` (the router's own note that it
     just sent a prompt somewhere: its blocks will be there in a step, so the next request
     with that prefix follows it instead of racing the events). Thread-safe: the router and
-    the event pump run on different threads."""
+    the event pump run on different threads. `clock`: monotonic seconds (tests pass a fake
+    one to expire `expect` notes without sleeping)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._held: dict[str, set[BlockHash]] = {}
         self._expected: dict[str, dict[BlockHash, float]] = {}
         self._lock = threading.Lock()
@@ -121,7 +123,7 @@ class Residency:
                 self.events_applied += 1
 
     def expect(self, replica: str, hashes: Sequence[BlockHash], ttl_s: float = 10.0) -> None:
-        until = time.monotonic() + ttl_s
+        until = self._clock() + ttl_s
         with self._lock:
             exp = self._expected.setdefault(replica, {})
             for h in hashes:
@@ -129,7 +131,7 @@ class Residency:
 
     def matched(self, replica: str, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks of `hashes` the replica holds (or is about to)."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             held = self._held.get(replica, ())
             exp = self._expected.get(replica, {})

@@ -48,19 +48,71 @@ LONGEST_FIRST = (
     "tests/runtime/test_kv_quant.py",
     "tests/runtime/test_quant.py",
     "tests/pallas_kernels/test_paged_attention.py",
+    # then the fast tier's longest (`-m fast` hands these out first; 14-24 s each unloaded)
+    "tests/console/test_api_errors.py",
+    "tests/console/test_api_openai.py",
+    "tests/runtime/test_families.py",
+    "tests/runtime/test_cpu_linear_f32.py",
+    "tests/runtime/test_kv_transfer.py",
+    "tests/console/test_admin_pages.py",
 )
+
+
+# The `fast` tier (`pytest -m fast`, `bash scripts/test.sh -m fast`): the inner loop, under
+# 3 minutes on the 2-core machine with two workers. Every test is in it unless it carries a
+# slower tier's marker or is listed here, by file or as "file::test" (every parametrization).
+# An entry goes here when it alone takes a large share of that budget: the per-file times
+# printed at the end of a run (and --durations) say which.
+SLOW_TIERS = ("real_model", "fleet", "browser", "gpu")
+SLOW = (
+    "tests/runtime/test_tp.py",                      # tensor parallelism: multi-device subprocesses
+    "tests/runtime/test_kv_quant.py",                # quantized KV: compiles its own step shapes
+    "tests/runtime/test_quant.py",                   # w8a8 / w8a16 models: compiles, C++ kernels
+    "tests/pallas_kernels/test_paged_attention.py",  # Pallas in interpret mode on CPU
+    "tests/runtime/test_engine_pallas.py",           # the engine on interpreted Pallas kernels (minutes)
+    "tests/runtime/test_engine.py",                  # the engine end to end, many configurations
+    "tests/runtime/test_engine_steady.py",           # a full warm-up, then a 200-request workload
+    "tests/runtime/test_bench.py",                   # benchmark runs, one against a live server
+    "tests/runtime/test_bench_engine_parts.py",      # step breakdowns, Llama-3-shaped engine runs
+    "tests/runtime/test_families_config.py",         # family configs against transformers (RoPE, windows)
+    "tests/console/test_api_lifecycle.py",           # four server starts, drains with timeouts
+    "tests/console/test_api_streaming.py",           # a server under 32 concurrent streams
+    "tests/console/test_api_fuzz.py",                # schemathesis against a live server
+    "tests/test_packaging.py",                       # builds and installs the wheel
+    "tests/runtime/test_cpu_kernel_variants.py",     # builds every ISA variant of the C++ kernels
+    "tests/kernels/test_sanitizers.py",              # the C++ kernels built and run under sanitizers
+    "tests/runtime/test_kv_transfer.py::test_ray_connector",  # starts a local Ray instance
+    # the engine served through each C++ kernel (the kernels' own tests stay fast)
+    "tests/runtime/test_cpu_attention.py::test_kernel_inside_the_engine_gives_the_xla_tokens",
+    "tests/runtime/test_cpu_matmul.py::test_engine_serves_w8a8_through_the_kernel",
+    "tests/runtime/test_cpu_matmul.py::test_engine_serves_a_q8_0_checkpoint_through_the_grouped_kernel",
+    # 20 mixed requests through both schedulers, and four CLI processes
+    "tests/runtime/test_engine_async.py::test_async_and_sync_scheduling_give_the_same_outputs",
+    "tests/console/test_state.py::test_an_unusable_state_dir_is_one_line_and_exit_2",
+)
+
+
+def _rel(item, root: Path) -> str | None:
+    try:
+        return Path(str(item.path)).relative_to(root).as_posix()
+    except ValueError:
+        return None
 
 
 def pytest_collection_modifyitems(session, config, items):
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     root = Path(str(config.rootpath))
+    slow = set(SLOW)
+
+    for item in items:
+        rel = _rel(item, root)
+        name = getattr(item, "originalname", item.name)  # (a parametrized test's name, without [...])
+        if rel not in slow and f"{rel}::{name}" not in slow and not any(
+                item.get_closest_marker(m) for m in SLOW_TIERS):
+            item.add_marker(pytest.mark.fast)
 
     def key(item) -> int:
-        try:
-            rel = Path(str(item.path)).relative_to(root).as_posix()
-        except ValueError:
-            return len(rank)
-        return rank.get(rel, len(rank))
+        return rank.get(_rel(item, root), len(rank))
 
     items.sort(key=key)  # stable: within a file, and among the rest, collection order stays
 

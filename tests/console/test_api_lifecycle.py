@@ -12,10 +12,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
+from litestar.testing import TestClient
 
+from console.app import create_app
+from console.settings import ServerSettings
 from runtime.config import SchedulerConfig
 from tests.console.server_util import SMALL_ENVELOPE, ServerHandle, _command, start_server
+from tests.engine_util import make_engine
 
 TOKENS = 200
 
@@ -29,19 +32,39 @@ def test_bad_checkpoint_is_one_line_exit_2(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_warming_up_then_ready(tiny_ckpt):
-    with start_server(tiny_ckpt, admin_token=None, wait_ready=False) as server:
-        first = httpx.get(server.url + "/health")
-        if first.status_code == 200:
-            pytest.skip("warm-up finished before the socket answered (nothing to observe)")
-        assert first.status_code == 503 and first.json()["status"] == "warming_up"
-        r = httpx.get(server.url + "/v1/models", headers=server.headers)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up" and "retry-after" in r.headers
-        deadline = time.monotonic() + 300
-        while httpx.get(server.url + "/health").status_code != 200:
-            assert time.monotonic() < deadline and server.proc.poll() is None
-            time.sleep(0.1)
-        assert httpx.get(server.url + "/v1/models", headers=server.headers).status_code == 200
+def test_warming_up_then_ready(tiny_ckpt, monkeypatch):
+    """The app's own start-up (the loader thread's load, warm-up, start) with the engine's
+    warm-up held on an event: the 503s are observed while it is held, not raced against a
+    warm-up that a warm compilation cache can finish before the first request."""
+    llm = make_engine(tiny_ckpt)
+    entered, release = threading.Event(), threading.Event()
+
+    def held_warmup(progress: bool = True) -> None:
+        entered.set()
+        assert release.wait(120), "the test never released the warm-up"
+        llm.warmup_seconds = 0.01  # compiling is not under test here (first use compiles)
+
+    monkeypatch.setattr(llm, "warmup", held_warmup)
+    settings = ServerSettings(model_name="tiny", admin_token="admin-secret", api_key="api-secret")
+    headers = {"Authorization": "Bearer api-secret"}
+    app = create_app(settings, engine_factory=lambda: llm)
+    with TestClient(app) as c:
+        try:
+            assert entered.wait(120), "the loader thread never reached warm-up"
+            first = c.get("/health")
+            assert first.status_code == 503 and first.json()["status"] == "warming_up"
+            r = c.get("/v1/models", headers=headers)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up" and "retry-after" in r.headers
+        finally:
+            release.set()
+        app.state.loader.join(120)  # warm-up returned: the loader starts the engine and says ready
+        assert not app.state.loader.is_alive() and not app.state.get("failed")
+        assert c.get("/health").json()["status"] == "ok"
+        assert c.get("/v1/models", headers=headers).status_code == 200
+
+
+def test_generated_admin_token_is_printed_once(tiny_ckpt):
+    with start_server(tiny_ckpt, "--no-warmup", admin_token=None) as server:  # (warm-up prints nothing of it)
         # nobody chose an admin token: one was generated and printed exactly once
         printed = [line for line in server.logs if line.startswith("admin token: ")]
         assert len(printed) == 1 and server.admin_token and server.admin_token in printed[0]

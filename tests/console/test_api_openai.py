@@ -9,6 +9,7 @@ import pytest
 from tests.console.server_util import ServerHandle, start_server
 
 REPEAT = "the the the"  # the tiny model continues this greedily with printable text
+BLOCK = 16  # the server's --block-size (its default)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,9 @@ def test_completion_non_streaming(client, server):
     assert choice.finish_reason == "length" and choice.text.startswith(" the")
     assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    # Shorter than one block: the prefix cache only serves whole blocks, so nothing is cached
+    # however often the prompt has been seen.
+    assert r.usage.prompt_tokens < BLOCK and r.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_completion_streaming_matches_non_streaming(client, server):
@@ -50,7 +53,7 @@ def test_completion_streaming_matches_non_streaming(client, server):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0  # the same sub-block prompt: never cached
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -165,10 +168,14 @@ def test_prompt_forms_and_echo(client, server):
 
 
 def test_prefix_cache_reported(client, server):
-    prompt = "the " * 40  # several full 16-token blocks
-    client.completions.create(model=server.model, prompt=prompt, max_tokens=2)
+    # A first block no other test sends, so the first request finds nothing cached.
+    prompt = "prefix-cache-probe " + "the " * 40  # several full 16-token blocks
+    first = client.completions.create(model=server.model, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
     r = client.completions.create(model=server.model, prompt=prompt, max_tokens=2)
-    assert r.usage.prompt_tokens_details.cached_tokens >= 16
+    # Every whole block before the last prompt token (whose logits must be computed) is a hit.
+    n = r.usage.prompt_tokens
+    assert n > 2 * BLOCK and r.usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK
 
 
 def test_api_key_required(server):

@@ -10,7 +10,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +96,23 @@ def test_stored_policy_is_clamped_to_a_smaller_envelope():
     assert any("gone_field" in n for n in notes) and any("admission_mode" in n for n in notes)
 
 
+def test_a_schema_1_file_gains_the_session_tables_and_keeps_its_rows(tmp_path):
+    from console.state import _SCHEMA
+
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.executescript(f"{_SCHEMA} PRAGMA user_version = 1;")
+    db.execute("INSERT INTO audit (time, who, action, detail) VALUES (1.0, 'old', 'abort', '{}')")
+    db.commit()
+    db.close()
+    store = StateStore.open(tmp_path)
+    assert store._read("PRAGMA user_version")[0][0] == 2 and store.audit()[0].who == "old"
+    store.put_session("sid", b'{"who": "x"}', None)
+    key = store.console_key("csrf")
+    store.close()
+    again = StateStore.open(tmp_path)
+    assert again.session("sid") == (b'{"who": "x"}', None) and again.console_key("csrf") == key
+
+
 @pytest.mark.parametrize("content,message", [
     (b"this is not a database at all" * 100, "not a usable pagedjax state file"),
     (None, "not a pagedjax state file"),     # a valid SQLite file of something else
@@ -137,17 +153,22 @@ WRITER = textwrap.dedent("""
         i += 1
         store.record_policy("writer", {"max_queue_len": (i - 1, i)},
                             {"max_queue_len": i, "pad": "x" * 4000})
+        print(i, flush=True)  # committed: the test kills after a chosen number of these
 """)
 
 
 def test_kill_9_mid_change_leaves_the_old_or_the_new_policy_never_half(tmp_path):
     """A writer records policy changes as fast as it can and is SIGKILLed at random moments;
-    each time, the stored policy is a whole row and matches the newest audit row."""
-    for delay in (0.05, 0.2, 0.35, 0.5, 0.8):
+    each time, the stored policy is a whole row and matches the newest audit row. The kill
+    follows a chosen number of committed changes (read from the writer, not guessed with a
+    sleep that a slow start outlasts), while the writer is already at the next one."""
+    for committed in (1, 3, 10, 30, 60):
         p = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
                              text=True)
         assert p.stdout.readline().strip() == "ready"
-        time.sleep(delay)
+        while (line := p.stdout.readline()) and int(line) < committed:
+            pass
+        assert line, "the writer exited"
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         store = StateStore.open(tmp_path)

@@ -193,38 +193,68 @@ def test_a_prefill_slower_than_the_lease_keeps_its_reservation(fleet, console, f
     assert r.json()["choices"][0]["text"] == want
 
 
-# A gateway that reserves on the decode replica and dies before it prefills or releases:
+# A gateway that reserves on the decode replica, renews the lease as a live gateway does
+# (pools.py `_keep`) until told to die on stdin, then dies before it prefills or releases:
 # another Ray driver on the fleet's own Ray instance, gone with os._exit.
 LOST_GATEWAY = r"""
-import json, os, sys, ray
+import json, os, sys, threading, ray
 from ray import serve
 from runtime.sampling import SamplingParams
 ray.init(address=sys.argv[1], namespace="pagedjax", log_to_driver=False)
 h = serve.get_deployment_handle("decode", app_name="pagedjax-decode")
 ans = h.reserve.remote({"prompt_ids": list(range(3, 203)), "params": SamplingParams(max_tokens=100, ignore_eos=True),
                         "replica_hint": sys.argv[2]}).result(timeout_s=120)
-print(json.dumps(ans), flush=True)
+print("RESERVED " + json.dumps(ans), flush=True)
+die = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), die.set()), daemon=True).start()
+while not die.wait(ans["lease_s"] / 5):
+    if not h.renew.remote({"replica_hint": sys.argv[2], "reservation_id": ans["reservation_id"]}).result(timeout_s=30):
+        print("LOST", flush=True)
+        os._exit(3)
 os._exit(0)
 """
 
 
-def test_a_reservation_whose_gateway_is_gone_is_freed_within_its_lease(fleet, console):
+def tail(f) -> str:
+    f.seek(0)
+    return f.read()[-2000:]
+
+
+def test_a_reservation_whose_gateway_is_gone_is_freed_within_its_lease(fleet, console, tmp_path):
+    from runtime.fleet.replica import TRANSFER_TIMEOUT_S
+
     settle(console)
     address = re.search(r"local Ray instance at (\S+)", fleet.log_text()).group(1)
     decode = roles(console)["decode"]["replica"]
     # (a local instance of this Ray has token auth on; a driver naming its address must say so)
-    out = subprocess.run([sys.executable, "-c", LOST_GATEWAY, address, decode], capture_output=True, text=True,
-                         timeout=180, cwd=Path(__file__).resolve().parents[2],
-                         env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""})
+    err = (tmp_path / "driver.err").open("w+")  # a file, not a pipe: Ray's chatter cannot fill it and block
+    proc = subprocess.Popen([sys.executable, "-c", LOST_GATEWAY, address, decode], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=err, text=True,
+                            cwd=Path(__file__).resolve().parents[2],
+                            env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""})
+    try:
+        line = ""
+        while not line.startswith("RESERVED "):  # (Ray may print its own lines first)
+            line = proc.stdout.readline()
+            assert line, f"the driver exited without reserving: {proc.wait(60)}\n{tail(err)}"
+        ans = json.loads(line.removeprefix("RESERVED "))
+        assert ans["replica"] == decode and ans["lease_s"] == 2.0 and ans["num_transfer"] > 0
+        # 200 prompt + 100 tokens: 19 blocks, held while the driver renews (no race with the lease)...
+        wait_for(lambda: roles(console)["decode"]["used_blocks"] >= 19, 30, "the reservation in the replica's stats")
+        assert proc.poll() is None, proc.stdout.read()  # (renewals kept it: "LOST" would have ended the driver)
+        proc.stdin.write("die\n")
+        proc.stdin.flush()
+        assert proc.wait(60) == 0, tail(err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+        err.close()
     gone = time.monotonic()
-    assert out.returncode == 0, out.stderr[-2000:]
-    ans = json.loads(out.stdout.strip().splitlines()[-1])
-    assert ans["replica"] == decode and ans["lease_s"] == 2.0 and ans["num_transfer"] > 0
-    # 200 prompt + 100 tokens: 19 blocks held for a gateway that will never come back...
-    wait_for(lambda: roles(console)["decode"]["used_blocks"] >= 19, 1.5, "the reservation in the replica's stats",
-             every=0.05)
-    wait_for(lambda: roles(console)["decode"]["used_blocks"] == 0, 10, "the lost reservation to be released")
-    assert time.monotonic() - gone < 2.0 + 3.0  # ...released by its 2 s lease, not a long timer
+    # ...and a gateway that will never come back: the 2 s lease frees them, well before any
+    # other timer on the replica (the shortest, the transfer timeout) could have.
+    wait_for(lambda: roles(console)["decode"]["used_blocks"] == 0, 60, "the lost reservation to be released")
+    assert time.monotonic() - gone < TRANSFER_TIMEOUT_S
     r = completion(fleet, prompt(260, 50), max_tokens=4)  # and the fleet serves on
     assert r.status_code == 200, r.text
 
@@ -282,10 +312,10 @@ def test_console_resizes_the_pools(fleet, console):
     settle(console)
     page = console.get("/admin").text
     assert 'id="pools"' in page and 'id="pool-size-decode">1<' in page and "at most 3 replicas" in page
-    nonce = re.search(r'name="_csrf" value="([^"]+)"', page).group(1)
+    nonce = re.search(r'name="_csrf_token" value="([^"]+)"', page).group(1)
 
     def post(**sizes) -> httpx.Response:
-        return console.post("/admin/fleet/pools", data={"_csrf": nonce, **{k: str(v) for k, v in sizes.items()}},
+        return console.post("/admin/fleet/pools", data={"_csrf_token": nonce, **{k: str(v) for k, v in sizes.items()}},
                             headers={"HX-Request": "true"})
 
     # Refused with the reason, nothing changed: below one, above --max-replicas, not a number.
@@ -314,8 +344,12 @@ def test_console_resizes_the_pools(fleet, console):
         return {x["replica"]: x["kv_transfers"] for x in state(console)["replicas"] if x["role"] == "decode"}
 
     def new_one_imported() -> bool:
-        time.sleep(0.5)  # (the stats' next report)
-        return any(n > 0 for rep, n in transfers().items() if rep not in old)
+        # (the stats report every 0.2 s: give the transfer a few reports to show, not a fixed sleep)
+        try:
+            return wait_for(lambda: any(n > 0 for rep, n in transfers().items() if rep not in old), 2,
+                            "a transfer into the new decode replica", every=0.1)
+        except AssertionError:
+            return False
 
     for i in range(8):
         r = completion(fleet, prompt(510 + i, 50), max_tokens=8, temperature=0.0)

@@ -3,8 +3,6 @@ the gateway's block hashes equal the engine's (so a match is exact)."""
 
 from __future__ import annotations
 
-import time
-
 import msgpack
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -75,11 +73,17 @@ def test_residency_counts_leading_blocks_and_follows_removals():
 
 
 def test_expected_blocks_count_until_the_events_arrive_or_they_expire():
-    r = Residency()
+    now = [100.0]
+    r = Residency(clock=lambda: now[0])
     h = [bytes([i]) * 32 for i in range(3)]
     r.expect("a", h, ttl_s=0.2)
     assert r.matched("a", h) == 3
-    time.sleep(0.25)
+    now[0] += 0.19
+    assert r.matched("a", h) == 3       # still inside the TTL
+    r.apply("a", decode_batch(encode_batch([BlockStored(h[:1], None, list(range(BS)), BS)])))
+    now[0] += 0.02                      # past the TTL: only what the events reported stays
+    assert r.matched("a", h) == 1
+    r.apply("a", decode_batch(encode_batch([BlockRemoved(h[:1])])))
     assert r.matched("a", h) == 0
     r.forget("a")
     assert r.num_blocks("a") == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-import time
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +55,24 @@ def test_bad_guides_are_value_errors_naming_the_field(engine):
 def test_a_grammar_that_compiles_too_slowly_is_refused(engine, monkeypatch):
     slow = GuideCompiler(engine.tokenizer, engine.config.model.vocab_size, timeout_s=0.2)
     build = slow._build
-    monkeypatch.setattr(slow, "_build", lambda tok, g: (time.sleep(2), build(tok, g))[1])
-    t0 = time.monotonic()
-    with pytest.raises(ValueError, match=r"^response_format: the grammar did not compile within 0.2 s"):
-        slow.compile(Guide.json_schema(SCHEMA, "response_format"))
-    assert time.monotonic() - t0 < 1.5   # refused at the limit, not when the compile ends
+    release, built = threading.Event(), threading.Event()
+
+    def held_build(tok, g):
+        # Held until the test lets go (bounded, so a compile() that waited for it fails, not hangs).
+        release.wait(60)
+        try:
+            return build(tok, g)
+        finally:
+            built.set()
+
+    monkeypatch.setattr(slow, "_build", held_build)
+    try:
+        with pytest.raises(ValueError, match=r"^response_format: the grammar did not compile within 0.2 s"):
+            slow.compile(Guide.json_schema(SCHEMA, "response_format"))
+        assert not built.is_set()  # refused at the limit while the compile was still going
+    finally:
+        release.set()
+    assert built.wait(60)  # the background compile still ends (its result is dropped)
 
 
 def test_sampler_applies_the_bitmask_and_logit_bias():
