@@ -1,4 +1,4 @@
-"""`/admin/snapshot.json`: the engine's read model (runtime/snapshot.py) as JSON, for tools
+"""`/admin/snapshot.json`: the engine's read model (runtime/core/snapshot.py) as JSON, for tools
 and for a fleet page aggregating replicas. Mounted in admin_router (console/admin.py), so
 the same login and session rules apply.
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from litestar import Request, Response, get
 
-from runtime import snapshot as read
+from runtime.core import snapshot as read
 
 NO_STORE = {"Cache-Control": "no-store"}
 # state code -> the first letter of its name (the block map's CSS classes use the same)

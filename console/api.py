@@ -27,12 +27,12 @@ from console import schemas as S
 from console.errors import APIError, ClientDisconnected, error_body
 from console.format import Formatter
 from console.structured import ToolPlan, guide_from_body, plan_tools, render_messages
-from runtime.async_engine import AsyncEngine
-from runtime.engine import RequestOutput
+from runtime.core.async_engine import AsyncEngine
+from runtime.core.engine import RequestOutput
 from runtime.fleet.errors import KV_TRANSFER_FAILED, REPLICA_FAILED
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Overloaded
-from runtime.structured import Guide
+from runtime.model.sampling import SamplingParams
+from runtime.core.scheduler import Overloaded
+from runtime.model.structured import Guide
 
 log = logging.getLogger(__name__)
 MAX_JOBS = 64  # prompts x n per HTTP request

@@ -41,9 +41,9 @@ from console.errors import EXCEPTION_HANDLERS, APIError
 from console.keys import KeyGate, LimitExceeded, retry_after_header
 from console.settings import ServerSettings
 from console.state import StateStore, restore_policy
-from runtime.async_engine import AsyncEngine
-from runtime.engine import LLMEngine
-from runtime.metrics import LATENCY_BUCKETS
+from runtime.core.async_engine import AsyncEngine
+from runtime.core.engine import LLMEngine
+from runtime.core.metrics import LATENCY_BUCKETS
 
 log = logging.getLogger("pagedjax.server")
 access_log = logging.getLogger("pagedjax.access")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from markupsafe import Markup, escape
 
-from runtime.metrics import StepSample
+from runtime.core.metrics import StepSample
 
 W, H = 360, 130                      # viewBox; the SVG scales to its container's width
 ML, MR, MT, MB = 46, 8, 8, 20        # margins: room for y labels on the left, x labels below

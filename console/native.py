@@ -16,7 +16,7 @@ from console import schemas as S
 from console.api import Job, _chat_prompt, _check_model, _failure, _max_tokens, _sse, _submit, \
     run_watching_disconnect, sse_response
 from console.errors import APIError, error_body
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 
 
 T = TypeVar("T")

@@ -22,7 +22,7 @@ from console.errors import APIError, ErrorResponse, msgspec_error
 
 MAX_N = 16           # choices per request; each is an engine request
 MAX_STOP = 16
-MAX_LOGPROBS = 20    # = runtime.sampling.MAX_LOGPROBS
+MAX_LOGPROBS = 20    # = runtime.model.sampling.MAX_LOGPROBS
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]

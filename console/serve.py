@@ -24,7 +24,7 @@ log = logging.getLogger("pagedjax.server")
 
 
 def add_serve_parser(sub: Any) -> None:
-    from runtime.engine_args import add_engine_arguments
+    from runtime.core.engine_args import add_engine_arguments
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API and the operator console",
                        description="Serve the OpenAI-compatible REST API (/v1), /health, /metrics and the "
@@ -86,8 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from console.admin_cli import open_store
     from console.app import create_app
     from runtime.checkpoint.pull import resolve_checkpoint
-    from runtime.engine import LLMEngine
-    from runtime.engine_args import engine_config_from_args
+    from runtime.core.engine import LLMEngine
+    from runtime.core.engine_args import engine_config_from_args
 
     path = resolve_checkpoint(args.checkpoint)
     if not (path / "config.json").is_file():

@@ -24,7 +24,7 @@ from typing import Any
 
 from console import schemas as S
 from console.errors import APIError
-from runtime.structured import Guide
+from runtime.model.structured import Guide
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TOOL_PROMPT = """You can call tools. To call one, answer with only

@@ -1,5 +1,5 @@
 """View models for the console pages: plain dicts and dataclasses built from the engine's
-read model (runtime/snapshot.py), so templates never reach into the engine or hold its lock.
+read model (runtime/core/snapshot.py), so templates never reach into the engine or hold its lock.
 
 Only the read model touches the engine's pool, scheduler and metrics, holding
 `engine.lock` just for copying; aggregation, decoding and formatting happen here, after
@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from console import charts
-from runtime import snapshot as read
-from runtime.snapshot import BLOCK_STATES, BlockView
+from runtime.core import snapshot as read
+from runtime.core.snapshot import BLOCK_STATES, BlockView
 
 if TYPE_CHECKING:
-    from runtime.engine import LLMEngine
+    from runtime.core.engine import LLMEngine
 
 MAX_CELLS = 1024          # block-map cells; bigger caches aggregate blocks per cell
-STATE_CODES = BLOCK_STATES  # index = state code (runtime.block_pool.block_state)
+STATE_CODES = BLOCK_STATES  # index = state code (runtime.core.block_pool.block_state)
 RECENT_S = 60.0           # window for "now" rates and latency percentiles
 HORIZON_S, BIN_S = 180.0, 3.0
 
@@ -158,7 +158,7 @@ class PrefixRow:
 
 
 def top_prefixes(engine: LLMEngine, k: int = 10, decode_tokens: int = 48) -> list[PrefixRow]:
-    """Prompt prefixes that later prompts reused, most hits first (runtime.snapshot.prefix_chains)."""
+    """Prompt prefixes that later prompts reused, most hits first (runtime.core.snapshot.prefix_chains)."""
     rows = []
     for chain in read.prefix_chains(read.hashed_blocks(engine), k):
         root = chain[0]
@@ -195,7 +195,7 @@ def _jax_device() -> str:
 def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
     from runtime import planner
     from runtime.config import DTYPE_BYTES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES
-    from runtime.model_runner import compilations
+    from runtime.model.runner import compilations
 
     cfg, info = engine.config, read.model_info(engine)
     m, c, env = cfg.model, cfg.cache, engine.envelope

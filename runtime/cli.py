@@ -144,9 +144,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from runtime.checkpoint.pull import resolve_checkpoint
-    from runtime.engine import LLMEngine
-    from runtime.engine_args import engine_config_from_args
-    from runtime.sampling import SamplingParams
+    from runtime.core.engine import LLMEngine
+    from runtime.core.engine_args import engine_config_from_args
+    from runtime.model.sampling import SamplingParams
 
     path = resolve_checkpoint(args.checkpoint)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
@@ -177,7 +177,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from runtime.engine_args import add_engine_arguments
+    from runtime.core.engine_args import add_engine_arguments
     from runtime.planner import add_plan_arguments
 
     p = argparse.ArgumentParser(prog="pagedjax", description=__doc__.splitlines()[0])

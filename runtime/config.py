@@ -26,7 +26,7 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ValueError(f"{name}: {msg}")
 
 
-# RoPE frequency scalings the model implements (runtime/models/llama.py rope_inv_freq);
+# RoPE frequency scalings the model implements (runtime/model/families/llama.py rope_inv_freq);
 # "default" (no scaling) is rope_scaling null.
 ROPE_TYPES = ("llama3", "linear", "freq_factors")
 
@@ -278,7 +278,7 @@ class AdmissionPolicy:
     long_prefill_token_threshold: int = 512
     max_admissions_per_step: int = 32
     max_queue_len: int = 1024
-    max_queued_tokens: int = 1 << 22  # the one default: runtime/engine_args.py's flag takes it
+    max_queued_tokens: int = 1 << 22  # the one default: runtime/core/engine_args.py's flag takes it
 
     # (low, high) allowed ranges, shown by the console next to each field.
     @staticmethod
@@ -329,6 +329,6 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | xla | pallas
     dtype: str = "float32"
     async_scheduling: bool = True    # plan and launch step N+1 while step N runs on the device
-    quantization: str = "auto"       # auto (as the checkpoint stores it) | none | w8a8 | w8a16 (runtime/quant.py)
-    quantize_lm_head: bool = False   # w8a8: an int8 LM head too (faster, less accurate: runtime/quant.py)
-    tensor_parallel_size: int = 1    # devices the model is sharded over (runtime/tp.py); 1: one device
+    quantization: str = "auto"       # auto (as the checkpoint stores it) | none | w8a8 | w8a16 (runtime/model/quant.py)
+    quantize_lm_head: bool = False   # w8a8: an int8 LM head too (faster, less accurate: runtime/model/quant.py)
+    tensor_parallel_size: int = 1    # devices the model is sharded over (runtime/model/tp.py); 1: one device

@@ -117,7 +117,7 @@ server_cmd() {  # the server's command line for system $1 on port $2, into SERVE
   case $1 in
     pagedjax) SERVER_CMD=("$PY" -m runtime.cli serve --checkpoint "$CKPT" --host 127.0.0.1 --port "$2"
                           --served-model-name "$MODEL_NAME" --no-access-log "${PAGEDJAX_ARGS[@]}") ;;
-    # int8 weights and activations (runtime/quant.py); its accuracy: pagedjax bench accuracy
+    # int8 weights and activations (runtime/model/quant.py); its accuracy: pagedjax bench accuracy
     pagedjax-w8a8) server_cmd pagedjax "$2"; SERVER_CMD+=(--quantization w8a8) ;;
     # ... and the int8 KV cache (per-token-per-head scales)
     pagedjax-w8a8-kv8) server_cmd pagedjax-w8a8 "$2"; SERVER_CMD+=(--kv-cache-dtype int8) ;;

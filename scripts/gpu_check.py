@@ -111,12 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def xla_path() -> tuple[Callable[..., jax.Array], str]:
   try:
-    from runtime.attention import xla_ragged_paged_attention
+    from runtime.model.xla_attention import xla_ragged_paged_attention
   except ImportError as e:
-    print(f"note: runtime.attention.xla_ragged_paged_attention unavailable ({e});"
+    print(f"note: runtime.model.xla_attention.xla_ragged_paged_attention unavailable ({e});"
           " timing the pure-jnp reference as the XLA path instead")
     return ref_ragged_paged_attention, "reference (fallback)"
-  return xla_ragged_paged_attention, "runtime.attention.xla_ragged_paged_attention"
+  return xla_ragged_paged_attention, "runtime.model.xla_attention.xla_ragged_paged_attention"
 
 
 def hopper_device() -> tuple[Any | None, str]:
@@ -551,8 +551,8 @@ def engine_check(ckpt: Path, backends: tuple[str, ...], max_tokens: int,
   as it goes (a watchdog dump shows how far it got)."""
   from runtime.checkpoint.store import load_checkpoint
   from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
-  from runtime.engine import LLMEngine
-  from runtime.sampling import SamplingParams
+  from runtime.core.engine import LLMEngine
+  from runtime.model.sampling import SamplingParams
 
   res.update(checkpoint=str(ckpt), backends=list(backends), max_tokens=max_tokens,
              prompts=list(CHAT_PROMPTS))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
-from runtime.engine import LLMEngine
+from runtime.core.engine import LLMEngine
 
 
 def make_engine(ckpt: Path, *, num_blocks: int = 256, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,

@@ -41,10 +41,10 @@ def kv_roundtrip_logits(cfg: Any, params: Any, token_ids: Any, kv_dtype: str) ->
     attention sees, without a cache (tests check the two agree)."""
     import jax.numpy as jnp
 
-    from runtime.attention import quantize_rows
-    from runtime.model_runner import KV_DTYPES
-    from runtime.models import family
-    from runtime.models.llama import dense_causal_attention
+    from runtime.model.kv_pages import quantize_rows
+    from runtime.model.runner import KV_DTYPES
+    from runtime.model.families import family
+    from runtime.model.families.llama import dense_causal_attention
 
     fam = family(cfg)
     if kv_dtype == "float32":
@@ -92,7 +92,7 @@ def evaluate(cfg: Any, params: Any, ids: list[int], method: str, window: int, to
     import jax
     import jax.numpy as jnp
 
-    from runtime.quant import prepare, quantize_params
+    from runtime.model.quant import prepare, quantize_params
 
     ref = token_logprobs(cfg, jax.tree.map(jnp.asarray, params), ids, window)
     qp = prepare(params, method, cfg, tokenizer, lm_head) if tokenizer is not None else quantize_params(params, method)
@@ -106,8 +106,8 @@ def greedy_agreement(ckpt: Path, prompts: list[list[int]], method: str, max_toke
                      kv_dtype: str = "float32", lm_head: bool = False) -> dict[str, Any]:
     """Greedy tokens of the engine (paged cache, real KV dtype) against the float32 engine."""
     from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
-    from runtime.engine import LLMEngine
-    from runtime.sampling import SamplingParams
+    from runtime.core.engine import LLMEngine
+    from runtime.model.sampling import SamplingParams
 
     outs = []
     for q, kv, head in (("none", "float32", False), (method, kv_dtype, lm_head)):

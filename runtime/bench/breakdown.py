@@ -48,7 +48,7 @@ def _layer_matmuls(cfg: Any, params: Any, x: Any) -> Any:
     ones the C++ kernel, whose layer tail makes wo, the MLP and the next layer's qkv one call)."""
 
     from runtime.model.linear import typed
-    from runtime.models.llama import first_made_qkv, post_attention, qkv_linear, scan_layers, split_qkv
+    from runtime.model.families.llama import first_made_qkv, post_attention, qkv_linear, scan_layers, split_qkv
 
     layers, eps = typed(params)["layers"], cfg.rms_norm_eps
 
@@ -67,22 +67,22 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
     import jax
     import jax.numpy as jnp
 
-    from runtime.attention import write_kv
-    from runtime.batch import build_step_input
+    from runtime.model.xla_attention import write_kv
+    from runtime.model.batch import build_step_input
     from runtime.bench.step_rows import _noop_attention, decode_rows
-    from runtime.model_runner import NUM_LOGPROBS, _step, allocate_kv
-    from runtime.quant import linear
-    from runtime.models.llama import lm_head
+    from runtime.model.runner import NUM_LOGPROBS, _step, allocate_kv
+    from runtime.model.quant import linear
+    from runtime.model.families.llama import lm_head
     from runtime.planner import measure_cpu
-    from runtime.sampling import make_sampling_inputs, sample
+    from runtime.model.sampling import make_sampling_inputs, sample
 
     runner, cfg = engine.runner, engine.runner.cfg
     d, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     dev = measure_cpu(size_mb=bandwidth_mb)
     bw = dev.bandwidth_bytes_per_s
     kv_tok = cfg.kv_bytes_per_token(runner.cache_cfg.kv_dtype)
-    from runtime import cpu_matmul
-    from runtime.quant import LINEAR_WEIGHTS, quantization_of
+    from runtime.kernels.cpu import matmul as cpu_matmul
+    from runtime.model.quant import LINEAR_WEIGHTS, quantization_of
 
     method = quantization_of(runner.params)
     packed = bool(getattr(runner, "matmul_kernel", False))
@@ -252,7 +252,7 @@ def bench_overlap(engine: Any, *, batches: tuple[int, ...] = (64, 256), steps: i
 
 def _bench_overlap(engine: Any, batches: tuple[int, ...], steps: int, rounds: int, shared_len: int,
                    output_thread: bool) -> dict[str, Any]:
-    from runtime.sampling import SamplingParams
+    from runtime.model.sampling import SamplingParams
 
     vocab = engine.config.model.vocab_size
     token = lambda x: 3 + x % (vocab - 3)

@@ -24,12 +24,12 @@ LLAMA3_SCALED = {**LLAMA3_8B, "vocab_size": 4096, "hidden_size": 256, "intermedi
 def random_params_on_device(cfg: Any, dtype: Any, quantization: str = "none") -> Any:
     """Every leaf drawn by a jitted normal on the device (fan-in scaled; norms = 1). With a
     quantization, the decoder projections are random int8 values with fan-in scales, in the
-    tree runtime/quant.py serves (w8a16: {"w8", "s"}, w8a8: {"q", "s"})."""
+    tree runtime/model/quant.py serves (w8a16: {"w8", "s"}, w8a8: {"q", "s"})."""
     import jax
     import jax.numpy as jnp
 
-    from runtime.models.llama import param_shapes
-    from runtime.quant import LINEAR_WEIGHTS
+    from runtime.model.families.llama import param_shapes
+    from runtime.model.quant import LINEAR_WEIGHTS
 
     leaves, tree = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     out = []
@@ -72,10 +72,10 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
 
     from runtime.bench.breakdown import _median_ms
     from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from runtime.engine import LLMEngine
-    from runtime.engine_args import _default_kv_memory
+    from runtime.core.engine import LLMEngine
+    from runtime.core.engine_args import _default_kv_memory
     from runtime.planner import DEVICES, tokens_per_s
-    from runtime.sampling import SamplingParams
+    from runtime.model.sampling import SamplingParams
 
     cfg = ModelConfig(**cfg_kw)
     jdt = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype]
@@ -120,7 +120,7 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
             eng.run_until_done()
             res["async_step_ms" if mode else "sync_step_ms"] = float(np.median(walls) * 1e3)
         # device time of the same decode step, alone
-        from runtime.batch import build_step_input
+        from runtime.model.batch import build_step_input
         from runtime.bench.step_rows import decode_rows
 
         r_ = eng.runner

@@ -34,13 +34,14 @@ HOST_TARGET_US = 1000.0
 # --- (a) host-side scheduler + block pool --------------------------------------------------
 def bench_host(num_seqs: int = 256, steps: int = 200, *, prompt_len: int = 48, shared_prefix_len: int = 32,
                block_size: int = 16, token_budget: int = 2048) -> dict[str, Any]:
-    from runtime.batch import build_step_input, step_row
-    from runtime.block_pool import BlockPool
+    from runtime.core.request import step_row
+    from runtime.model.batch import build_step_input
+    from runtime.core.block_pool import BlockPool
     from runtime.config import AdmissionPolicy, CacheConfig, SchedulerConfig
-    from runtime.request import Request
-    from runtime.sampling import SamplingParams
-    from runtime.scheduler import Scheduler
-    from runtime.structured import TokenMasks
+    from runtime.core.request import Request
+    from runtime.model.sampling import SamplingParams
+    from runtime.core.scheduler import Scheduler
+    from runtime.model.structured import TokenMasks
 
     masks = TokenMasks(49152)  # SmolLM2's vocabulary: the bitmask every step carries
     if num_seqs < 1 or steps < 1:
@@ -130,7 +131,7 @@ def _timed_generate(engine: Any, prompts: list[list[int]], params: Any, one_at_a
 
 def bench_throughput(engine: Any, *, num_requests: int = 64, max_tokens: int = 64, sequential_requests: int = 16,
                      seed: int = 0) -> dict[str, Any]:
-    from runtime.sampling import SamplingParams
+    from runtime.model.sampling import SamplingParams
 
     tok = engine.tokenizer
     prompts = shared_prefix_prompts(tok, num_requests, seed)
@@ -161,7 +162,7 @@ def format_throughput(r: dict[str, Any]) -> str:
 
 # --- (c) decode step split ----------------------------------------------------------------------
 def _decode_input(runner: Any, batch: int, context_len: int) -> Any:
-    from runtime.batch import build_step_input
+    from runtime.model.batch import build_step_input
 
     return build_step_input(decode_rows(runner, batch, context_len), batch, batch, runner.max_blocks_per_seq,
                             runner.cache_cfg.block_size, runner.scratch_row, runner.masks.all_allowed(batch))
@@ -197,7 +198,7 @@ def bench_decode(engine: Any, *, batches: tuple[int, ...] = (1, 8, 32, 64), cont
                  iters: int = 10, warmup: int = 2, bandwidth_mb: int = 512) -> dict[str, Any]:
     import jax
 
-    from runtime.model_runner import _step
+    from runtime.model.runner import _step
     from runtime.planner.core import ReadProbe, read_bandwidth
 
     runner = engine.runner
@@ -333,8 +334,8 @@ def run_offline(args: argparse.Namespace) -> int:
 
 def build_engine(args: argparse.Namespace, warmup: bool) -> Any:
     from runtime.checkpoint.pull import resolve_checkpoint
-    from runtime.engine import LLMEngine
-    from runtime.engine_args import engine_config_from_args
+    from runtime.core.engine import LLMEngine
+    from runtime.core.engine_args import engine_config_from_args
 
     path = resolve_checkpoint(args.checkpoint)
     return LLMEngine.from_checkpoint(path, engine_config_from_args(args), warmup=warmup,
@@ -342,7 +343,7 @@ def build_engine(args: argparse.Namespace, warmup: bool) -> Any:
 
 
 def add_offline_arguments(p: argparse.ArgumentParser) -> None:
-    from runtime.engine_args import add_engine_arguments
+    from runtime.core.engine_args import add_engine_arguments
 
     p.add_argument("--checkpoint", help="checkpoint directory (default: the pulled default model)")
     p.add_argument("--part", default="all", help=f"all ({', '.join(ALL_PARTS)}) or a comma-separated list of "

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from runtime.attention import write_kv
+from runtime.model.xla_attention import write_kv
 from runtime.model.attention_backend import AttentionBackend
 
 
@@ -31,9 +31,9 @@ def decode_rows(runner: Any, batch: int, context_len: int, shared_len: int = 0) 
     """`batch` requests that have computed all but their last token, as decode step rows. The
     first `shared_len` tokens (whole blocks) sit in the same blocks for all of them, as
     prefix-cache hits on one system prompt put them; the rest are each request's own."""
-    from runtime.batch import step_row
-    from runtime.request import Request
-    from runtime.sampling import SamplingParams
+    from runtime.core.request import step_row
+    from runtime.core.request import Request
+    from runtime.model.sampling import SamplingParams
 
     bs = runner.cache_cfg.block_size
     shared_blocks = min(shared_len, context_len) // bs

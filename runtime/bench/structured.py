@@ -30,7 +30,7 @@ def add_structured_arguments(p: argparse.ArgumentParser) -> None:
 
 def _host_fill(compiler: Any, masks: Any, rows: int, steps: int, rng: np.random.Generator) -> float:
     """Mean seconds per step to fill `rows` masks, each matcher walking a random valid path."""
-    from runtime.structured import Guide, allowed_ids
+    from runtime.model.structured import Guide, allowed_ids
 
     guide = Guide.json_schema(SCHEMA, "bench")
     matchers = [compiler.compile(guide) for _ in range(rows)]
@@ -53,7 +53,7 @@ def _device_apply(vocab: int, rows: int, steps: int) -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
-    from runtime.sampling import SamplingParams, SamplingRow, make_sampling_inputs, sample
+    from runtime.model.sampling import SamplingParams, SamplingRow, make_sampling_inputs, sample
 
     S, W = 64, -(-vocab // 32)
     logits = jax.random.normal(jax.random.key(0), (S, vocab), jnp.float32)
@@ -76,9 +76,9 @@ def _device_apply(vocab: int, rows: int, steps: int) -> tuple[float, float]:
 def _engine_steps(ckpt: Path, rows: int, steps: int) -> tuple[float, float]:
     """Mean decode-step seconds of a 64-row engine batch: all free vs `rows` constrained."""
     from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
-    from runtime.engine import LLMEngine
-    from runtime.sampling import SamplingParams
-    from runtime.structured import Guide
+    from runtime.core.engine import LLMEngine
+    from runtime.model.sampling import SamplingParams
+    from runtime.model.structured import Guide
 
     env = SchedulerConfig(64, 512, 512)
 
@@ -113,7 +113,7 @@ def run_structured(args: argparse.Namespace) -> int:
     from runtime.bench.machine import cpu_busy_pct, loadavg_1m, machine_info
     from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.checkpoint.store import load_checkpoint
-    from runtime.structured import GuideCompiler, TokenMasks
+    from runtime.model.structured import GuideCompiler, TokenMasks
 
     ckpt = resolve_checkpoint(args.checkpoint)
     cfg, _, tok = load_checkpoint(ckpt)

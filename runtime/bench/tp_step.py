@@ -22,7 +22,7 @@ import numpy as np
 
 def _engine(ckpt: Path, tp: int, kernels: bool, max_seqs: int, context_len: int) -> Any:
     from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
-    from runtime.engine import LLMEngine
+    from runtime.core.engine import LLMEngine
 
     blocks = max_seqs * (-(-context_len // 16)) + 8
     env = SchedulerConfig(max_seqs, max_seqs, max(context_len + 16, 512))
@@ -48,14 +48,14 @@ def _engine(ckpt: Path, tp: int, kernels: bool, max_seqs: int, context_len: int)
 def _step_input(runner: Any, batch: int, context_len: int) -> Any:
     import jax
 
-    from runtime.batch import build_step_input
+    from runtime.model.batch import build_step_input
     from runtime.bench.step_rows import decode_rows
 
     host = build_step_input(decode_rows(runner, batch, context_len), batch, batch, runner.max_blocks_per_seq,
                             runner.cache_cfg.block_size, runner.scratch_row, runner.masks.all_allowed(batch))
     if runner.mesh is None:
         return jax.device_put(host)
-    from runtime import tp
+    from runtime.model import tp
 
     return jax.device_put(host, tp.replicated(runner.mesh))  # as the step's in_shardings want it
 

@@ -177,7 +177,7 @@ class GGUFSource:
     def _projection_assemblers(self, cfg: ModelConfig) -> tuple[ParamAssembler, ParamAssembler, str]:
         """Assemblers for the decoder projections' int8 values and float32 block scales, and
         the name of the tensor that serves as the LM head."""
-        from runtime.quant import LINEAR_WEIGHTS
+        from runtime.model.quant import LINEAR_WEIGHTS
 
         rules = tuple(r for r in self.rules if r.path.split("/")[-1] in LINEAR_WEIGHTS)
         head_name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from runtime.checkpoint.mapping import CheckpointError, ParamAssembler, check_shapes
 from runtime.config import ModelConfig
-from runtime.models import param_shapes
+from runtime.model.families import param_shapes
 
 log = logging.getLogger(__name__)
 FILES = ("config.json", "tokenizer.json")
@@ -92,7 +92,7 @@ def stored_weight_bytes(path: Path) -> int:
     """Bytes of the stored parameters: int8 quantized weights at 1 B, scales at 4 B, the
     rest at the checkpoint's dtype."""
     from runtime.config import DTYPE_BYTES
-    from runtime.quant import quantized_shapes
+    from runtime.model.quant import quantized_shapes
 
     meta = read_meta(path)
     shapes = quantized_shapes(param_shapes(load_config(path)), meta["quantization"], meta["lm_head_int8"],
@@ -118,7 +118,7 @@ def quantize_for_checkpoint(cfg: ModelConfig, params: dict[str, Any], method: st
     import jax
     from tokenizers import Tokenizer
 
-    from runtime.quant import prepare
+    from runtime.model.quant import prepare
     from runtime.tokenizer import TextTokenizer
 
     tok = TextTokenizer(Tokenizer.from_str(tokenizer_json), chat_template, cfg.bos_token_id, cfg.eos_token_ids,
@@ -144,7 +144,7 @@ def convert(source: Any, out: Path, dtype: str = "float32", force: bool = False,
     exact = source.q8_0_weights(cfg, lm_head) if quantize == "w8a8" and hasattr(source, "q8_0_weights") else None
     if exact is not None:  # every projection is Q8_0: its int8 values and block scales, as they are
         print("quantizing (w8a8): the GGUF's Q8_0 values and block scales, kept exact", file=sys.stderr)
-        from runtime.quant import Q8_0_GROUP, quantized_shapes
+        from runtime.model.quant import Q8_0_GROUP, quantized_shapes
 
         params = {**params, "layers": {**params["layers"], **exact["layers"]}}
         if "head" in exact:
@@ -204,7 +204,7 @@ def load_params(path: Path, cfg: ModelConfig, dtype: Any = None, as_numpy: bool 
     import jax
     import orbax.checkpoint as ocp
 
-    from runtime.quant import QUANTIZATIONS, cast_params, quantized_shapes
+    from runtime.model.quant import QUANTIZATIONS, cast_params, quantized_shapes
 
     meta = read_meta(path)
     method = meta["quantization"]
@@ -232,7 +232,7 @@ def _restore_sharded(ckptr: Any, directory: Path, cfg: ModelConfig, method: str,
                      shardings: Any, check: Any) -> dict[str, Any]:
     import jax
 
-    from runtime.quant import quantized_shapes
+    from runtime.model.quant import quantized_shapes
 
     stored = ckptr.metadata(directory).item_metadata.tree
     stored = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), stored)

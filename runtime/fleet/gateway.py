@@ -20,14 +20,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from runtime.block_pool import hash_prompt_blocks
-from runtime.engine import RequestOutput
+from runtime.core.block_pool import hash_prompt_blocks
+from runtime.core.engine import RequestOutput
 from runtime.fleet.policy import ReplicaStats, RouteRequest
 from runtime.fleet.errors import REPLICA_FAILED, is_replica_death
 from runtime.fleet.pools import Pools
 from runtime.fleet.router import VIEW, FleetView, RoutingRecord
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Overloaded
+from runtime.model.sampling import SamplingParams
+from runtime.core.scheduler import Overloaded
 
 log = logging.getLogger("pagedjax.fleet")
 

@@ -20,11 +20,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from runtime.engine import RequestOutput
+from runtime.core.engine import RequestOutput
 from runtime.fleet.errors import KV_TRANSFER_FAILED, is_replica_death
 from runtime.fleet.policy import Decision, ReplicaStats, RouteRequest
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Overloaded
+from runtime.model.sampling import SamplingParams
+from runtime.core.scheduler import Overloaded
 
 if TYPE_CHECKING:
     from runtime.fleet.gateway import FleetClient

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import Any, AsyncIterator
 
-from runtime import capacity
+from runtime.core import capacity
 from runtime.fleet.policy import ReplicaStats
 
 log = logging.getLogger("pagedjax.fleet.replica")
@@ -73,7 +73,7 @@ def replica_stats(engine: Any, name: str, draining: bool = False, window_s: floa
     a new request could still get: allocatable blocks less what is already promised, i.e.
     the growth reserved for running requests (reserve mode) and what the waiting ones need,
     so the router's capacity check sees what the replica's own admission will see (the
-    same rule: runtime/capacity.py)."""
+    same rule: runtime/core/capacity.py)."""
     with engine.lock:
         pool, sched, policy = engine.pool, engine.scheduler, engine.policy
         waiting = sched.waiting_requests()
@@ -117,9 +117,9 @@ class EngineReplica:
         quiet_libraries()  # also enables the persistent compilation cache
         from pathlib import Path
 
-        from runtime.async_engine import AsyncEngine
-        from runtime.engine import LLMEngine
-        from runtime.engine_args import engine_config_from_args
+        from runtime.core.async_engine import AsyncEngine
+        from runtime.core.engine import LLMEngine
+        from runtime.core.engine_args import engine_config_from_args
 
         args = argparse.Namespace(**spec["engine_args"])
         t0 = time.monotonic()
@@ -141,7 +141,7 @@ class EngineReplica:
         if spec.get("kv_events_endpoint"):
             self._bind_zmq(spec["kv_events_endpoint"], rank, spec.get("kv_events_topic", ""))
         if self.role != "engine":
-            from runtime.kv_transfer import RayConnector
+            from runtime.core.kv_transfer import RayConnector
 
             self.connector = RayConnector()
             self.reservations: dict[str, tuple[Any, float]] = {}  # id -> (Reservation, expiry)
@@ -179,7 +179,7 @@ class EngineReplica:
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[Any]:
         """First item: {"accepted": replica} or {"rejected": kind, ...} (so the gateway can
         answer 429/400 before its first byte); then lists of RequestOutput."""
-        from runtime.scheduler import Overloaded
+        from runtime.core.scheduler import Overloaded
 
         if self.draining:
             yield {"rejected": "overloaded", "reason": "draining", "message": "replica is draining"}
@@ -217,7 +217,7 @@ class EngineReplica:
             if not finished:
                 self.engine.abort(rid)
 
-    # --- disaggregated prefill/decode (runtime/disagg.py: reserve, then transfer) -------------
+    # --- disaggregated prefill/decode (runtime/core/disagg.py: reserve, then transfer) -------------
     # Every call carries {"replica_hint": <this replica>}: the router pins it here (the
     # reservation or the KV object lives on this replica only).
     async def reserve(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -226,7 +226,7 @@ class EngineReplica:
         The reservation is released unless `renew` is called within every lease_s."""
         import uuid
 
-        from runtime.disagg import NoRoom
+        from runtime.core.disagg import NoRoom
 
         if self.draining:
             return {"no_room": f"decode replica {self.name} is draining"}
@@ -262,8 +262,8 @@ class EngineReplica:
         travels), import it into the reservation, add the request with it and stream as
         `generate` does. A failed transfer releases the reservation and answers
         {"rejected": "transfer", ...} (the gateway retries with a new one)."""
-        from runtime.kv_transfer import TransferError
-        from runtime.scheduler import Overloaded
+        from runtime.core.kv_transfer import TransferError
+        from runtime.core.scheduler import Overloaded
 
         entry = self.reservations.pop(req["reservation_id"], None)
         if entry is None:
@@ -301,7 +301,7 @@ class EngineReplica:
         [RayHandle], "nbytes"} or {"error": why}. The export runs in the output callback,
         on the engine thread right after the step that finished the prompt: no later step
         can have evicted its blocks yet."""
-        from runtime.sampling import SamplingParams
+        from runtime.model.sampling import SamplingParams
 
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -367,7 +367,7 @@ class EngineReplica:
         if n > 0:
             with open(path, "w") as f:
                 f.write(str(n - 1))
-            from runtime.kv_transfer import TransferError
+            from runtime.core.kv_transfer import TransferError
 
             raise TransferError(f"planted fault ({FAULT_FILE_ENV})")
 
@@ -422,7 +422,7 @@ class EngineReplica:
     async def _report_loop(self) -> None:
         """Every report_s: the pool's new residency events go out as one KVEventBatch (ZMQ
         at once if enabled; to the hub with the stats, kept in order until it answers)."""
-        from runtime.kv_events import encode_batch, to_vllm_events
+        from runtime.core.kv_events import encode_batch, to_vllm_events
 
         n, backlog = 0, []  # raw events the hub has not acknowledged yet
         while True:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.fleet.policy import Decision, ReplicaStats, RouteRequest, route
-from runtime.kv_events import Residency, decode_batch
+from runtime.core.kv_events import Residency, decode_batch
 
 DECISIONS_KEPT = 200
 PENDING_TTL_S = 10.0  # a routed request the replica never reports taking stops counting then

@@ -30,7 +30,7 @@ POOLS = ("prefill", "decode")
 
 def add_fleet_parser(sub: Any) -> None:
     from console.serve import add_server_arguments
-    from runtime.engine_args import add_engine_arguments
+    from runtime.core.engine_args import add_engine_arguments
 
     f = sub.add_parser("fleet", help="serve across replicas on Ray Serve (prefix-aware router, autoscaler)")
     fsub = f.add_subparsers(dest="fleet_command", required=True)
@@ -318,7 +318,7 @@ class Fleet:
 
 
 def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
-    from runtime.engine_args import engine_arg_names
+    from runtime.core.engine_args import engine_arg_names
 
     return {k: getattr(a, k) for k in engine_arg_names() if hasattr(a, k)}
 
@@ -332,7 +332,7 @@ def cmd_fleet_serve(args: argparse.Namespace) -> int:
     from console.serve import GracefulServer, _configure_access_log, server_settings
     from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.checkpoint.store import load_config
-    from runtime.engine_args import engine_config_from_args
+    from runtime.core.engine_args import engine_config_from_args
     from runtime.optional import require
     from runtime.tokenizer import TextTokenizer
 

@@ -2,7 +2,7 @@
 object, chosen once when the runner is built. A backend writes a layer's new K/V rows into
 the paged cache (`write_kv`) and reads them back for the step's queries (`attend`).
 
-    XlaAttention(cpu_kernel=False)   plain XLA (runtime/attention.py), any device
+    XlaAttention(cpu_kernel=False)   plain XLA (runtime/model/xla_attention.py), any device
     XlaAttention(cpu_kernel=True)    the same contract with the C++ CPU kernels
                                      (runtime/cpu_attention.cc) serving the float32/int8 cache
     PallasAttention(interpret=...)   the Mosaic GPU kernel (pallas_kernels/paged_attention.py);
@@ -22,14 +22,15 @@ from typing import Any, Callable, ClassVar
 import jax
 import jax.numpy as jnp
 
-from runtime.attention import QuantizedPages, SharedPrefix, write_kv, xla_ragged_paged_attention
+from runtime.model.kv_pages import QuantizedPages, SharedPrefix
+from runtime.model.xla_attention import write_kv, xla_ragged_paged_attention
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "xla", "pallas")
 
 
 class AttentionBackend:
-    """write_kv then attend, per layer. `inp` is the step's StepInput (runtime/batch.py)."""
+    """write_kv then attend, per layer. `inp` is the step's StepInput (runtime/model/batch.py)."""
 
     name: ClassVar[str]
 
@@ -45,7 +46,7 @@ class AttentionBackend:
 
 @dataclass(frozen=True)
 class XlaAttention(AttentionBackend):
-    """The ragged paged attention of runtime/attention.py, with its shared-prefix (cascade)
+    """The ragged paged attention of runtime/model/xla_attention.py, with its shared-prefix (cascade)
     path; `cpu_kernel`: its C++ kernels write the float32 cache in place and serve the
     float32 / int8 cache's reads."""
     cpu_kernel: bool = False
@@ -101,7 +102,7 @@ def make_backend(name: str, kv_dtype: str, cpu_kernels: bool) -> AttentionBacken
     built and enabled and the cache is float32 or int8."""
     name = resolve(name)
     if name == "xla":
-        from runtime import cpu_attention
+        from runtime.kernels.cpu import attention as cpu_attention
 
         return XlaAttention(cpu_kernel=cpu_kernels and kv_dtype in ("float32", "int8") and cpu_attention.enabled())
     if jax.default_backend() == "gpu":

@@ -8,7 +8,7 @@ product. A family multiplies by `w.apply(x)` and never asks how `w` is stored.
     PerLayer       a weight held as separate per-layer arrays inside the layer scan
     LmHead         the vocabulary projection with its optional faster copies
 
-The C++ CPU kernels add their packed forms beside these (runtime/cpu_matmul.py: PackedInt8,
+The C++ CPU kernels add their packed forms beside these (runtime/kernels/cpu/matmul.py: PackedInt8,
 PackedInt8Grouped, PackedF32, PackedSwiGLU, F32Tail), built once by the runner.
 
 `apply(x, residual, norm)` computes rms_norm(x) @ w + residual; a kernel that folds the
@@ -235,7 +235,7 @@ class LmHead:
 
 # --- stored trees -> typed ------------------------------------------------------------------
 
-# Readers of stored forms defined elsewhere: runtime/cpu_matmul.py registers its packed dicts.
+# Readers of stored forms defined elsewhere: runtime/kernels/cpu/matmul.py registers its packed dicts.
 # A packed dict only exists after that module made it, so its reader is registered by then
 # (and this module needs no import of the kernels).
 _READERS: list[Callable[[dict], "Linear | None"]] = []
@@ -257,7 +257,7 @@ def register_fuser(fn: Callable[[dict], dict]) -> Callable[[dict], dict]:
 
 
 def from_stored(w: Any) -> Any:
-    """One stored weight (float array, or a quantized dict as runtime/quant.py writes it) as
+    """One stored weight (float array, or a quantized dict as runtime/model/quant.py writes it) as
     its Linear; a tuple of per-layer weights as PerLayer; a typed weight unchanged."""
     if isinstance(w, Linear):
         return w

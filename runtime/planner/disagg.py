@@ -1,5 +1,5 @@
 """`pagedjax plan --disagg`: separate prefill and decode pools sized from the TTFT and ITL
-targets (reserve-then-transfer serving, runtime/disagg.py)."""
+targets (reserve-then-transfer serving, runtime/core/disagg.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from runtime.planner.core import GB, CapacityPlan, DeviceProfile, _bin, fleet_si
 
 @dataclass(frozen=True)
 class DisaggPlan:
-    """Separate prefill and decode pools (reserve-then-transfer, runtime/disagg.py) sized from
+    """Separate prefill and decode pools (reserve-then-transfer, runtime/core/disagg.py) sized from
     the two latency targets: prefill is compute-bound (FLOP/s for the TTFT target), decode is
     bandwidth-bound (the largest batch whose step fits the ITL target)."""
     prompt_tokens: int

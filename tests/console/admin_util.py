@@ -17,8 +17,8 @@ from litestar.testing import TestClient
 
 from console.app import create_app
 from console.settings import ServerSettings
-from runtime.async_engine import AsyncEngine
-from runtime.engine import LLMEngine
+from runtime.core.async_engine import AsyncEngine
+from runtime.core.engine import LLMEngine
 
 ADMIN_TOKEN = "admin-token-for-tests"
 API_KEY = "api-key-for-tests"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from console import charts
-from runtime.metrics import StepSample
+from runtime.core.metrics import StepSample
 
 
 def sample(t: float, *, queries: int = 0, hits: int = 0, evictions: int = 0, tokens: int = 0, new: int = 0,

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 from tests.console.admin_util import console_client, logged_in
 from tests.engine_util import make_engine
 

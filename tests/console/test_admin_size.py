@@ -12,7 +12,7 @@ import pytest
 
 from console.admin_json import snapshot_json_body
 from console.views import MAX_CELLS
-from runtime.block_pool import hash_block
+from runtime.core.block_pool import hash_block
 from tests.console.admin_util import console_client, logged_in
 from tests.engine_util import make_engine
 

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 from tests.console.admin_util import API_KEY, console_client
 from tests.console.server_util import ServerHandle, start_server
 from tests.engine_util import make_engine

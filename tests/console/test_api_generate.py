@@ -11,7 +11,7 @@ from litestar.testing import TestClient
 
 from console.app import create_app
 from console.settings import ServerSettings
-from runtime.async_engine import AsyncEngine
+from runtime.core.async_engine import AsyncEngine
 from tests.engine_util import make_engine
 
 KEY = "gen-key"

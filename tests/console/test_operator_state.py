@@ -22,7 +22,7 @@ from console.app import create_app
 from console.keys import KeyGate, LimitExceeded
 from console.settings import ServerSettings
 from console.state import StateStore
-from runtime.async_engine import AsyncEngine
+from runtime.core.async_engine import AsyncEngine
 from tests.engine_util import make_engine
 
 REPO = Path(__file__).resolve().parents[2]

@@ -92,8 +92,8 @@ def completion(fleet, ids: list[int], **params) -> httpx.Response:
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt):
     """One in-process engine built from the same engine flags the replicas get."""
-    from runtime.engine import LLMEngine
-    from runtime.engine_args import add_engine_arguments, engine_config_from_args
+    from runtime.core.engine import LLMEngine
+    from runtime.core.engine_args import add_engine_arguments, engine_config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p, serving=True)
@@ -110,7 +110,7 @@ def test_cli_refuses_disaggregation_with_replica_flags(tiny_ckpt):
 
 
 def test_same_tokens_as_one_engine_and_transfers_reported(fleet, console, reference):
-    from runtime.sampling import SamplingParams
+    from runtime.model.sampling import SamplingParams
 
     s = state(console)
     assert sorted(r["role"] for r in s["replicas"]) == ["decode", "prefill"]
@@ -178,7 +178,7 @@ def test_no_room_on_decode_waits_without_prefilling(fleet, console):
 def test_a_prefill_slower_than_the_lease_keeps_its_reservation(fleet, console, fault_file, reference):
     """The gateway renews the 2 s lease while the prefill replica takes 5 s: the request is
     served on its first reservation (no retry), with the tokens of one engine."""
-    from runtime.sampling import SamplingParams
+    from runtime.model.sampling import SamplingParams
 
     settle(console)
     retries = fleet.metric("pagedjax:fleet_kv_transfer_retries_total")
@@ -199,7 +199,7 @@ def test_a_prefill_slower_than_the_lease_keeps_its_reservation(fleet, console, f
 LOST_GATEWAY = r"""
 import json, os, sys, threading, ray
 from ray import serve
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 ray.init(address=sys.argv[1], namespace="pagedjax", log_to_driver=False)
 h = serve.get_deployment_handle("decode", app_name="pagedjax-decode")
 ans = h.reserve.remote({"prompt_ids": list(range(3, 203)), "params": SamplingParams(max_tokens=100, ignore_eos=True),
@@ -280,7 +280,7 @@ def test_failed_transfer_retried_once_then_clear_error_and_nothing_leaked(fleet,
 
 def test_prefill_replica_dying_mid_transfer_frees_the_reservation_and_the_pool_recovers(fleet, console, fault_file,
                                                                                        reference):
-    from runtime.sampling import SamplingParams
+    from runtime.model.sampling import SamplingParams
 
     settle(console)
     dead = roles(console)["prefill"]["replica"]

@@ -50,9 +50,9 @@ def test_smollm2_through_one_prefill_and_one_decode_replica_equals_one_engine(sm
 
     import numpy as np
 
-    from runtime.engine import LLMEngine
-    from runtime.engine_args import add_engine_arguments, engine_config_from_args
-    from runtime.sampling import SamplingParams
+    from runtime.core.engine import LLMEngine
+    from runtime.core.engine_args import add_engine_arguments, engine_config_from_args
+    from runtime.model.sampling import SamplingParams
     from tests.console.server_util import SMALL_ENVELOPE
 
     flags = ["--kv-cache-memory", "64MiB"]

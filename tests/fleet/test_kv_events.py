@@ -6,12 +6,12 @@ from __future__ import annotations
 import msgpack
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.block_pool import BlockPool, hash_prompt_blocks
+from runtime.core.block_pool import BlockPool, hash_prompt_blocks
 from runtime.fleet.gateway import relabel_metrics
 from runtime.fleet.replica import replica_stats
-from runtime.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, Residency, decode_batch, encode_batch,
+from runtime.core.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, Residency, decode_batch, encode_batch,
                                to_vllm_events)
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 
 BS = 4

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime import cpu_matmul
-from runtime.attention import QuantizedPages, quantize_rows
-from runtime.batch import choose_shared_prefix
+from runtime.kernels.cpu import matmul as cpu_matmul
+from runtime.model.xla_attention import QuantizedPages, quantize_rows
+from runtime.model.batch import choose_shared_prefix
 from runtime.kernels.cpu import build
 from tests.attention_oracle import oracle, random_batch
 
@@ -57,7 +57,7 @@ def grouped_reference(x, q, g):
 
 
 def check_int8(rng) -> None:
-    from runtime.quant import quantize_weight
+    from runtime.model.quant import quantize_weight
 
     # M 1, a 6-row tile plus a row, 33 rows (AMX: two 16-row tiles and a padded one; K 128 is
     # whole 64-byte steps), K not a multiple of 4, N past a 64-column strip
@@ -135,10 +135,10 @@ def check_f32(rng) -> None:
 
 
 def check_attention(rng) -> None:
-    """The kernel's targets called directly (runtime/cpu_attention.py): every query token in
+    """The kernel's targets called directly (runtime/kernels/cpu/attention.py): every query token in
     prefill mode (causal up to its position), each sequence's last token in decode mode,
     against the float64 oracle over the same pages."""
-    from runtime import cpu_attention
+    from runtime.kernels.cpu import attention as cpu_attention
 
     def run(name, batch, scale, shared=None, pages=None):
         q, kc, vc, kvl, tables, qsl, ns = batch

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.attention import write_kv, xla_ragged_paged_attention
+from runtime.model.xla_attention import write_kv, xla_ragged_paged_attention
 from tests.attention_oracle import oracle, random_batch
 
 CASES = {
@@ -52,7 +52,7 @@ def test_xla_path_matches_pallas_reference():
 
 
 def test_shared_prefix_cascade_matches_oracle():
-    from runtime.batch import choose_shared_prefix
+    from runtime.model.batch import choose_shared_prefix
 
     rng = np.random.default_rng(11)
     q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, [1, 1, 5, 1, 1], [70, 40, 52, 33, 20], hq=6, hkv=2,
@@ -85,7 +85,7 @@ def test_cascade_with_prefill_chunks_of_members():
     query tile) after a 3-block shared prefix, beside decodes and a non-member."""
     import jax
 
-    from runtime.batch import choose_shared_prefix
+    from runtime.model.batch import choose_shared_prefix
 
     rng = np.random.default_rng(12)
     q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, [9, 1, 6, 13, 1], [70, 60, 55, 61, 30], hq=6, hkv=2,

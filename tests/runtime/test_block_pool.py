@@ -11,7 +11,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from runtime.block_pool import (
+from runtime.core.block_pool import (
     BlockPool,
     NoFreeBlocks,
     hash_block,

@@ -1,4 +1,4 @@
-"""One capacity rule and one request owner (runtime/capacity.py, runtime/request.py).
+"""One capacity rule and one request owner (runtime/core/capacity.py, runtime/core/request.py).
 
 The scheduler's admission, a disaggregated reservation and the fleet router's fit check
 must answer alike on the same state: a reservation that succeeds is admitted, and a
@@ -14,14 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime import capacity
-from runtime.batch import step_row
-from runtime.disagg import NoRoom, release, reserve
+from runtime.core import capacity
+from runtime.core.request import step_row
+from runtime.core.disagg import NoRoom, release, reserve
 from runtime.fleet.policy import RouteRequest, route
 from runtime.fleet.replica import replica_stats
-from runtime.metrics import EngineMetrics
-from runtime.request import Request, uses_prefix_cache
-from runtime.sampling import SamplingParams
+from runtime.core.metrics import EngineMetrics
+from runtime.core.request import Request, uses_prefix_cache
+from runtime.model.sampling import SamplingParams
 from tests.runtime.test_scheduler import make, req, step
 
 CACHED_START, CACHED_LEN = 500, 40  # a finished prompt whose 2 full blocks stay cached

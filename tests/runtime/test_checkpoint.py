@@ -9,7 +9,7 @@ from runtime.checkpoint.gguf_source import GGUFSource
 from runtime.checkpoint.hf_source import HFSource
 from runtime.checkpoint.store import convert, load_checkpoint, write_checkpoint
 from runtime.cli import main
-from runtime.models.llama import Llama, dense_logits, init_params
+from runtime.model.families.llama import Llama, dense_logits, init_params
 from tests.model_files import write_gguf, write_hf_dir
 from tests.tiny import CHAT_TEMPLATE, tiny_config, tiny_tokenizer_json
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime import cpu_attention
-from runtime.attention import QuantizedPages, xla_ragged_paged_attention
+from runtime.kernels.cpu import attention as cpu_attention
+from runtime.model.xla_attention import QuantizedPages, xla_ragged_paged_attention
 from tests.attention_oracle import oracle, random_batch
 
 
@@ -45,7 +45,7 @@ def test_small_batches_split_each_sequence_and_merge(kv_lens, shared_blocks):
     """At a batch too small for the cores (sequences x KV heads < 4 per core) the kernel splits
     each sequence's own blocks into ranges and merges their softmax partials (and the cascade's,
     for members of a shared prefix); a padding row stays zero."""
-    from runtime.batch import choose_shared_prefix
+    from runtime.model.batch import choose_shared_prefix
 
     rng = np.random.default_rng(sum(kv_lens) + shared_blocks)
     pad = 1 if len(kv_lens) == 1 else 0  # (2 sequences + 3 KV heads: 6 items, split on 2 cores)
@@ -68,9 +68,9 @@ def test_small_batches_split_each_sequence_and_merge(kv_lens, shared_blocks):
 @needs_kernel
 def test_kv_write_kernel_matches_the_xla_scatter():
     """The in-place C++ KV write puts each row at its flat slot and drops padding (-1) and
-    out-of-range slots, as runtime.attention.write_kv's scatter does; donated caches stay
+    out-of-range slots, as runtime.model.xla_attention.write_kv's scatter does; donated caches stay
     the same buffers (no copy)."""
-    from runtime.attention import write_kv
+    from runtime.model.xla_attention import write_kv
 
     rng = np.random.default_rng(5)
     kc, vc = (jnp.asarray(rng.standard_normal((6, 4, 3, 16)).astype(np.float32)) for _ in range(2))
@@ -121,7 +121,7 @@ def test_kernel_is_the_default_for_float32_and_int8_caches_only():
 
 @needs_kernel
 def test_kernel_inside_the_engine_gives_the_xla_tokens(tiny_ckpt, monkeypatch):
-    from runtime.sampling import SamplingParams
+    from runtime.model.sampling import SamplingParams
     from tests.engine_util import make_engine
 
     prompts = [list(range(3, 60)), [5, 6, 7], list(range(100, 140))]
@@ -143,7 +143,7 @@ def test_kernel_inside_the_engine_gives_the_xla_tokens(tiny_ckpt, monkeypatch):
 def test_cpu_kernel_cascade_matches_oracle(members):
     """Members of a shared prefix (more than one 16-row chunk of them at 20 x 3 groups), a
     member prefilling a chunk, a non-member, padding: the kernel's cascade equals the oracle."""
-    from runtime.batch import choose_shared_prefix
+    from runtime.model.batch import choose_shared_prefix
 
     rng = np.random.default_rng(members)
     q_lens = [1] * members + [6, 1]
@@ -166,8 +166,8 @@ def test_cpu_kernel_cascade_matches_oracle(members):
 def test_cpu_kernel_over_an_int8_cache_equals_attention_over_its_values():
     """int8 pages (with a cascade): the kernel dequantizes block by block exactly as the XLA
     loops do, so both equal the oracle over the dequantized cache."""
-    from runtime.attention import quantize_rows
-    from runtime.batch import choose_shared_prefix
+    from runtime.model.xla_attention import quantize_rows
+    from runtime.model.batch import choose_shared_prefix
 
     rng = np.random.default_rng(8)
     q, kc, vc, kvl, tables, qsl, ns = random_batch(rng, [1] * 6 + [5], [70, 52, 33, 61, 49, 80, 40], hq=9, hkv=3,
@@ -197,7 +197,7 @@ def test_prefill_tokens_in_the_kernel_match_oracle(hq, hkv, d):
     """Prefill chunks of every shape (a whole long prompt, chunks continuing a context, a
     two-token chunk, members of a shared prefix prefilling their own tokens) beside decodes:
     the kernel's prefill mode (tiles of 16 / G tokens, causal per row) equals the oracle."""
-    from runtime.batch import choose_shared_prefix
+    from runtime.model.batch import choose_shared_prefix
 
     rng = np.random.default_rng(hq + hkv + d)
     q_lens = [100, 1, 37, 2, 20, 19, 1]

@@ -96,12 +96,13 @@ def test_the_flags_pin_each_branch():
 LOAD = textwrap.dedent("""
     import logging, json, sys
     logging.basicConfig(level=logging.INFO, format="LOG %(levelname)s %(name)s: %(message)s")
-    from runtime import cpu_attention, cpu_matmul
+    from runtime.kernels.cpu import attention as cpu_attention
+    from runtime.kernels.cpu import matmul as cpu_matmul
     out = {"available": cpu_attention.available(), "int8": cpu_matmul.vectorized(),
            "f32": cpu_matmul.f32_default()}
     if len(sys.argv) > 1:  # then serve a few tokens
         from runtime.cli import enable_compilation_cache
-        from runtime.sampling import SamplingParams
+        from runtime.model.sampling import SamplingParams
         enable_compilation_cache()  # (plain XLA programs here: no kernel target in them)
         from tests.engine_util import make_engine
         eng = make_engine(sys.argv[1])

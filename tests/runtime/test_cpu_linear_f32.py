@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime import cpu_matmul
-from runtime.sampling import SamplingParams
+from runtime.kernels.cpu import matmul as cpu_matmul
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 
 needs_f32 = pytest.mark.skipif(not cpu_matmul.f32_vectorized(),
@@ -96,7 +96,7 @@ def test_residual_epilogue_adds_the_residual(M, K, N):
 def test_norm_prologue_normalizes_the_rows_first(M, K):
     """norm=(w, eps): the kernel RMS-normalizes x's rows (as models/llama.py rms_norm) before
     the product, for a plain and a SwiGLU weight, with a residual too."""
-    from runtime.models.llama import rms_norm
+    from runtime.model.families.llama import rms_norm
 
     rng = np.random.default_rng(M + K)
     x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
@@ -153,7 +153,7 @@ def test_engine_serves_float32_through_the_kernel(tiny_ckpt, monkeypatch):
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     for a, b in zip(got, want):
         np.testing.assert_allclose([e[0] for e in a.logprobs], [e[0] for e in b.logprobs], atol=1e-4)
-    from runtime.batch import build_step_input
+    from runtime.model.batch import build_step_input
     from runtime.bench.offline import decode_rows
 
     r = eng.runner
@@ -171,7 +171,7 @@ def test_engine_serves_float32_through_the_kernel(tiny_ckpt, monkeypatch):
 def test_packed_lm_head_gives_xla_s_logits_at_the_rows_it_serves():
     """The runner's packed head copy ("head_f32") serves 1-64 rows; more than 64 keep XLA's
     product; the logits agree either way."""
-    from runtime.models.llama import init_params, lm_head
+    from runtime.model.families.llama import init_params, lm_head
     from tests.tiny import tiny_config
 
     cfg = tiny_config(272)  # (a vocabulary the kernel's 16-column strips divide)

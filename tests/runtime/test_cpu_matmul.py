@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime import cpu_matmul
-from runtime.quant import is_quantized, linear, quantization_of, quantize_params, quantize_weight
-from runtime.sampling import SamplingParams
+from runtime.kernels.cpu import matmul as cpu_matmul
+from runtime.model.quant import is_quantized, linear, quantization_of, quantize_params, quantize_weight
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 
 needs_vnni = pytest.mark.skipif(not cpu_matmul.vectorized(), reason="no AVX512-VNNI here: XLA's int8 dot serves w8a8")
@@ -102,12 +102,12 @@ def test_engine_serves_w8a8_through_the_kernel(tiny_ckpt, monkeypatch, caplog):
     got = [r.output_ids for r in eng.generate(prompts, sp)]
     assert "int8 kernel is not available" not in caplog.text
     monkeypatch.setattr(cpu_matmul, "vectorized", lambda: False)
-    with caplog.at_level("WARNING", logger="runtime.model_runner"):
+    with caplog.at_level("WARNING", logger="runtime.model.runner"):
         ref = make_engine(tiny_ckpt, quantization="w8a8")
     assert "w8a8: the C++ int8 kernel is not available here" in caplog.text
     assert not ref.runner.matmul_kernel and "wq" in ref.runner.params["layers"]
     assert got == [r.output_ids for r in ref.generate(prompts, sp)]
-    from runtime.batch import build_step_input
+    from runtime.model.batch import build_step_input
     from runtime.bench.offline import decode_rows
 
     r = eng.runner
@@ -123,7 +123,7 @@ def test_engine_serves_w8a8_through_the_kernel(tiny_ckpt, monkeypatch, caplog):
 def test_w8a8_keeps_a_float_head_with_the_float_kernels_copy(tiny_ckpt, monkeypatch):
     """A w8a8 tree without an int8 head gets the float kernel's packed head (vocabulary 32
     here, divisible by its 16-column strips); its logits are the float head's."""
-    from runtime.models.llama import lm_head
+    from runtime.model.families.llama import lm_head
 
     monkeypatch.setenv("PAGEDJAX_F32_KERNEL", "1")
     r = make_engine(tiny_ckpt, quantization="w8a8").runner
@@ -151,7 +151,7 @@ def grouped_reference(x: np.ndarray, q: np.ndarray, g: np.ndarray) -> np.ndarray
 @pytest.mark.parametrize("M,K,N", [(1, 64, 48), (2, 96, 100), (7, 128, 130), (65, 320, 64), (130, 1536, 200)])
 def test_grouped_kernel_matches_the_q8_0_reference(M, K, N):
     """Rows in tiles of 3 and their remainders, K blocks of 256 and a partial one, column tails."""
-    from runtime.quant import grouped_linear
+    from runtime.model.quant import grouped_linear
 
     rng = np.random.default_rng(M * 1000 + N)
     x = rng.standard_normal((M, K)).astype(np.float32) * 3
@@ -177,7 +177,7 @@ def test_engine_serves_a_q8_0_checkpoint_through_the_grouped_kernel(tmp_path, mo
     grouped kernel (head included)."""
     from runtime.checkpoint.store import load_checkpoint
     from runtime.cli import main
-    from runtime.models.llama import init_params
+    from runtime.model.families.llama import init_params
     from tests.model_files import write_gguf
     from tests.tiny import CHAT_TEMPLATE, tiny_config, tiny_tokenizer_json
 
@@ -196,7 +196,7 @@ def test_engine_serves_a_q8_0_checkpoint_through_the_grouped_kernel(tmp_path, mo
     r = eng.runner
     assert r.matmul_kernel and "gs" in r.params["layers"]["qkv"][0] and "gs" in r.params["head"]
     got = [x.output_ids for x in eng.generate(prompts, sp)]
-    from runtime.batch import build_step_input
+    from runtime.model.batch import build_step_input
     from runtime.bench.offline import decode_rows
 
     inp = build_step_input(decode_rows(r, 2, 20), 2, 2, r.max_blocks_per_seq, r.cache_cfg.block_size, r.scratch_row)

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from runtime.dense import dense_greedy
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Overloaded
+from runtime.model.dense import dense_greedy
+from runtime.model.sampling import SamplingParams
+from runtime.core.scheduler import Overloaded
 from tests.engine_util import make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
-from runtime.engine import LLMEngine
-from runtime.sampling import SamplingParams
+from runtime.core.engine import LLMEngine
+from runtime.model.sampling import SamplingParams
 
 
 def engine(ckpt, backend, kv_dtype="bfloat16"):

@@ -7,9 +7,9 @@ from collections import Counter
 
 import numpy as np
 
-from runtime.async_engine import AsyncEngine
-from runtime.model_runner import compilations
-from runtime.sampling import SamplingParams
+from runtime.core.async_engine import AsyncEngine
+from runtime.model.runner import compilations
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 
 
@@ -100,7 +100,7 @@ def test_penalty_state_rows_are_cleared_only_where_reset():
 
     import jax.numpy as jnp
 
-    from runtime.model_runner import _reset_state_rows
+    from runtime.model.runner import _reset_state_rows
 
     rng = np.random.default_rng(0)
     counts = rng.integers(1, 5, size=(6, 40)).astype(np.int32)

@@ -2,7 +2,7 @@
 that transformers itself builds: greedy tokens and logprobs through the engine (chunked
 prefill: prompts longer than the step's token budget), prefix caching and batch invariance.
 
-Qwen3 is the seam's proof: one module (runtime/models/qwen3.py: the per-head q/k norms) and
+Qwen3 is the seam's proof: one module (runtime/model/families/qwen3.py: the per-head q/k norms) and
 two checkpoint rules, no change to the runner, the kernels or the scheduler."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from runtime.checkpoint.hf_source import HFSource
 from runtime.checkpoint.mapping import CheckpointError
 from runtime.checkpoint.store import convert, load_checkpoint
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 from tests.runtime.test_families_config import PROMPT, assert_engine_matches, build_hf, hf_reference
 

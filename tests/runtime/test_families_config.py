@@ -23,8 +23,8 @@ from runtime.checkpoint.mapping import CheckpointError
 from runtime.checkpoint.store import convert, load_checkpoint, load_config
 from runtime.cli import main
 from runtime.config import ModelConfig, RopeScaling
-from runtime.models.llama import dense_logits, init_params, rope_inv_freq
-from runtime.sampling import SamplingParams
+from runtime.model.families.llama import dense_logits, init_params, rope_inv_freq
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 from tests.model_files import write_gguf
 from tests.tiny import tiny_config, tiny_tokenizer_json
@@ -260,7 +260,7 @@ def test_old_config_without_rope_type_loads_as_llama3(tmp_path):
 # --- sliding window: served exactly within one window, refused beyond it -----------------
 
 def engine_args(*argv: str) -> argparse.Namespace:
-    from runtime.engine_args import add_engine_arguments
+    from runtime.core.engine_args import add_engine_arguments
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
@@ -275,7 +275,7 @@ def test_mistral_sliding_window(tmp_path):
     assert cfg.sliding_window == 64
     with pytest.raises(ValueError, match=r"^max_model_len: 128 exceeds the model's sliding_window 64"):
         make_engine(tmp_path / "ck", max_model_len=128)
-    from runtime.engine_args import engine_config_from_args
+    from runtime.core.engine_args import engine_config_from_args
 
     assert engine_config_from_args(engine_args())(cfg).scheduler.max_model_len == 64  # the default follows the window
     with pytest.raises(ValueError, match=r"^max_model_len: 128 exceeds the model's sliding_window 64"):

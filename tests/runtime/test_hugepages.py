@@ -1,4 +1,4 @@
-"""runtime/hugepages.py: the weights' huge-page arena and the KV cache's collapse."""
+"""runtime/kernels/cpu/hugepages.py: the weights' huge-page arena and the KV cache's collapse."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime import hugepages
+from runtime.kernels.cpu import hugepages
 
 
 def _thp_mode() -> str:

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.attention import QuantizedPages, quantize_rows, write_kv, xla_ragged_paged_attention
-from runtime.batch import choose_shared_prefix
+from runtime.model.xla_attention import QuantizedPages, quantize_rows, write_kv, xla_ragged_paged_attention
+from runtime.model.batch import choose_shared_prefix
 from runtime.config import CacheConfig
 from runtime.model.attention_backend import make_backend, resolve
-from runtime.model_runner import KV_DTYPES
+from runtime.model.runner import KV_DTYPES
 from tests.attention_oracle import oracle, random_batch
 from tests.engine_util import make_engine
 
@@ -89,7 +89,7 @@ def test_block_bytes_count_the_scales(tiny_ckpt):
 
 @pytest.mark.parametrize("kv_dtype", QUANT)
 def test_engine_with_quantized_cache_allocates_it_and_generates(tiny_ckpt, kv_dtype):
-    from runtime.sampling import SamplingParams
+    from runtime.model.sampling import SamplingParams
 
     ref = make_engine(tiny_ckpt, num_blocks=64)
     eng = make_engine(tiny_ckpt, num_blocks=64, kv_dtype=kv_dtype)
@@ -143,8 +143,8 @@ def test_paged_int8_cache_agrees_with_the_accuracy_emulation(smollm2_ckpt):
     measures what is served). Not bit-equal: float32 differences of 1e-6 between the two
     graphs flip a few int8 roundings, and flips compound over 30 layers (1e-3 after 4)."""
     from runtime.bench.accuracy import kv_roundtrip_logits
-    from runtime.models.llama import dense_logits
-    from runtime.sampling import SamplingParams
+    from runtime.model.families.llama import dense_logits
+    from runtime.model.sampling import SamplingParams
     from tests.runtime.test_quant import HELD_OUT
 
     eng = make_engine(smollm2_ckpt, num_blocks=64, kv_dtype="int8", max_num_batched_tokens=128)

@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode at the engine level (runtime/disagg.py, runtime/kv_transfer.py):
+"""Disaggregated prefill/decode at the engine level (runtime/core/disagg.py, runtime/core/kv_transfer.py):
 reserve on the decode engine, prefill + export on the prefill engine, a connector in
 between, import + generate on the decode engine -- the same tokens as one engine."""
 
@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from runtime.disagg import NoRoom, prefill_then_decode
-from runtime.kv_transfer import (InProcessConnector, RayHandle, SharedMemoryConnector, TransferError,
+from runtime.core.disagg import NoRoom, prefill_then_decode
+from runtime.core.kv_transfer import (InProcessConnector, RayHandle, SharedMemoryConnector, TransferError,
                                  TransferTimeout)
-from runtime.model_runner import read_blocks
-from runtime.sampling import SamplingParams
+from runtime.model.runner import read_blocks
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 
 BS = 16
@@ -190,7 +190,7 @@ def test_int8_cache_over_shared_memory(tiny_ckpt, f32):
 def test_shared_memory_connector():
     from multiprocessing import shared_memory
 
-    from runtime.kv_transfer import KVBlocks
+    from runtime.core.kv_transfer import KVBlocks
 
     arrays = [np.arange(2 * 3 * 4, dtype=np.int8).reshape(2, 3, 4), np.linspace(0, 1, 6, dtype=np.float32)]
     blocks = KVBlocks(16, "int8", 2, 1, [b"h1"], list(range(32)), arrays)
@@ -233,7 +233,7 @@ def test_ray_connector(f32):
     the arrays back bit for bit, Ray's timeout as TransferTimeout, drop frees the ref;
     and a whole prefill -> decode through it gives the colocated tokens."""
     ray = pytest.importorskip("ray")
-    from runtime.kv_transfer import KVBlocks, RayConnector
+    from runtime.core.kv_transfer import KVBlocks, RayConnector
 
     started = not ray.is_initialized()
     if started:

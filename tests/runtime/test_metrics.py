@@ -1,11 +1,11 @@
-"""/metrics' engine state (runtime/metrics.py EngineStateCollector): read when scraped, under
+"""/metrics' engine state (runtime/core/metrics.py EngineStateCollector): read when scraped, under
 the same names and meanings as before, so nothing has to keep it in step with the engine."""
 
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 
 STATE_SERIES = {

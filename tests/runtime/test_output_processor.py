@@ -1,15 +1,15 @@
 """The output processor: token outputs -> text, stop strings, callbacks; inline and on its
-own thread (runtime/output_processor.py)."""
+own thread (runtime/core/output_processor.py)."""
 
 import threading
 
 import pytest
 from tokenizers import Tokenizer
 
-from runtime.async_engine import AsyncEngine
-from runtime.engine import RequestOutput
-from runtime.output_processor import OutputProcessor
-from runtime.sampling import SamplingParams
+from runtime.core.async_engine import AsyncEngine
+from runtime.core.engine import RequestOutput
+from runtime.core.output_processor import OutputProcessor
+from runtime.model.sampling import SamplingParams
 from runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
 from tests.engine_util import make_engine
 from tests.tiny import tiny_tokenizer_json

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.models.llama import dense_logits
-from runtime.quant import is_quantized, linear, quantize_params, quantize_weight
-from runtime.sampling import SamplingParams
+from runtime.model.families.llama import dense_logits
+from runtime.model.quant import is_quantized, linear, quantize_params, quantize_weight
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 
 
@@ -118,7 +118,7 @@ def test_linear_w8a16_dequantizes_weights_only():
 
 
 def test_engine_serves_w8a16(tiny_ckpt):
-    from runtime.quant import quantization_of
+    from runtime.model.quant import quantization_of
 
     eng = make_engine(tiny_ckpt, quantization="w8a16")
     assert quantization_of(eng.runner.params) == "w8a16" and eng.runner.params["layers"]["wq"]["w8"].dtype == jnp.int8
@@ -134,7 +134,7 @@ def test_engine_serves_w8a16(tiny_ckpt):
 def test_quantized_checkpoint_loads_without_requantizing(tiny_ckpt, tmp_path, method, monkeypatch):
     """`convert --from pagedjax --quantize` stores int8 weights and scales; the engine serves
     them as stored (auto), with the same tokens as quantizing the float checkpoint at start."""
-    from runtime import quant
+    from runtime.model import quant
     from runtime.checkpoint.store import load_checkpoint, stored_weight_bytes
     from runtime.cli import inspect_text, main
 
@@ -175,8 +175,8 @@ def test_w8a8_int8_lm_head_for_two_rows_and_up(tiny_ckpt):
     """--quantize-lm-head: calibrated w8a8 adds an int8, smoothed copy of the head; steps of
     2+ rows use it, a 1-row step keeps the float head (XLA's 1-row int8 dot is slow)."""
     from runtime.checkpoint.store import load_checkpoint
-    from runtime.models.llama import lm_head
-    from runtime.quant import prepare
+    from runtime.model.families.llama import lm_head
+    from runtime.model.quant import prepare
 
     cfg, params, tok = load_checkpoint(tiny_ckpt)
     assert "head" not in prepare(params, "w8a8", cfg, tok)  # opt-in
@@ -221,8 +221,8 @@ def test_per_layer_weights_give_the_stacked_model_s_logits(tiny_ckpt, monkeypatc
     is a layout change only: the same logits as the stacked tree, and the runner uses it on
     CPU unless PAGEDJAX_PER_LAYER_WEIGHTS=0."""
     from runtime.checkpoint.store import load_checkpoint
-    from runtime.models.llama import unstack_weights
-    from runtime.quant import LINEAR_WEIGHTS
+    from runtime.model.families.llama import unstack_weights
+    from runtime.model.quant import LINEAR_WEIGHTS
 
     cfg, params, _ = load_checkpoint(tiny_ckpt)
     params = jax.tree.map(jnp.asarray, params)

@@ -10,9 +10,9 @@ import pytest
 
 from runtime.checkpoint.pull import KNOWN_MODELS, fetch_gguf, pull
 from runtime.checkpoint.store import load_checkpoint
-from runtime.dense import dense_greedy
-from runtime.models.llama import dense_logits
-from runtime.sampling import SamplingParams
+from runtime.model.dense import dense_greedy
+from runtime.model.families.llama import dense_logits
+from runtime.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_model
 
@@ -111,7 +111,7 @@ def test_prompt_logprobs_through_the_api_equal_transformers(smollm2_ckpt, hf):
 
     from console.app import create_app
     from console.settings import ServerSettings
-    from runtime.async_engine import AsyncEngine
+    from runtime.core.async_engine import AsyncEngine
     from tests.engine_util import make_engine
 
     model, _, torch = hf

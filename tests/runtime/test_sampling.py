@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.sampling import (CANDIDATES, MAX_LOGPROBS, SampleOutput, SamplingInputs, SamplingParams,
+from runtime.model.sampling import (CANDIDATES, MAX_LOGPROBS, SampleOutput, SamplingInputs, SamplingParams,
                               SamplingRow, allowed_tokens, apply_penalties, make_sampling_inputs, sample)
 
 _sample = jax.jit(sample, static_argnames="num_logprobs")
@@ -86,7 +86,7 @@ def test_two_level_argmax_takes_the_first_maximum(V):
     """Greedy's argmax (chunk maxima, then inside the winning chunk) is np.argmax: ties go to
     the lowest index, also across chunks and inside one; a row of -inf gives 0; vocabularies
     no chunk size divides take the one-level path."""
-    from runtime.sampling import _argmax
+    from runtime.model.sampling import _argmax
 
     rng = np.random.default_rng(V)
     x = rng.standard_normal((8, V)).astype(np.float32)

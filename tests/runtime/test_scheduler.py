@@ -1,10 +1,10 @@
 """Scheduler on the host alone: the device step is simulated by committing tokens."""
 
-from runtime.block_pool import BlockPool
+from runtime.core.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, CacheConfig, SchedulerConfig
-from runtime.request import Request, Status
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Scheduler
+from runtime.core.request import Request, Status
+from runtime.model.sampling import SamplingParams
+from runtime.core.scheduler import Scheduler
 
 
 def make(num_blocks=16, mode="optimistic", watermark=0.0, budget=64, seqs=8, **kw):

@@ -1,4 +1,4 @@
-"""The engine's read model (runtime/snapshot.py): block states from the one rule, the
+"""The engine's read model (runtime/core/snapshot.py): block states from the one rule, the
 owner map, parent links and the prefix chains followed by them, links cleared when a
 block leaves the prefix cache."""
 
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime import snapshot as read
-from runtime.block_pool import BLOCK_STATES, BlockPool, block_state, hash_prompt_blocks
-from runtime.sampling import SamplingParams
+from runtime.core import snapshot as read
+from runtime.core.block_pool import BLOCK_STATES, BlockPool, block_state, hash_prompt_blocks
+from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
 
 BS = 4
@@ -160,7 +160,7 @@ def test_check_invariants_catches_a_stale_parent_link():
 
 
 def test_snapshot_does_not_import_the_engine():
-    code = "import sys, runtime.snapshot; assert 'runtime.engine' not in sys.modules and 'jax' not in sys.modules"
+    code = "import sys, runtime.core.snapshot; assert 'runtime.core.engine' not in sys.modules and 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -1,4 +1,4 @@
-"""Structured outputs in the runtime (runtime/structured.py, the sampler's bitmask and
+"""Structured outputs in the runtime (runtime/model/structured.py, the sampler's bitmask and
 logit_bias, the engine's matchers), min_tokens and prompt logprobs, on a tiny model."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from runtime.checkpoint.store import load_checkpoint
-from runtime.models.llama import dense_logits
-from runtime.sampling import SamplingParams, SamplingRow, make_sampling_inputs, sample
-from runtime.structured import Guide, GuideCompiler, TokenMasks, allowed_ids
+from runtime.model.families.llama import dense_logits
+from runtime.model.sampling import SamplingParams, SamplingRow, make_sampling_inputs, sample
+from runtime.model.structured import Guide, GuideCompiler, TokenMasks, allowed_ids
 from tests.engine_util import make_engine
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", "n", "inner", "tags"],

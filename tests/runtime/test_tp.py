@@ -1,4 +1,4 @@
-"""Tensor parallelism (runtime/tp.py) on CPU with forced host devices: TP 2/4 give TP 1's
+"""Tensor parallelism (runtime/model/tp.py) on CPU with forced host devices: TP 2/4 give TP 1's
 greedy tokens and logprobs (prefix cache, chunked prefill, preemption included) with no
 compilations after warm-up; invalid sizes fail with one line. The parity runs go through
 tests/runtime/tp_check.py in a subprocess (XLA_FLAGS must be set before jax starts)."""
@@ -121,7 +121,7 @@ def test_quantized_weights_shard_with_their_weights():
     """The spec rules for w8a8 / w8a16 leaves, without an engine."""
     import numpy as np
 
-    from runtime import tp
+    from runtime.model import tp
     from tests.tiny import tiny_config
 
     cfg = tiny_config(268, num_heads=8, num_kv_heads=2)
@@ -152,7 +152,7 @@ def test_quantized_weights_shard_with_their_weights():
 
 
 def test_validation_messages():
-    from runtime import tp
+    from runtime.model import tp
     from tests.tiny import tiny_config
 
     cfg = tiny_config(268, num_heads=8, num_kv_heads=4)

@@ -33,7 +33,7 @@ def engine(ckpt: Path, tp: int, *, num_blocks: int = 128, max_num_seqs: int = 4,
     # One prefill shape (every chunk pads to the whole budget) and the decode shapes: the
     # warm-up compiles at each TP size dominate this check's time on a fresh cache.
     from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
-    from runtime.engine import LLMEngine
+    from runtime.core.engine import LLMEngine
 
     envelope = SchedulerConfig(max_num_seqs, max_num_batched_tokens, 256, min_token_bucket=max_num_batched_tokens)
     pol = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -49,8 +49,8 @@ def engine(ckpt: Path, tp: int, *, num_blocks: int = 128, max_num_seqs: int = 4,
 
 
 def workload(eng, n_tokens: int, vocab: int, quick: bool) -> dict:
-    from runtime.model_runner import compilations
-    from runtime.sampling import SamplingParams
+    from runtime.model.runner import compilations
+    from runtime.model.sampling import SamplingParams
 
     rng = np.random.default_rng(0)
     top = min(vocab, 260)
@@ -103,8 +103,8 @@ def memory_check(ckpt: Path, tps: list[int], num_blocks: int, n_tokens: int = 4)
     step programs compiled and the engine steps taken."""
     import jax
 
-    from runtime.model_runner import compilations
-    from runtime.sampling import SamplingParams
+    from runtime.model.runner import compilations
+    from runtime.model.sampling import SamplingParams
 
     ref = None
     for tp in [1, *tps]:

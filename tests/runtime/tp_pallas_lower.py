@@ -23,14 +23,14 @@ sys.path.insert(0, str(ROOT))
 
 def main(ckpt: Path, kv_dtype: str) -> None:
     from pallas_kernels.paged_attention import hardware_attention
-    from runtime import model_runner
-    from runtime.batch import build_step_input
+    from runtime.model import runner as model_runner
+    from runtime.model.batch import build_step_input
     from runtime.bench.step_rows import decode_rows
     from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
-    from runtime.engine import LLMEngine
+    from runtime.core.engine import LLMEngine
     from runtime.model.attention_backend import PallasAttention
 
-    from runtime import tp
+    from runtime.model import tp
 
     # Stand in for two GPUs: the hardware kernel in place of the interpreter, and past the
     # check that refuses Pallas under TP off a GPU (right for a run, not for a lowering).

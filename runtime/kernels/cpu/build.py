@@ -191,7 +191,7 @@ def build(variant: str = "native") -> Path:
 
 def compiled_paths(lib: ctypes.CDLL) -> dict[str, object]:
     """What a loaded library was compiled with: each kernel's instruction-set path and the
-    switches runtime/cpu_matmul.py reads."""
+    switches runtime/kernels/cpu/matmul.py reads."""
     def text(symbol: str) -> str:
         fn = getattr(lib, symbol)
         fn.restype = ctypes.c_char_p

@@ -5,14 +5,14 @@
 //            tokens of one sequence, each row causal up to its own position.
 // Both read a prefix that many sequences share (a system prompt) once for all of them first
 // (cascade). Built by runtime/kernels/cpu/build.py (g++ -O3 -march=native) and called inside the
-// jitted step (runtime/attention.py).
+// jitted step (runtime/model/xla_attention.py).
 //
 // Why not XLA: at 64 sequences of ~370 tokens XLA:CPU runs the batched tiny products
 // (3 query rows x 64 dims against 16-32 tokens per sequence and head) at ~25 GFLOP/s; a
 // loop that keeps 16 query rows and their accumulators in registers while it streams the
 // blocks they read does the same work several times faster.
 //
-// Layout (as runtime/attention.py): q [S, H, G, D] already scaled by 1/sqrt(D) (S = sequences
+// Layout (as runtime/model/xla_attention.py): q [S, H, G, D] already scaled by 1/sqrt(D) (S = sequences
 // in decode, tokens in prefill); caches [NB, BS, H, D] float32, or int8 with float32 scales
 // [NB, BS, H] (the *Int8 targets); kv_lens [S] (decode; 0 = no query: output zeros);
 // block_tables [rows, MB] (absolute block rows, the layer's base included); seq_of, pos [S]
@@ -825,7 +825,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                 num_threads);
 }
 
-// The same over an int8 cache (runtime.attention.QuantizedPages): values and per-slot scales.
+// The same over an int8 cache (runtime.model.xla_attention.QuantizedPages): values and per-slot scales.
 ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k_cache,
                                ffi::Buffer<ffi::S8> v_cache, ffi::Buffer<ffi::F32> k_scale,
                                ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> kv_lens,

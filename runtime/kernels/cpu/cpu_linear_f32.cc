@@ -1,5 +1,5 @@
 // Float32 linear layer on CPU as an XLA FFI custom call: y = x @ W. Built with the other
-// kernels into one library by runtime/kernels/cpu/build.py; runtime/cpu_matmul.py packs the
+// kernels into one library by runtime/kernels/cpu/build.py; runtime/kernels/cpu/matmul.py packs the
 // weights and calls it from the jitted step.
 //
 // Why not XLA: XLA:CPU's float32 dot runs a 64-row SmolLM2 projection (64 x 576 by 576 x
@@ -10,7 +10,7 @@
 // strips) and AVX2 + FMA (6 rows x 1 strip); each output is the same k-ordered FMA chain, so
 // both give the same bits.
 //
-// Layout: x [M, K] float32; w [S, K, 16] float32 packed by runtime/cpu_matmul.py: strip s
+// Layout: x [M, K] float32; w [S, K, 16] float32 packed by runtime/kernels/cpu/matmul.py: strip s
 // holds columns 16s..16s+15 (N = 16 S: the packer only takes N divisible by 16). Out [M, N].
 //
 // Prologue: `norm` [K] (or empty) RMS-normalizes x first, x_r * rsqrt(mean(x_r^2) + eps) * norm
@@ -269,7 +269,7 @@ void panel(const float* x, const float* w, float* out, int64_t K, int64_t N_out,
   }
 }
 
-// x's rows RMS-normalized and scaled by `w` into `y` (as runtime/models/llama.py rms_norm).
+// x's rows RMS-normalized and scaled by `w` into `y` (as runtime/model/families/llama.py rms_norm).
 void rms_norm(const float* x, const float* w, float eps, int64_t M, int64_t K, float* y) {
   for (int64_t r = 0; r < M; ++r) {
     const float* xr = x + r * K;
@@ -445,7 +445,7 @@ extern "C" const char* PagedjaxF32LinearPath() {
 #endif
 }
 
-// 1 where the kernel serves float32 layers by default (runtime/cpu_matmul.py): wherever it
+// 1 where the kernel serves float32 layers by default (runtime/kernels/cpu/matmul.py): wherever it
 // is vectorized. Measured faster than XLA's dot at 1-512 rows with the AVX2 tile on a Zen 3
 // EPYC and with the AVX-512 tile on an Ice Lake Xeon (BENCHMARKS.md); Zen 4 (AVX-512 on
 // 256-bit units) was not measured. PAGEDJAX_F32_KERNEL=0 gives XLA's dot for an A/B.

@@ -1,5 +1,5 @@
 // W8A8 linear layer on CPU as an XLA FFI custom call: y = (quant(x * in) @ Wq) * sx * sw.
-// Built with cpu_attention.cc into one library by runtime/kernels/cpu/build.py; runtime/cpu_matmul.py
+// Built with cpu_attention.cc into one library by runtime/kernels/cpu/build.py; runtime/kernels/cpu/matmul.py
 // packs the weights and calls it from the jitted step.
 //
 // Why not XLA: XLA:CPU's int8 x int8 -> int32 dot runs at 130-250 GOP/s on a 2-core
@@ -14,7 +14,7 @@
 // and the packer's per-column compensation 128 * sum_k W[k, n] is subtracted at the end.
 //
 // Layout: x [M, K] float32; in_scale [K] float32 or empty (SmoothQuant's input scale);
-// w [S, Kp/4, 256] int8 packed by runtime/cpu_matmul.py: strip s holds columns 64s..64s+63,
+// w [S, Kp/4, 256] int8 packed by runtime/kernels/cpu/matmul.py: strip s holds columns 64s..64s+63,
 // and for each group of 4 k its 64 bytes per 16 columns are (column, k) pairs, the operand
 // order of vpdpbusd; Kp = K rounded up to 4. w_scale [N], comp [N] int32. Out [M, N] float32.
 //
@@ -372,7 +372,7 @@ void grouped_strip(const GroupedLinear& p, int64_t s, std::vector<float>& tile) 
   }
 }
 
-#else  // no VNNI: the same numbers, one multiply at a time (runtime/cpu_matmul.py keeps XLA's
+#else  // no VNNI: the same numbers, one multiply at a time (runtime/kernels/cpu/matmul.py keeps XLA's
        // dot on such machines; this keeps the library whole and the tests meaningful)
 
 constexpr bool kVectorized = false;
@@ -538,7 +538,7 @@ ffi::Error Int8LinearG32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 
 }  // namespace
 
-// 1 when the library was compiled with AVX512-VNNI (runtime/cpu_matmul.py serves w8a8 layers
+// 1 when the library was compiled with AVX512-VNNI (runtime/kernels/cpu/matmul.py serves w8a8 layers
 // with this kernel only then).
 extern "C" int PagedjaxInt8LinearVectorized() { return kVectorized ? 1 : 0; }
 

@@ -12,8 +12,8 @@ policy changes, plan step N+1 and launch it -- the device reads each decode row'
 token from its own state, so the host need not know step N's tokens -- then read step N
 back: tokens and the stops a token decides. The host work of a beat thus overlaps the
 device's work on N+1. Text (detokenizing, stop strings) and the callbacks are the output
-processor's (runtime/output_processor.py): inline for `step()`'s callers, on a thread of
-its own under `AsyncEngine` (runtime/async_engine.py), which runs the loop on a background
+processor's (runtime/core/output_processor.py): inline for `step()`'s callers, on a thread of
+its own under `AsyncEngine` (runtime/core/async_engine.py), which runs the loop on a background
 thread that owns the device.
 """
 
@@ -30,18 +30,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from runtime.batch import step_row
-from runtime import disagg
-from runtime.block_pool import BlockPool
+from runtime.core.request import step_row
+from runtime.core import disagg
+from runtime.core.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
-from runtime.metrics import EngineMetrics, EngineState, StepSample
-from runtime.model_runner import ModelRunner, StepHandle, compilations
-from runtime.output_processor import OutputProcessor
-from runtime.request import Request
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Overloaded, Scheduler, SchedulerOutput
-from runtime.snapshot import EngineSnapshot, take_snapshot
-from runtime.structured import GuideCompiler
+from runtime.core.metrics import EngineMetrics, EngineState, StepSample
+from runtime.model.runner import ModelRunner, StepHandle, compilations
+from runtime.core.output_processor import OutputProcessor
+from runtime.core.request import Request
+from runtime.model.sampling import SamplingParams
+from runtime.core.scheduler import Overloaded, Scheduler, SchedulerOutput
+from runtime.core.snapshot import EngineSnapshot, take_snapshot
+from runtime.model.structured import GuideCompiler
 from runtime.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class LLMEngine:
         self._policy.validate(self.envelope)
         self.scheduler = Scheduler(config.cache, self.envelope, self._policy, self.pool)
         dtype = dtype or {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.dtype]
-        from runtime.quant import prepare, quantization_of
+        from runtime.model.quant import prepare, quantization_of
 
         if config.quantization == "auto":  # serve the checkpoint as it is stored
             config = self.config = dataclasses.replace(config, quantization=quantization_of(params),
@@ -159,8 +159,8 @@ class LLMEngine:
     @classmethod
     def _from_checkpoint_tp(cls, path: Path, config: "EngineConfig | Callable", **kw: Any) -> "LLMEngine":
         """Tensor parallel: validate before reading any weight, then restore each parameter
-        straight into its shards (orbax with sharding targets; runtime/tp.py)."""
-        from runtime import tp
+        straight into its shards (orbax with sharding targets; runtime/model/tp.py)."""
+        from runtime.model import tp
         from runtime.checkpoint.store import load_config, load_params, load_tokenizer, read_meta
 
         model_cfg = load_config(path)
@@ -277,7 +277,7 @@ class LLMEngine:
         with self.lock:
             return self.pool.reset_prefix_cache()
 
-    # --- disaggregated prefill/decode (runtime/disagg.py: reserve, then transfer) -------------
+    # --- disaggregated prefill/decode (runtime/core/disagg.py: reserve, then transfer) -------------
     def reserve(self, prompt_ids: Sequence[int], params: SamplingParams, *,
                 cache_salt: str | None = None) -> disagg.Reservation:
         """Decode side: pin the blocks a transferred prompt needs, or raise disagg.NoRoom."""
@@ -481,7 +481,7 @@ class LLMEngine:
     def _refresh_gauges(self, step_time: float = 0.0, num_tokens: int = 0, new_tokens: int = 0) -> None:
         """Per-step records: the ages of blocks evicted since the last call (a histogram of
         events) and the console's chart sample. The gauges and totals of the scheduler's and
-        pool's state are read at scrape time (runtime/metrics.py EngineStateCollector)."""
+        pool's state are read at scrape time (runtime/core/metrics.py EngineStateCollector)."""
         m, s, pool = self.metrics, self.scheduler, self.pool
         c = s.counters
         new_ev = pool.num_evictions - self._last["evictions"]

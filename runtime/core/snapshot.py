@@ -18,14 +18,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from runtime import capacity
-from runtime.block_pool import BLOCK_STATES, BlockHash, block_state
+from runtime.core import capacity
+from runtime.core.block_pool import BLOCK_STATES, BlockHash, block_state
 
 if TYPE_CHECKING:
-    from runtime.block_pool import BlockPool
+    from runtime.core.block_pool import BlockPool
     from runtime.config import AdmissionPolicy
-    from runtime.metrics import EngineMetrics, StepSample
-    from runtime.scheduler import Scheduler
+    from runtime.core.metrics import EngineMetrics, StepSample
+    from runtime.core.scheduler import Scheduler
 
 __all__ = ["BLOCK_STATES", "BlockView", "EngineParts", "EngineSnapshot", "HashedBlock", "MetricsWindow",
            "ModelInfo", "RequestView", "block_states", "block_views", "hashed_blocks", "metrics_window",
@@ -47,7 +47,7 @@ class EngineParts(Protocol):
 @dataclass(frozen=True)
 class BlockView:
     block_id: int
-    state: str                  # free | cached | used | shared (runtime.block_pool.block_state)
+    state: str                  # free | cached | used | shared (runtime.core.block_pool.block_state)
     ref_count: int
     owners: tuple[str, ...]     # request ids holding it
     cached_hash: bool           # holds a prefix-cache hash
@@ -77,7 +77,7 @@ class EngineSnapshot:
     used_blocks: int
     cached_blocks: int
     free_blocks: int            # neither used nor cached
-    watermark_blocks: int       # kept free while the engine is busy (runtime/capacity.py)
+    watermark_blocks: int       # kept free while the engine is busy (runtime/core/capacity.py)
     blocks: list[BlockView]
     requests: list[RequestView]
     policy: dict[str, Any]
@@ -112,7 +112,7 @@ class HashedBlock:
 
 @dataclass(frozen=True)
 class MetricsWindow:
-    """The engine's recent history (runtime.metrics.RecentWindow), copied."""
+    """The engine's recent history (runtime.core.metrics.RecentWindow), copied."""
 
     steps: tuple[StepSample, ...]
     ttft: tuple[tuple[float, float], ...]   # (monotonic time, seconds)

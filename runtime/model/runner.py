@@ -5,7 +5,7 @@ The KV cache of all layers is one array pair [L * num_blocks, block_size, Hkv, D
 layer l's block b lives at row l * num_blocks + b, so the attention kernel sees a plain
 paged cache and the layer scan carries the whole cache without slicing (no copies).
 A quantized cache (--kv-cache-dtype int8|fp8_e4m3) is the same pair of QuantizedPages:
-values of that shape plus one float32 scale per slot and head (runtime/attention.py).
+values of that shape plus one float32 scale per slot and head (runtime/model/xla_attention.py).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from runtime.attention import QuantizedPages
-from runtime.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
+from runtime.model.kv_pages import QuantizedPages
+from runtime.model.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
 from runtime.config import QUANTIZED_KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 from runtime.model.attention_backend import AttentionBackend, make_backend, paged_attention
-from runtime.models import family
-from runtime.models.llama import Params
-from runtime.quant import cast_params
-from runtime.sampling import SampleOutput, penalties_on, sample
+from runtime.model.families import family
+from runtime.model.families.llama import Params
+from runtime.model.quant import cast_params
+from runtime.model.sampling import SampleOutput, penalties_on, sample
 
 log = logging.getLogger(__name__)
 NUM_LOGPROBS = 20  # always computed, so one program serves requests with and without logprobs
@@ -138,7 +138,7 @@ def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: An
           rows: tuple, inp: StepInput) -> tuple[tuple, tuple, SampleOutput, PromptLogprobs]:
     """rows = (counts [R, V] i32, prompt_mask [R, V] bool, last_token [R] i32): per-request
     device state, row R-1 being scratch for padding. mesh: None, or the tensor-parallel mesh
-    (attention then runs per shard on its heads; runtime/tp.py)."""
+    (attention then runs per shard on its heads; runtime/model/tp.py)."""
     counts, prompt_mask, last_token = rows
     scratch = counts.shape[0] - 1
     # A decode row whose input is the token the previous (still unread) step sampled reads
@@ -154,7 +154,7 @@ def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: An
     if mesh is None:
         attention = partial(local, inp)
     else:
-        from runtime.tp import shard_attention
+        from runtime.model.tp import shard_attention
 
         attention = partial(shard_attention(local, mesh), inp)
 
@@ -167,7 +167,7 @@ def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: An
     logits = fam.lm_head(cfg, params, hidden[inp.logits_indices])
     if mesh is not None:  # vocab-sharded products, then one all-gather of the [S, V] logits (not of the
         # head's weights); sampling then runs whole on every device
-        from runtime.tp import gather_logits
+        from runtime.model.tp import gather_logits
 
         logits = gather_logits(cfg, mesh, logits)
     # The [S, V] penalty state is gathered only when some row uses penalties.
@@ -208,13 +208,13 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, cache: CacheConfig, sched: SchedulerConfig,
                  attention_backend: str = "auto", dtype: Any = jnp.float32, quantization: str = "none",
                  tensor_parallel_size: int = 1):
-        """With a quantization, `params` come quantized (runtime.quant.prepare calibrates and
+        """With a quantization, `params` come quantized (runtime.model.quant.prepare calibrates and
         quantizes them once, in the engine). tensor_parallel_size > 1: params and KV cache
-        sharded over a mesh of that many devices (runtime/tp.py); 1 is the single-device path."""
+        sharded over a mesh of that many devices (runtime/model/tp.py); 1 is the single-device path."""
         self.tp = tensor_parallel_size
         self.mesh = None
         if self.tp > 1:
-            from runtime import tp
+            from runtime.model import tp
 
             tp.validate(cfg, self.tp, attention_backend=attention_backend, quantization=quantization)
             self.mesh = tp.make_mesh(self.tp)
@@ -225,7 +225,7 @@ class ModelRunner:
             tune_cpu_allocator()
         self.quantization = quantization
         # w8a8 on a CPU with AVX512-VNNI: the C++ int8 kernel, weights packed for it once here.
-        from runtime import cpu_matmul
+        from runtime.kernels.cpu import matmul as cpu_matmul
 
         self.matmul_kernel = quantization == "w8a8" and cpu_matmul.vectorized() and self.tp == 1
         if quantization == "w8a8" and not self.matmul_kernel and self.tp == 1 and jax.default_backend() == "cpu":
@@ -250,12 +250,12 @@ class ModelRunner:
         self.per_layer_weights = (jax.default_backend() == "cpu" and self.tp == 1
                                   and os.environ.get("PAGEDJAX_PER_LAYER_WEIGHTS", "1") != "0")
         if self.per_layer_weights:
-            from runtime.models.llama import unstack_weights
-            from runtime.quant import LINEAR_WEIGHTS
+            from runtime.model.families.llama import unstack_weights
+            from runtime.model.quant import LINEAR_WEIGHTS
 
             self.params = unstack_weights(self.params, LINEAR_WEIGHTS)
         if self.mesh is None:
-            from runtime import hugepages
+            from runtime.kernels.cpu import hugepages
 
             self.params = hugepages.place_weights(self.params)
         self.max_blocks_per_seq = -(-sched.max_model_len // cache.block_size)
@@ -265,7 +265,7 @@ class ModelRunner:
         shape = (cfg.num_layers * cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
         if self.mesh is None:
             self.kv = allocate_kv(shape, cache.kv_dtype)
-            from runtime import hugepages
+            from runtime.kernels.cpu import hugepages
 
             hugepages.collapse(self.kv)
         rows = sched.max_num_seqs + 1  # last row is scratch for padding
@@ -299,7 +299,7 @@ class ModelRunner:
                      f"replicated (vocabulary {cfg.vocab_size} does not divide by {self.tp})")
         self.fail_next_step: Exception | None = None  # test hook: the next step raises this
         self.last_input: StepInput | None = None  # the padded input of the last launch (benchmarks replay it)
-        from runtime.structured import TokenMasks
+        from runtime.model.structured import TokenMasks
 
         self.masks = TokenMasks(cfg.vocab_size)  # the all-allowed mask every unconstrained step passes
 
@@ -310,14 +310,14 @@ class ModelRunner:
         if not any(a.is_deleted() for a in arrays):
             return False
         if self.mesh is not None:  # rebuilt in its shards
-            from runtime import tp
+            from runtime.model import tp
 
             self.kv = jax.tree.map(lambda a, sh: jnp.zeros(a.shape, a.dtype, device=sh), self.kv, self.kv_shardings)
             self.penalty = tuple(jnp.zeros(a.shape, a.dtype, device=tp.replicated(self.mesh)) for a in self.penalty)
             return True
         self.kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.kv)
         self.penalty = tuple(jnp.zeros(a.shape, a.dtype) for a in self.penalty)
-        from runtime import hugepages
+        from runtime.kernels.cpu import hugepages
 
         hugepages.collapse(self.kv)  # (a new buffer: back on huge pages, as at start)
         return True
@@ -361,25 +361,22 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> float:
         """Compile every (seqs, tokens) bucket once: dummy requests in the scratch row whose
         KV goes to block 0 (no request owns it yet)."""
-        from runtime.batch import step_row
-        from runtime.request import Request
-        from runtime.sampling import SamplingParams
+        from runtime.model.batch import ScheduledSeq
+        from runtime.model.sampling import SamplingParams, SamplingRow
 
         t0 = time.perf_counter()
-        params = SamplingParams(temperature=0.0)
+        greedy = SamplingRow(SamplingParams(temperature=0.0), 0)
         for s, t in tqdm(self.sched.bucket_pairs(), desc="compiling buckets", unit="shape", disable=not progress):
             per = [t // s] * s
             per[-1] += t - sum(per)
-            seqs = []
-            for n in per:
-                req = Request("warmup", [0] * n, params)
-                req.block_ids, req.state_row = [0] * -(-n // self.cache_cfg.block_size), self.scratch_row
-                seqs.append(step_row(req, n))
+            seqs = [ScheduledSeq(token_ids=[0] * n, start_pos=0, block_ids=[0] * -(-n // self.cache_cfg.block_size),
+                                 prompt_len=n, state_row=self.scratch_row, reset_row=False, sample=True,
+                                 sampling_row=greedy) for n in per]
             self.run(seqs, s, t)
         return time.perf_counter() - t0
 
 
-# --- KV block transfer (disaggregated prefill/decode; runtime/disagg.py) ---------------------
+# --- KV block transfer (disaggregated prefill/decode; runtime/core/disagg.py) ---------------------
 # Separate programs from the step, used only by disaggregation: ordinary serving compiles
 # nothing new. Block counts are bucketed to powers of two so a replica builds a handful.
 

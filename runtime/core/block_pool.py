@@ -5,7 +5,7 @@ are in use, which can be reused on a prefix hit, and which to evict next.
 See DESIGN.md, "KV cache and prefix cache".
 
 Block states (derived, never stored; `block_state` is the one definition, which the
-pool's counters, the console and the read model in runtime/snapshot.py all follow):
+pool's counters, the console and the read model in runtime/core/snapshot.py all follow):
   used   -- ref_count == 1
   shared -- ref_count > 1 (a prefix hit: several requests read it)
   cached -- ref_count == 0 and has a hash (reusable on a prefix hit until evicted)
@@ -17,7 +17,7 @@ freeing appends to the tail, so the block untouched for longest is evicted first
 Residency events: with `record_events()` the pool logs every change to what its prefix
 cache can serve (a block stored under a hash, a hash evicted or flushed) so a fleet
 router can keep an exact view of which prefixes live on which replica
-(runtime/kv_events.py turns them into vLLM's KV-event format).
+(runtime/core/kv_events.py turns them into vLLM's KV-event format).
 """
 
 from __future__ import annotations

@@ -194,11 +194,11 @@ def unstack_weights(params: Params, names: Sequence[str]) -> Params:
     a few rows the product only reads its weight once, so the copy doubles the memory
     traffic of the step: 30 layers of 576x3072 float32 at one row read at 15-18 GB/s
     stacked against 23-25 GB/s per layer with lax.switch picking the array (2-core EPYC).
-    Weights packed for the C++ kernels (dicts with "p", "f" or "fg", runtime/cpu_matmul.py, fused
+    Weights packed for the C++ kernels (dicts with "p", "f" or "fg", runtime/kernels/cpu/matmul.py, fused
     names "qkv" / "gate_up" included) become tuples of per-layer dicts for the same reason:
     a custom call's operand is a whole buffer, so a scanned slice is always copied first."""
-    from runtime import cpu_matmul
-    from runtime.cpu_matmul import FUSED
+    from runtime.kernels.cpu import matmul as cpu_matmul
+    from runtime.kernels.cpu.matmul import FUSED
 
     layers = dict(params["layers"])
     for k in (*names, *FUSED):

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from runtime.config import ModelConfig
-from runtime.models import dense_logits
-from runtime.models.llama import Params
+from runtime.model.families import dense_logits
+from runtime.model.families.llama import Params
 
 
 @partial(jax.jit, static_argnums=(0,))

@@ -14,7 +14,7 @@ One mesh axis "tp" over the first N devices; the engine step stays one jitted pr
 * embeddings / LM head by vocabulary (replicated, and logged, when the vocabulary does not
   divide); norms replicated; the KV cache [L*NB, BS, Hkv, D] sharded on its KV-head axis.
 
-Quantized weights (runtime/quant.py) shard like the float ones: the int8 values as the
+Quantized weights (runtime/model/quant.py) shard like the float ones: the int8 values as the
 weight, a column-parallel weight's per-output-channel scales with its columns, a
 row-parallel one's whole (its outputs are summed across devices) and its input scale
 ("in", SmoothQuant) with its rows. A row-parallel w8a8 product quantizes each activation
@@ -22,7 +22,7 @@ row by its absmax over the whole row (XLA all-reduces the max across the shards)
 sums int32 partial products, so the tokens are TP 1's. The int8 LM head ("head") shards
 by vocabulary like the float one.
 
-The C++ CPU kernels (runtime/cpu_attention.py, runtime/cpu_matmul.py) are not used under TP:
+The C++ CPU kernels (runtime/kernels/cpu/attention.py, runtime/kernels/cpu/matmul.py) are not used under TP:
 on CPU attention takes the plain XLA path. On GPUs the Pallas kernel (float or quantized
 cache) runs per shard under the same shard_map, on each device's heads and cache slice.
 """

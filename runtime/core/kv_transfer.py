@@ -18,7 +18,7 @@ and register that buffer with the transport (NIXL `register_memory`, or an NCCL
 send posted on a side stream), the handle carrying the agent name, remote descriptors and
 layout instead of bytes; `recv` would post a READ into a buffer the decode side
 registered and poll its completion until `timeout_s`, returning a KVBlocks whose arrays
-are device arrays (runtime.model_runner.write_blocks accepts either); `drop` deregisters
+are device arrays (runtime.model.runner.write_blocks accepts either); `drop` deregisters
 and frees. Nothing above this interface changes.
 """
 

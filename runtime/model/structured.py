@@ -9,7 +9,7 @@ of fixed shape: constrained and free rows share a step, no extra compiled shapes
 the token comes back the matcher consumes it; a finished grammar finishes the request.
 
 The mask for a row's next token needs the token before it, so a step holding a
-constrained row is read back before the next one is planned (runtime/engine.py): while
+constrained row is read back before the next one is planned (runtime/core/engine.py): while
 constrained requests run, the pipeline runs one step deep.
 """
 

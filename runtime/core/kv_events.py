@@ -1,7 +1,7 @@
 """KV-cache residency events in vLLM's wire format, and the router's view built from them.
 
 A replica's block pool logs ("stored", hash, parent, tokens) and ("removed", hash) as
-its prefix cache changes (runtime/block_pool.py). `encode_batch` turns one step's worth
+its prefix cache changes (runtime/core/block_pool.py). `encode_batch` turns one step's worth
 into vLLM's `KVEventBatch` (msgpack, array-like structs tagged by class name: the same
 bytes vLLM publishes on its ZMQ socket), so llm-d's precise prefix scorer or Ray's
 KV-aware router could consume a pagedjax replica unchanged. `Residency` is the consumer

@@ -13,14 +13,14 @@ The order is what makes it safe (DESIGN: never prefill into nowhere):
      prefix lookup hits the imported blocks, so only the prompt's tail (at least its last
      token) is computed there and the first token is sampled there with (seed, step 0) --
      the same tokens as colocated serving. The pins are released at the step boundary
-     that admits the request, after its hits were taken (runtime/scheduler.py `_admit`).
+     that admits the request, after its hits were taken (runtime/core/scheduler.py `_admit`).
 On failure or timeout `release` returns every pinned block; the sender `drop`s its buffer.
 
-Only full blocks before the prompt's last token travel (runtime/request.py `cacheable_blocks`):
+Only full blocks before the prompt's last token travel (runtime/core/request.py `cacheable_blocks`):
 the scheduler always computes the last token for its logits, so a block holding it would
 be computed again anyway. Requests whose prompt must be computed in full on the decode
-side (penalties, prompt logprobs: runtime/request.py `uses_prefix_cache`) transfer nothing.
-The room check is the scheduler's own admission rule (runtime/capacity.py).
+side (penalties, prompt logprobs: runtime/core/request.py `uses_prefix_cache`) transfer nothing.
+The room check is the scheduler's own admission rule (runtime/core/capacity.py).
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from runtime import capacity
-from runtime.block_pool import BlockHash, hash_prompt_blocks
-from runtime.kv_transfer import KVBlocks, KVConnector, TransferError
-from runtime.model_runner import read_blocks, write_blocks
-from runtime.request import Request, cacheable_blocks, uses_prefix_cache
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Overloaded
+from runtime.core import capacity
+from runtime.core.block_pool import BlockHash, hash_prompt_blocks
+from runtime.core.kv_transfer import KVBlocks, KVConnector, TransferError
+from runtime.model.runner import read_blocks, write_blocks
+from runtime.core.request import Request, cacheable_blocks, uses_prefix_cache
+from runtime.model.sampling import SamplingParams
+from runtime.core.scheduler import Overloaded
 
 if TYPE_CHECKING:
-    from runtime.engine import LLMEngine
+    from runtime.core.engine import LLMEngine
 
 
 class NoRoom(Overloaded):

@@ -18,7 +18,7 @@ the checkpoint tree keep their shape:
          bandwidth-bound GPU decode reads; on a 2-core EPYC 1.47x float32 at batch 1 and
          1.08x at 64, but slower than w8a8 from 2 rows on).
   packed {"p", "s", "c" (, "in")}: w8a8 repacked at start for the C++ kernel on CPUs with
-         AVX512-VNNI (runtime/cpu_matmul.py), q|k|v and gate|up fused.
+         AVX512-VNNI (runtime/kernels/cpu/matmul.py), q|k|v and gate|up fused.
 The products themselves are the Linear objects of runtime/model/linear.py (`from_stored`
 reads these dicts once); this module quantizes and calibrates.
 
@@ -182,7 +182,7 @@ CALIBRATION_TOKENS = 1024
 def calibration_ids(tokenizer: Any, max_positions: int) -> list[int]:
     """Calibration text for SmoothQuant: support-chat traffic (the load generator's system
     prompt and questions through the chat template), never the accuracy evaluation's text."""
-    from runtime.bench.loadgen import shared_prefix_messages
+    from runtime.corpus import shared_prefix_messages
 
     ids: list[int] = []
     for messages in shared_prefix_messages(8, seed=3):
@@ -217,8 +217,8 @@ def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any, lm_he
 def activation_absmax(cfg: Any, params: dict[str, Any], token_ids: list[int]) -> dict[str, np.ndarray]:
     """Per layer, the largest |value| of each input channel of the four projection groups
     (attention in, attention out, MLP in, MLP down) over `token_ids`, float model, dense."""
-    from runtime.models import family
-    from runtime.models.llama import dense_causal_attention, rms_norm, rope_inv_freq
+    from runtime.model.families import family
+    from runtime.model.families.llama import dense_causal_attention, rms_norm, rope_inv_freq
 
     p = jax.tree_util.tree_map(jnp.asarray, params)
     T = len(token_ids)

@@ -2,7 +2,7 @@
 
 Built and registered by runtime/kernels/cpu/build.py. Where it cannot be built (no compiler,
 another platform) or PAGEDJAX_CPU_KERNELS=0, `enabled()` is False and attention stays on the
-XLA path: same numbers, slower. runtime/attention.py uses it for every query token of a step
+XLA path: same numbers, slower. runtime/model/xla_attention.py uses it for every query token of a step
 (the last token of each sequence in decode mode, the others of prefill chunks in prefill
 mode) when the cache is float32 or int8.
 """
@@ -18,7 +18,7 @@ import numpy as np
 from runtime.kernels.cpu.build import available, enabled, num_threads  # noqa: F401 (this kernel's switches)
 
 if TYPE_CHECKING:
-    from runtime.attention import SharedPrefix
+    from runtime.model.kv_pages import SharedPrefix
 
 TARGET = "pagedjax_decode_attention"
 TARGET_INT8 = "pagedjax_decode_attention_int8"
@@ -27,7 +27,7 @@ TARGET_KV_WRITE = "pagedjax_kv_write"
 
 def supports(cache: object) -> bool:
     """Caches the kernel reads: float32 arrays and int8 QuantizedPages."""
-    from runtime.attention import QuantizedPages
+    from runtime.model.kv_pages import QuantizedPages
 
     if isinstance(cache, QuantizedPages):
         return cache.values.dtype == jnp.int8
@@ -38,7 +38,7 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
               slots: jax.Array) -> tuple[jax.Array, jax.Array]:
     """New K/V rows [T, Hkv, D] into float32 caches [NB, BS, Hkv, D] at flat slots (block * BS
     + offset; negative or past the end: dropped), in place (the outputs alias the caches):
-    runtime.attention.write_kv's semantics as one call instead of XLA's scatter ops."""
+    runtime.model.xla_attention.write_kv's semantics as one call instead of XLA's scatter ops."""
     out = (jax.ShapeDtypeStruct(k_cache.shape, jnp.float32), jax.ShapeDtypeStruct(v_cache.shape, jnp.float32))
     call = jax.ffi.ffi_call(TARGET_KV_WRITE, out, vmap_method="sequential", input_output_aliases={0: 0, 1: 1})
     return call(k_cache, v_cache, k.astype(jnp.float32), v.astype(jnp.float32), slots.astype(jnp.int32))
@@ -49,7 +49,7 @@ def decode_attention(q: jax.Array, k_cache: object, v_cache: object, kv_lens: ja
     """q [S, Hkv, G, D] (scaled) against caches [NB, BS, Hkv, D] (float32, or int8
     QuantizedPages: dequantized block by block inside the kernel) through block_tables [S, MB]
     up to kv_lens [S] -> normalized [S, Hkv, G, D] float32 (zeros where kv_lens is 0). With
-    `shared` (runtime.attention.SharedPrefix, tables padded alike), the members' common
+    `shared` (runtime.model.xla_attention.SharedPrefix, tables padded alike), the members' common
     leading blocks are read once for all of them (cascade) before each sequence's own."""
     none = jnp.zeros((0,), jnp.int32)
     return _call(q, k_cache, v_cache, kv_lens, block_tables, shared, none, none)
@@ -71,7 +71,7 @@ def _call(q, k_cache, v_cache, kv_lens, block_tables, shared, seq_of, pos) -> ja
         blocks, length, start = jnp.zeros((mb,), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((S,), jnp.int32)
     else:
         blocks, length, start = shared.blocks, shared.length, shared.suffix_start
-    from runtime.attention import QuantizedPages
+    from runtime.model.kv_pages import QuantizedPages
 
     i32 = lambda a: a.astype(jnp.int32)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)

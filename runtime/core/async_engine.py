@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Any, AsyncIterator, Sequence
 
-from runtime.engine import LLMEngine, RequestOutput
-from runtime.sampling import SamplingParams
+from runtime.core.engine import LLMEngine, RequestOutput
+from runtime.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

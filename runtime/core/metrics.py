@@ -20,8 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from runtime.block_pool import BlockPool
-    from runtime.scheduler import Scheduler
+    from runtime.core.block_pool import BlockPool
+    from runtime.core.scheduler import Scheduler
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -116,7 +116,7 @@ class EngineMetrics:
                                    registry=r)
         self.step_tokens = Histogram(P + "step_tokens", "Tokens per step",
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), registry=r)
-        # Disaggregated prefill/decode (runtime/disagg.py): bytes out of a prefill replica and
+        # Disaggregated prefill/decode (runtime/core/disagg.py): bytes out of a prefill replica and
         # into a decode one; seconds per stage (export: device -> host, transfer: the
         # connector, import: host -> device and prefix-cache registration).
         self.kv_transfer_bytes = Counter(P + "kv_transfer_bytes", "KV bytes transferred between replicas",

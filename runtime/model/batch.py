@@ -2,23 +2,21 @@
 
 `StepInput` holds only arrays (a registered pytree dataclass), padded to a compiled
 (num_seqs, num_tokens) bucket; `build_step_input` fills it from the scheduler's plan
-with numpy on the host. `step_row` is the one place a request becomes a row of a step.
+with numpy on the host from the scheduler's rows (ScheduledSeq; runtime/core/request.py
+step_row makes one from a request).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
 
-from runtime.attention import SharedPrefix
-from runtime.sampling import SamplingInputs
-
-if TYPE_CHECKING:
-    from runtime.request import Request
+from runtime.model.kv_pages import SharedPrefix
+from runtime.model.sampling import SamplingInputs
 
 # penalty-state kinds for input tokens
 TOKEN_PAD, TOKEN_PROMPT, TOKEN_OUTPUT = 0, 1, 2
@@ -57,31 +55,10 @@ class ScheduledSeq:
     state_row: int
     reset_row: bool
     sample: bool
-    sampling_row: object         # runtime.sampling row for make_sampling_inputs
+    sampling_row: object         # runtime.model.sampling row for make_sampling_inputs
     count_from: int = 0          # tokens before this offset are already in the penalty state
     pending_last: bool = False   # the last token is pending: the device reads it from its state row
     prompt_next: Sequence[int] = ()  # prompt logprobs: each token's next prompt token (-1 past the prompt)
-
-
-def step_row(req: "Request", n: int) -> ScheduledSeq:
-    """Request -> its row in the next step: `n` tokens from `num_computed_tokens`. It only
-    reads the request: the scheduler's `commit` accounts the step once it is launched
-    (computed tokens, the penalty state's `row_counted_upto`)."""
-    from runtime.sampling import SamplingRow
-
-    start = req.num_computed_tokens
-    known = req.token_ids[start:start + n]
-    pending = len(known) < n  # the tail is the token sampled by the step still in flight
-    seq = ScheduledSeq(
-        token_ids=known + [0] * (n - len(known)), start_pos=start, block_ids=req.block_ids,
-        prompt_len=req.num_prompt_tokens, state_row=req.state_row, reset_row=req.needs_row_reset,
-        sample=start + n == req.num_tokens, sampling_row=SamplingRow(req.params, req.num_output_tokens),
-        count_from=max(0, req.row_counted_upto - start), pending_last=pending)
-    P = req.num_prompt_tokens
-    if req.params.prompt_logprobs is not None and start < P - 1:
-        nxt = req.token_ids[start + 1:min(start + n + 1, P)]
-        seq.prompt_next = nxt + [-1] * (n - len(nxt))
-    return seq
 
 
 def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tokens_bucket: int,
@@ -89,7 +66,7 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
                      token_mask: np.ndarray | None = None) -> StepInput:
     """Vectorised over tokens: the per-sequence Python work is list building only, so a
     256-sequence decode step costs well under a millisecond on the host."""
-    from runtime.sampling import make_sampling_inputs
+    from runtime.model.sampling import make_sampling_inputs
 
     S, T, n = num_seqs_bucket, num_tokens_bucket, len(seqs)
     lens = np.fromiter((len(sq.token_ids) for sq in seqs), np.int32, n)

@@ -6,12 +6,12 @@ host has not read back yet is *pending* (`num_pending`, at most one) -- it count
 `num_tokens` (the scheduler plans around it) and the next step reads it from the device's
 own last-token state, so the host never waits for it.
 
-Each field has one writer. The scheduler (runtime/scheduler.py) owns the lifecycle:
+Each field has one writer. The scheduler (runtime/core/scheduler.py) owns the lifecycle:
 status, blocks, computed/pending/known tokens, the penalty-row bookkeeping, the prefix
-cache's registration and finish_reason. The engine (runtime/engine.py) owns what a step's
+cache's registration and finish_reason. The engine (runtime/core/engine.py) owns what a step's
 read-back adds beside the token: timestamps, logprobs, stop_reason, the matcher. The
 methods here only derive (`extend_block_hashes` fills the hash cache of the known
-tokens), and `step_row` (runtime/batch.py) only reads.
+tokens), and `step_row` (runtime/model/batch.py) only reads.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.block_pool import BlockHash, hash_block
-from runtime.sampling import SamplingParams
+from runtime.core.block_pool import BlockHash, hash_block
+from runtime.model.batch import ScheduledSeq
+from runtime.model.sampling import SamplingParams
 
 PRIORITIES = ("interactive", "batch")
 
@@ -55,7 +56,7 @@ class Request:
     needs_row_reset: bool = False
     row_counted_upto: int = 0        # tokens [0, this) are in the penalty state of state_row
     num_registered_blocks: int = 0   # leading full blocks already offered to the prefix cache
-    # Blocks a disaggregated decode reserved for it (runtime/disagg.py), held while it waits
+    # Blocks a disaggregated decode reserved for it (runtime/core/disagg.py), held while it waits
     # and released at admission once its prefix hits hold the imported ones.
     pinned_blocks: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -154,7 +155,7 @@ def uses_prefix_cache(params: SamplingParams) -> bool:
     """Whether a request may take prompt blocks from the prefix cache. Penalties build their
     state from the tokens a step computes, and prompt logprobs need every prompt token's
     logits: such a request computes its whole prompt (and a disaggregated decode transfers
-    it nothing). The scheduler's lookup and runtime/disagg.py both ask this."""
+    it nothing). The scheduler's lookup and runtime/core/disagg.py both ask this."""
     penalties = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
     return not penalties and params.prompt_logprobs is None
 
@@ -170,3 +171,24 @@ def format_logprob(raw: tuple) -> tuple[float, list[tuple[int, float]]]:
     structured output's forbidden tokens (-inf) are left out of the top list."""
     lp, ids, tops = raw
     return float(lp), [(a, b) for a, b in zip(ids.tolist(), tops.tolist()) if b > -math.inf]
+
+
+def step_row(req: Request, n: int) -> ScheduledSeq:
+    """Request -> its row in the next step (the one place a request becomes a row): `n` tokens from `num_computed_tokens`. It only
+    reads the request: the scheduler's `commit` accounts the step once it is launched
+    (computed tokens, the penalty state's `row_counted_upto`)."""
+    from runtime.model.sampling import SamplingRow
+
+    start = req.num_computed_tokens
+    known = req.token_ids[start:start + n]
+    pending = len(known) < n  # the tail is the token sampled by the step still in flight
+    seq = ScheduledSeq(
+        token_ids=known + [0] * (n - len(known)), start_pos=start, block_ids=req.block_ids,
+        prompt_len=req.num_prompt_tokens, state_row=req.state_row, reset_row=req.needs_row_reset,
+        sample=start + n == req.num_tokens, sampling_row=SamplingRow(req.params, req.num_output_tokens),
+        count_from=max(0, req.row_counted_upto - start), pending_last=pending)
+    P = req.num_prompt_tokens
+    if req.params.prompt_logprobs is not None and start < P - 1:
+        nxt = req.token_ids[start + 1:min(start + n + 1, P)]
+        seq.prompt_next = nxt + [-1] * (n - len(nxt))
+    return seq

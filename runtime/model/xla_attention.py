@@ -24,12 +24,13 @@ KV head) is read through the same loops: indexing it dequantizes just the gather
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from runtime.model.kv_pages import QuantizedPages, SharedPrefix, quantize_rows
 
 NEG = -1e30  # finite "minus infinity": fully masked rows give weights 0, not NaN
 
@@ -50,45 +51,6 @@ def cascade_chunk_blocks(num_seqs: int) -> int:
     return 2 if num_seqs <= 64 else 8
 
 
-# Largest magnitude of each quantized element type: a row's absmax maps onto it.
-QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class QuantizedPages:
-    """K or V of a quantized cache: values [NB, BS, Hkv, D] int8 or fp8_e4m3 and one float32
-    scale per (slot, KV head) [NB, BS, Hkv], so a token's outlier head cannot coarsen the
-    others. Indexing by block ids returns dequantized float32 rows: the attention loops read
-    it exactly like a float cache, and only the gathered chunk is ever dequantized."""
-
-    values: jax.Array
-    scales: jax.Array
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.values.shape
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.values.dtype
-
-    def __getitem__(self, ids: jax.Array) -> jax.Array:
-        return self.values[ids].astype(jnp.float32) * self.scales[ids][..., None]
-
-
-def quantize_rows(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """x [..., D] float -> (values [..., D] of `dtype`, float32 scales [...]): symmetric,
-    absmax over the last axis (one token of one head)."""
-    x = x.astype(jnp.float32)
-    amax = jnp.abs(x).max(-1)
-    scale = jnp.where(amax > 0, amax / QUANT_MAX[jnp.dtype(dtype)], 1.0)
-    y = x / scale[..., None]
-    if jnp.issubdtype(dtype, jnp.integer):
-        y = jnp.clip(jnp.round(y), -127, 127)
-    return y.astype(dtype), scale
-
-
 def _scatter(cache: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
     """rows [T, ...] into cache [NB, BS, ...] at flat slots idx (NB * BS: dropped), indexed by
     (block, offset). Not through a [NB * BS, ...] reshape: with one KV head per device (TP =
@@ -103,9 +65,9 @@ def write_kv(k_cache: Any, v_cache: Any, k: jax.Array, v: jax.Array, slot_mappin
     """Scatter new K/V rows [T, Hkv, D] into caches [NB, BS, Hkv, D] (arrays or
     QuantizedPages, which quantize each row on the way in) at flat slots
     (block * BS + offset); slot -1 (padding) is dropped. cpu_kernel: a float32 cache is
-    written by the C++ kernels' in-place call (runtime/cpu_attention.py write_kv)."""
+    written by the C++ kernels' in-place call (runtime/kernels/cpu/attention.py write_kv)."""
     if cpu_kernel and not isinstance(k_cache, QuantizedPages) and k_cache.dtype == jnp.float32:
-        from runtime import cpu_attention
+        from runtime.kernels.cpu import attention as cpu_attention
 
         return cpu_attention.write_kv(k_cache, v_cache, k, v, slot_mapping)
     nb, bs = k_cache.shape[:2]
@@ -282,7 +244,7 @@ def _prefill_tiles(q, k_cache, v_cache, kv_lens, block_tables, qsl, num_seqs, sm
 def _prefill_kernel(q, k_cache, v_cache, kv_lens, block_tables, qsl, live, sm_scale, shared):
     """Path B as the C++ kernel: each non-last token of a prefill chunk with its sequence and
     position (-1 for the last tokens and padding, which path A and nobody serve)."""
-    from runtime import cpu_attention
+    from runtime.kernels.cpu import attention as cpu_attention
 
     T, Hq, D = q.shape
     S = kv_lens.shape[0]
@@ -335,7 +297,7 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     a_lens = jnp.where(has_query, kv_lens, 0)
     shared_p = None if shared is None else SharedPrefix(padded(shared.blocks), shared.length, shared.suffix_start,
                                                         padded(shared.suffix_tables))
-    from runtime import cpu_attention
+    from runtime.kernels.cpu import attention as cpu_attention
 
     if cpu_kernel is None:
         cpu_kernel = cpu_attention.enabled() and cpu_attention.supports(k_cache)
@@ -366,14 +328,3 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     out = jax.lax.cond(jnp.any(live & (q_len > 1)), prefill, lambda: jnp.zeros((T, Hq, D), jnp.float32))
     out = out.at[jnp.where(has_query, last, T)].set(out_last, mode="drop")
     return out.astype(q.dtype)
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class SharedPrefix:
-    """Leading blocks shared by several sequences of a step (chosen on the host)."""
-
-    blocks: jax.Array         # [MB] int32 the shared block ids, 0-padded
-    length: jax.Array         # [1] int32 shared tokens (whole blocks); 0 = none
-    suffix_start: jax.Array   # [S] int32 = length for members, 0 for the others
-    suffix_tables: jax.Array  # [S, MB] int32 members' tables after the shared blocks; others unchanged

@@ -1,8 +1,8 @@
 """The KV capacity rule: whether a request fits, written once.
 
-The scheduler's admission (runtime/scheduler.py `_admit`), a disaggregated decode's
-reservation (runtime/disagg.py `reserve`), the fleet's routing stats
-(runtime/fleet/replica.py `replica_stats`) and the read model (runtime/snapshot.py) all
+The scheduler's admission (runtime/core/scheduler.py `_admit`), a disaggregated decode's
+reservation (runtime/core/disagg.py `reserve`), the fleet's routing stats
+(runtime/fleet/replica.py `replica_stats`) and the read model (runtime/core/snapshot.py) all
 ask this module, so a reservation that succeeds is admitted and the router sees the room
 the replica's own admission will see.
 
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
-    from runtime.block_pool import BlockPool
+    from runtime.core.block_pool import BlockPool
     from runtime.config import AdmissionPolicy
-    from runtime.request import Request
+    from runtime.core.request import Request
 
 __all__ = ["Headroom", "blocks_for", "claim_tokens", "headroom", "never_fits", "promised_blocks",
            "promised_growth", "watermark_blocks"]
@@ -92,7 +92,7 @@ def headroom(pool: "BlockPool", policy: "AdmissionPolicy", *, num_tokens: int, m
     """The admission check for one request (see the module docstring). `hits`: its prefix
     hits (block ids); `promised`: `promised_growth` of the running requests (plus those
     admitted earlier in the same step); `pinned`: blocks reserved for it
-    (runtime/disagg.py), which admission hands back to the pool except those its hits
+    (runtime/core/disagg.py), which admission hands back to the pool except those its hits
     take over."""
     need = blocks_for(claim_tokens(num_tokens, max_total_tokens, policy.admission_mode), pool.block_size) - len(hits)
     revived = sum(1 for b in hits if pool.ref_count(b) == 0)  # cached hits leave the free queue

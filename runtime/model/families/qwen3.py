@@ -11,8 +11,8 @@ import jax
 
 from runtime.config import ModelConfig
 from runtime.model.linear import Norm, rms_norm
-import runtime.models.llama as llama
-from runtime.models.llama import apply_rope, lm_head, qkv_linear, split_qkv  # noqa: F401  (the family's API)
+import runtime.model.families.llama as llama
+from runtime.model.families.llama import apply_rope, lm_head, qkv_linear, split_qkv  # noqa: F401  (the family's API)
 
 Params = dict[str, Any]
 

@@ -6,9 +6,9 @@ then admissions from the waiting queue -- preempted requests first, then interac
 then batch -- while the free blocks left after prefix-cache hits stay above the
 watermark. `reserve` mode admits only when prompt + max_tokens fit alongside what the
 running sequences may still grow into, so it never preempts. The arithmetic of both
-modes is runtime/capacity.py's, which disaggregation and the fleet's stats share.
+modes is runtime/core/capacity.py's, which disaggregation and the fleet's stats share.
 
-The scheduler is the one writer of a request's lifecycle fields (runtime/request.py):
+The scheduler is the one writer of a request's lifecycle fields (runtime/core/request.py):
 it admits, grows, preempts and finishes, and `commit` / `append_token` account a
 launched step's tokens; the engine builds step rows from requests without changing them.
 """
@@ -19,10 +19,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from runtime import capacity
-from runtime.block_pool import BlockPool, NoFreeBlocks
+from runtime.core import capacity
+from runtime.core.block_pool import BlockPool, NoFreeBlocks
 from runtime.config import AdmissionPolicy, CacheConfig, SchedulerConfig
-from runtime.request import Request, Status, cacheable_blocks
+from runtime.core.request import Request, Status, cacheable_blocks
 
 PRIORITY_RANK = {"interactive": 0, "batch": 1}
 
@@ -78,7 +78,7 @@ class Scheduler:
         self.counters.rejections[reason] = self.counters.rejections.get(reason, 0) + 1
 
     def add(self, req: Request, pinned_blocks: Sequence[int] = ()) -> None:
-        """Queue a request; `pinned_blocks`: blocks reserved for it (runtime/disagg.py), which
+        """Queue a request; `pinned_blocks`: blocks reserved for it (runtime/core/disagg.py), which
         it holds while it waits and hands back at admission."""
         total = req.max_total_tokens()
         why = capacity.never_fits(total, self.envelope.max_model_len, self.pool)
@@ -307,7 +307,7 @@ class Scheduler:
         token is pending until `append_token` brings it back."""
         req.num_computed_tokens += n
         req.needs_row_reset = False
-        # The step's row adds its tokens to the penalty state (runtime/batch.py `step_row`
+        # The step's row adds its tokens to the penalty state (runtime/model/batch.py `step_row`
         # skips those already there); recorded here, where the step is committed.
         req.row_counted_upto = max(req.row_counted_upto, req.num_computed_tokens)
         sampled = req.num_computed_tokens == req.num_tokens

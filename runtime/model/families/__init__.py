@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from runtime.config import ModelConfig
-from runtime.models import llama, qwen3
+from runtime.model.families import llama, qwen3
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": llama, "qwen3": qwen3}
 

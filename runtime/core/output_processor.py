@@ -23,12 +23,12 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from runtime.request import format_logprob
-from runtime.sampling import SamplingParams
+from runtime.core.request import format_logprob
+from runtime.model.sampling import SamplingParams
 from runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 if TYPE_CHECKING:
-    from runtime.engine import RequestOutput
+    from runtime.core.engine import RequestOutput
 
 log = logging.getLogger(__name__)
 

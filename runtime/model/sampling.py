@@ -17,7 +17,7 @@ Device pipeline, computed per row so a row's tokens never depend on the rest of 
 - Logprobs (chosen as vLLM's default): log_softmax of the RAW logits, before penalties,
   temperature and filters; top_ids by raw probability, most probable first.
 - Before all of it, logit_bias is added and the allowed-token bitmask applied (structured
-  outputs, min_tokens; runtime/structured.py): like vLLM, logprobs see both.
+  outputs, min_tokens; runtime/model/structured.py): like vLLM, logprobs see both.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.structured import Guide
+from runtime.model.structured import Guide
 
 GREEDY_EPS = 1e-5   # temperatures below this sample greedily (as vLLM)
 MAX_LOGPROBS = 20
@@ -81,7 +81,7 @@ class SamplingParams:
     n: int = 1
     min_tokens: int = 0                 # EOS and stop_token_ids are banned below this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit
-    guide: Guide | None = None          # structured output (runtime/structured.py)
+    guide: Guide | None = None          # structured output (runtime/model/structured.py)
     prompt_logprobs: int | None = None  # logprobs of the prompt's tokens (top N of each); bypasses the prefix cache
 
     def __post_init__(self) -> None:
@@ -112,7 +112,7 @@ class SamplingParams:
                    f"keys must be token ids, got {t!r}")
             _check(isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100, "logit_bias",
                    f"values must be between -100 and 100, got {v!r} for token {t}")
-        _check(self.guide is None or isinstance(self.guide, Guide), "guide", "must be a runtime.structured.Guide")
+        _check(self.guide is None or isinstance(self.guide, Guide), "guide", "must be a runtime.model.structured.Guide")
         object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
@@ -185,7 +185,7 @@ def _bias_arrays(rows: Sequence[SamplingRow], pad_to: int) -> tuple[np.ndarray, 
 def make_sampling_inputs(rows: Sequence[SamplingRow | None], pad_to: int,
                          token_mask: np.ndarray | None = None) -> SamplingInputs:
     """Host-side numpy batch; None rows and rows past len(rows) are greedy padding.
-    token_mask: [pad_to, ceil(V/32)] allowed-token bitmask (runtime.structured.TokenMasks);
+    token_mask: [pad_to, ceil(V/32)] allowed-token bitmask (runtime.model.structured.TokenMasks);
     None = no row is constrained (a [pad_to, 0] placeholder)."""
     _check(len(rows) <= pad_to, "pad_to", f"{len(rows)} rows do not fit in {pad_to}")
     pad = SamplingRow(SamplingParams(temperature=0.0))

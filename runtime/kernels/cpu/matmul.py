@@ -4,7 +4,7 @@
 layout once, when the engine starts: {"p": int8 [..., strips, in/4, 256], "s": [..., out],
 "c": int32 [..., out] (128 * column sums, see the .cc), "in"?}. Projections that read the
 same input are packed as one: wq|wk|wv -> "qkv", w_gate|w_up -> "gate_up" (one activation
-quantization and one call instead of three or two). runtime.quant.linear runs a packed
+quantization and one call instead of three or two). runtime.model.quant.linear runs a packed
 weight through `linear` below; the model splits the fused outputs.
 
 Grouped w8a8 ({"q", "g": [..., in/32, out]}: GGUF Q8_0's values and block scales, kept
@@ -256,7 +256,7 @@ def linear(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
 
 # --- the packed weights as Linear objects (runtime/model/linear.py) ---------------------------
 
-from runtime.model import linear as _linear  # noqa: E402  (after the kernel calls they wrap)
+import runtime.model.linear as _linear  # noqa: E402  (after the kernel calls they wrap)
 from runtime.model.linear import HeldPerLayer, Linear, Norm, PerLayer, pytree  # noqa: E402
 
 
