@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
@@ -320,6 +320,52 @@ class AdmissionPolicy:
         return dataclasses.asdict(self)
 
 
+F32_KERNEL_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The hand-written CPU paths (runtime/kernels/cpu). Each is used only where it is built for
+    this CPU and was measured faster; these switch one off for an A/B or a workaround (the
+    outputs are the same). An environment variable in ENV, when set, overrides its field
+    (`with_env`, the one place they are read): handy for an A/B without a new command line."""
+
+    cpu_kernels: bool = True        # C++ attention and products at all (off: plain XLA)
+    f32_kernel: str = "auto"        # float32 products: auto (where preferred for this CPU) | on | off
+    amx: bool = True                # int8 products of 16+ rows on AMX tiles where the CPU has them
+    per_layer_weights: bool = True  # layer weights as separate arrays (no scanned-slice copies)
+    huge_pages: bool = True         # weights and KV cache on 2 MB pages (Linux)
+    linger_us: int = 100            # a pool helper waits this long for the next call's work (0: sleep)
+
+    ENV: ClassVar[dict[str, str]] = {
+        "cpu_kernels": "PAGEDJAX_CPU_KERNELS", "f32_kernel": "PAGEDJAX_F32_KERNEL", "amx": "PAGEDJAX_AMX",
+        "per_layer_weights": "PAGEDJAX_PER_LAYER_WEIGHTS", "huge_pages": "PAGEDJAX_HUGEPAGES",
+        "linger_us": "PAGEDJAX_LINGER_US"}
+
+    def __post_init__(self) -> None:
+        _check(self.f32_kernel in F32_KERNEL_MODES, "f32_kernel", f"must be one of {', '.join(F32_KERNEL_MODES)}")
+        _check(self.linger_us >= 0, "linger_us", "must be >= 0")
+
+    def with_env(self, environ: Any = None) -> "KernelConfig":
+        """This config with the set environment variables of ENV applied (1/0 for the switches,
+        1/0 for f32_kernel's on/off, microseconds for linger_us)."""
+        import os
+
+        env = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for name, var in self.ENV.items():
+            v = env.get(var)
+            if v is None or v == "":
+                continue
+            if name == "f32_kernel":
+                changes[name] = {"1": "on", "0": "off"}.get(v, v)
+            elif name == "linger_us":
+                changes[name] = int(v)
+            else:
+                changes[name] = v != "0"
+        return dataclasses.replace(self, **changes) if changes else self
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -332,3 +378,4 @@ class EngineConfig:
     quantization: str = "auto"       # auto (as the checkpoint stores it) | none | w8a8 | w8a16 (runtime/model/quant.py)
     quantize_lm_head: bool = False   # w8a8: an int8 LM head too (faster, less accurate: runtime/model/quant.py)
     tensor_parallel_size: int = 1    # devices the model is sharded over (runtime/model/tp.py); 1: one device
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # the CPU kernels' switches

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
+from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
 from runtime.core.engine import LLMEngine
 
 
 def make_engine(ckpt: Path, *, num_blocks: int = 256, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                 max_model_len: int = 512, prefix_cache: bool = True, warmup: bool = False,
                 kv_dtype: str = "float32", quantization: str = "auto", quantize_lm_head: bool = False,
-                **policy) -> LLMEngine:
+                kernels: KernelConfig | None = None, **policy) -> LLMEngine:
     envelope = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
     pol = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                long_prefill_token_threshold=max_num_batched_tokens)
@@ -20,6 +20,6 @@ def make_engine(ckpt: Path, *, num_blocks: int = 256, max_num_seqs: int = 8, max
     def build(model):
         return EngineConfig(model, CacheConfig(16, num_blocks, kv_dtype, prefix_cache), envelope,
                             AdmissionPolicy(**pol), "xla", "float32", quantization=quantization,
-                            quantize_lm_head=quantize_lm_head)
+                            quantize_lm_head=quantize_lm_head, kernels=kernels or KernelConfig())
 
     return LLMEngine.from_checkpoint(ckpt, build, warmup=warmup, progress=False)

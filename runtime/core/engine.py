@@ -112,7 +112,7 @@ class LLMEngine:
         params = prepare(params, config.quantization, config.model, tokenizer, lm_head=config.quantize_lm_head)
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
                                   config.attention_backend, dtype, config.quantization,
-                                  tensor_parallel_size=config.tensor_parallel_size)
+                                  tensor_parallel_size=config.tensor_parallel_size, kernels=config.kernels)
         self.guides = GuideCompiler(tokenizer, config.model.vocab_size)
         self.metrics = EngineMetrics(lambda: EngineState.read(self.scheduler, self.pool, compilations))
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)

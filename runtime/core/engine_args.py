@@ -6,8 +6,8 @@ import argparse
 import logging
 from typing import Callable
 
-from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, GiB, ModelConfig, SchedulerConfig,
-                            parse_memory)
+from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, GiB, KernelConfig, ModelConfig,
+                            SchedulerConfig, parse_memory)
 
 CPU_DEFAULT_KV_MEMORY = 2 * GiB  # 64 streams of ~700 unshared tokens (SmolLM2, float32) without preemption
 
@@ -48,6 +48,17 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                         "attention path only (the C++ CPU kernels are off under TP)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    k = p.add_argument_group("CPU kernels (runtime/kernels/cpu; each is on where built and measured faster; "
+                             "PAGEDJAX_* environment variables override these, docs/kernels.md)")
+    k.add_argument("--no-cpu-kernels", action="store_true", help="plain XLA: no C++ attention or products")
+    k.add_argument("--f32-kernel", choices=("auto", "on", "off"), default="auto",
+                   help="float32 products on the C++ kernel (auto: where preferred for this CPU)")
+    k.add_argument("--no-amx", action="store_true", help="int8 products on the AVX512-VNNI loop, not AMX tiles")
+    k.add_argument("--no-per-layer-weights", action="store_true",
+                   help="keep layer weights stacked (XLA then copies each layer's slice)")
+    k.add_argument("--no-huge-pages", action="store_true", help="weights and KV cache on ordinary 4 KB pages")
+    k.add_argument("--linger-us", type=int, default=KernelConfig.linger_us,
+                   help="microseconds a kernel pool helper waits for the next call's work (0: sleep at once)")
     a = p.add_argument_group("admission policy (live-tunable from the console)")
     a.add_argument("--watermark", type=float, default=0.05)
     a.add_argument("--admission-mode", choices=("reserve", "optimistic"), default="optimistic")
@@ -75,6 +86,14 @@ def engine_arg_names() -> list[str]:
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
     return [a.dest for a in p._actions if a.dest != "help"]
+
+
+def kernel_config_from_args(args: argparse.Namespace) -> KernelConfig:
+    return KernelConfig(cpu_kernels=not getattr(args, "no_cpu_kernels", False),
+                        f32_kernel=getattr(args, "f32_kernel", "auto"), amx=not getattr(args, "no_amx", False),
+                        per_layer_weights=not getattr(args, "no_per_layer_weights", False),
+                        huge_pages=not getattr(args, "no_huge_pages", False),
+                        linger_us=getattr(args, "linger_us", KernelConfig.linger_us))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig], EngineConfig]:
@@ -115,7 +134,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
                             async_scheduling=not getattr(args, "no_async_scheduling", False),
                             quantization=getattr(args, "quantization", "auto"),
                             quantize_lm_head=getattr(args, "quantize_lm_head", False),
-                            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                            kernels=kernel_config_from_args(args))
 
     # LLMEngine.from_checkpoint reads it before the weights (TP restores them into their shards).
     build.tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)  # type: ignore[attr-defined]

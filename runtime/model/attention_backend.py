@@ -104,7 +104,7 @@ def make_backend(name: str, kv_dtype: str, cpu_kernels: bool) -> AttentionBacken
     if name == "xla":
         from runtime.kernels.cpu import attention as cpu_attention
 
-        return XlaAttention(cpu_kernel=cpu_kernels and kv_dtype in ("float32", "int8") and cpu_attention.enabled())
+        return XlaAttention(cpu_kernel=cpu_kernels and kv_dtype in ("float32", "int8") and cpu_attention.available())
     if jax.default_backend() == "gpu":
         return PallasAttention()
     # No GPU: the same kernel runs in the Mosaic GPU interpreter (tests only: slow).

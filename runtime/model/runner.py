@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from tqdm import tqdm
 
 from runtime.model.kv_pages import QuantizedPages
 from runtime.model.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
-from runtime.config import QUANTIZED_KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+from runtime.config import QUANTIZED_KV_DTYPES, CacheConfig, KernelConfig, ModelConfig, SchedulerConfig
 from runtime.model.attention_backend import AttentionBackend, make_backend, paged_attention
 from runtime.model.families import family
 from runtime.model.families.llama import Params
@@ -207,10 +206,12 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, cache: CacheConfig, sched: SchedulerConfig,
                  attention_backend: str = "auto", dtype: Any = jnp.float32, quantization: str = "none",
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, kernels: KernelConfig | None = None):
         """With a quantization, `params` come quantized (runtime.model.quant.prepare calibrates and
         quantizes them once, in the engine). tensor_parallel_size > 1: params and KV cache
-        sharded over a mesh of that many devices (runtime/model/tp.py); 1 is the single-device path."""
+        sharded over a mesh of that many devices (runtime/model/tp.py); 1 is the single-device path.
+        `kernels`: the CPU kernels' switches (EngineConfig.kernels), environment overrides applied."""
+        self.kernels = kernels = (kernels or KernelConfig()).with_env()
         self.tp = tensor_parallel_size
         self.mesh = None
         if self.tp > 1:
@@ -225,9 +226,12 @@ class ModelRunner:
             tune_cpu_allocator()
         self.quantization = quantization
         # w8a8 on a CPU with AVX512-VNNI: the C++ int8 kernel, weights packed for it once here.
+        from runtime.kernels.cpu import build as cpu_kernels
         from runtime.kernels.cpu import matmul as cpu_matmul
 
-        self.matmul_kernel = quantization == "w8a8" and cpu_matmul.vectorized() and self.tp == 1
+        if jax.default_backend() == "cpu" and cpu_kernels.enabled(kernels):
+            cpu_kernels.configure(kernels)  # the library's process-wide knobs (AMX, the pool's linger)
+        self.matmul_kernel = quantization == "w8a8" and cpu_matmul.vectorized(kernels) and self.tp == 1
         if quantization == "w8a8" and not self.matmul_kernel and self.tp == 1 and jax.default_backend() == "cpu":
             # the trade must be visible: without the kernel w8a8 buys accuracy loss, not speed
             log.warning("w8a8: the C++ int8 kernel is not available here (it needs AVX512-VNNI and the CPU "
@@ -235,20 +239,19 @@ class ModelRunner:
                         "float32 on an AVX2-only EPYC; compare both with `pagedjax bench offline --part decode`")
         if self.matmul_kernel:
             params = cpu_matmul.pack_params(params)
-            if "head" not in params and cpu_matmul.f32_default():  # the head stays float: the float kernel's copy
+            if "head" not in params and cpu_matmul.f32_default(kernels):  # the head stays float: the float kernel's copy
                 params = cpu_matmul.with_float_head(params, cfg.tie_word_embeddings)
         # float32 weights: the C++ float kernel (faster than XLA's dot at 1-512 rows on the
         # CPUs measured; cpu_matmul.f32_default says where it is the default)
         self.f32_kernel = (quantization == "none" and jnp.dtype(dtype) == jnp.float32 and self.tp == 1
-                           and jax.default_backend() == "cpu" and cpu_matmul.f32_default())
+                           and jax.default_backend() == "cpu" and cpu_matmul.f32_default(kernels))
         if self.f32_kernel:
             params = cpu_matmul.pack_float_params(params, cfg.tie_word_embeddings)
             self.f32_kernel = "qkv" in params["layers"]
         self.params = cast_params(params, dtype)
         # XLA:CPU: float layer weights as separate per-layer arrays (models/llama.py
-        # unstack_weights says why); PAGEDJAX_PER_LAYER_WEIGHTS=0 keeps them stacked.
-        self.per_layer_weights = (jax.default_backend() == "cpu" and self.tp == 1
-                                  and os.environ.get("PAGEDJAX_PER_LAYER_WEIGHTS", "1") != "0")
+        # unstack_weights says why); KernelConfig.per_layer_weights off keeps them stacked.
+        self.per_layer_weights = jax.default_backend() == "cpu" and self.tp == 1 and kernels.per_layer_weights
         if self.per_layer_weights:
             from runtime.model.families.llama import unstack_weights
             from runtime.model.quant import LINEAR_WEIGHTS
@@ -257,7 +260,7 @@ class ModelRunner:
         if self.mesh is None:
             from runtime.kernels.cpu import hugepages
 
-            self.params = hugepages.place_weights(self.params)
+            self.params = hugepages.place_weights(self.params, kernels)
         self.max_blocks_per_seq = -(-sched.max_model_len // cache.block_size)
         if cache.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype: {cache.kv_dtype!r} is not supported by the runner "
@@ -267,7 +270,7 @@ class ModelRunner:
             self.kv = allocate_kv(shape, cache.kv_dtype)
             from runtime.kernels.cpu import hugepages
 
-            hugepages.collapse(self.kv)
+            hugepages.collapse(self.kv, kernels)
         rows = sched.max_num_seqs + 1  # last row is scratch for padding
         self.penalty = (jnp.zeros((rows, cfg.vocab_size), jnp.int32), jnp.zeros((rows, cfg.vocab_size), bool),
                         jnp.zeros((rows,), jnp.int32))
@@ -278,7 +281,8 @@ class ModelRunner:
             self.penalty = jax.device_put(self.penalty, tp.replicated(self.mesh))
         self.scratch_row = rows - 1
         # Under TP the plain XLA path: the C++ CPU kernels' custom calls are not shard-safe yet.
-        self.attention = make_backend(attention_backend, cache.kv_dtype, cpu_kernels=self.tp == 1)
+        self.attention = make_backend(attention_backend, cache.kv_dtype,
+                                      cpu_kernels=self.tp == 1 and kernels.cpu_kernels)
         self.attention_backend = self.attention.name
         self.attention_kernel = bool(getattr(self.attention, "cpu_kernel", False))  # decode rows on the C++ kernel
         fn = partial(_step, cfg, self.attention, cache.num_blocks, self.mesh)
@@ -319,7 +323,7 @@ class ModelRunner:
         self.penalty = tuple(jnp.zeros(a.shape, a.dtype) for a in self.penalty)
         from runtime.kernels.cpu import hugepages
 
-        hugepages.collapse(self.kv)  # (a new buffer: back on huge pages, as at start)
+        hugepages.collapse(self.kv, self.kernels)  # (a new buffer: back on huge pages, as at start)
         return True
 
     def kv_cache_bytes(self) -> int:

@@ -101,7 +101,7 @@ def test_engine_serves_w8a8_through_the_kernel(tiny_ckpt, monkeypatch, caplog):
                for k in ("qkv", "gate_up", "wo", "w_down"))
     got = [r.output_ids for r in eng.generate(prompts, sp)]
     assert "int8 kernel is not available" not in caplog.text
-    monkeypatch.setattr(cpu_matmul, "vectorized", lambda: False)
+    monkeypatch.setattr(cpu_matmul, "vectorized", lambda kernels=None: False)
     with caplog.at_level("WARNING", logger="runtime.model.runner"):
         ref = make_engine(tiny_ckpt, quantization="w8a8")
     assert "w8a8: the C++ int8 kernel is not available here" in caplog.text
@@ -202,7 +202,7 @@ def test_engine_serves_a_q8_0_checkpoint_through_the_grouped_kernel(tmp_path, mo
     inp = build_step_input(decode_rows(r, 2, 20), 2, 2, r.max_blocks_per_seq, r.cache_cfg.block_size, r.scratch_row)
     hlo = r._step.lower(r.params, r.kv, r.penalty, inp).as_text()
     assert cpu_matmul.GROUPED_TARGET in hlo and f"{cpu_matmul.TARGET}\"" not in hlo
-    monkeypatch.setattr(cpu_matmul, "vectorized", lambda: False)
+    monkeypatch.setattr(cpu_matmul, "vectorized", lambda kernels=None: False)
     ref = make_engine(ckpt, quantization="w8a8", quantize_lm_head=True)
     assert not ref.runner.matmul_kernel and "g" in ref.runner.params["layers"]["wq"]
     assert got == [x.output_ids for x in ref.generate(prompts, sp)]

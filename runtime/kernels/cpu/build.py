@@ -49,6 +49,8 @@ from pathlib import Path
 
 import jax
 
+from runtime.config import KernelConfig
+
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.cc", HERE / "cpu_matmul.cc", HERE / "cpu_linear_f32.cc")
@@ -234,10 +236,20 @@ def available() -> bool:
     return library() is not None
 
 
-def enabled() -> bool:
-    """available(), unless PAGEDJAX_CPU_KERNELS=0 asks for the plain XLA path (read each time
-    an engine is built, so one process can compare both)."""
-    return os.environ.get("PAGEDJAX_CPU_KERNELS", "1") != "0" and available()
+def enabled(kernels: KernelConfig | None = None) -> bool:
+    """available(), unless the kernel switches (EngineConfig.kernels, with its environment
+    overrides: runtime/config.KernelConfig) ask for the plain XLA path."""
+    return (kernels or KernelConfig().with_env()).cpu_kernels and available()
+
+
+def configure(kernels: KernelConfig) -> None:
+    """Hand the library's process-wide knobs (AMX, the pool's linger) the engine's switches.
+    The library's own defaults (environment variables read by the C++, for the standalone
+    sanitizer driver) hold until an engine is built."""
+    lib = library()
+    if lib is not None:
+        lib.PagedjaxSetAmx(ctypes.c_int(int(kernels.amx)))
+        lib.PagedjaxSetLingerUs(ctypes.c_int64(kernels.linger_us))
 
 
 def num_threads() -> int:

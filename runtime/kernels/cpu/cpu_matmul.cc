@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -442,6 +443,16 @@ bool amx_permitted() { return false; }
 void amx_strip(const Linear&, int64_t, int32_t*) {}
 #endif
 
+// AMX on or off for the whole process: the engine sets it from its KernelConfig
+// (PagedjaxSetAmx); until then PAGEDJAX_AMX=0 turns it off (an A/B; the outputs are the same).
+std::atomic<bool>& amx_enabled() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("PAGEDJAX_AMX");
+    return !(v && v[0] == '0');
+  }()};
+  return on;
+}
+
 ffi::Error Int8Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> in_scale,
                       ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> comp,
                       ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
@@ -459,8 +470,8 @@ ffi::Error Int8Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (M == 0) return ffi::Error::Success();
   // AMX from 16 rows on (below, most of each 16-row tile would be padding) where the CPU has
   // it, the OS lends it and PAGEDJAX_AMX is not 0 (an A/B switch; the outputs are the same).
-  const char* amx_env = std::getenv("PAGEDJAX_AMX");
-  const bool amx = kAmx && M >= 16 && Kp % 64 == 0 && !(amx_env && amx_env[0] == '0') && amx_permitted();
+  const bool amx = kAmx && M >= 16 && Kp % 64 == 0 && amx_enabled().load(std::memory_order_relaxed) &&
+                   amx_permitted();
   // Quantized rows and their scales, reused across calls of this thread (the helpers only
   // read them while this call waits for them). AMX reads whole 16-row tiles: padding rows.
   thread_local std::vector<uint8_t> a;
@@ -543,6 +554,8 @@ ffi::Error Int8LinearG32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 extern "C" int PagedjaxInt8LinearVectorized() { return kVectorized ? 1 : 0; }
 
 // 1 when w8a8 products of 16+ rows run on AMX tiles here (compiled in, and the OS lends them).
+extern "C" void PagedjaxSetAmx(int on) { amx_enabled().store(on != 0); }
+extern "C" void PagedjaxSetLingerUs(int64_t us) { pagedjax::linger_setting_ns().store(us * 1000); }
 extern "C" int PagedjaxInt8LinearAmx() { return kAmx && amx_permitted() ? 1 : 0; }
 
 // The instruction-set path compiled into this build (runtime/kernels/cpu/build.py variants):

@@ -127,14 +127,18 @@ inline int64_t now_ns() {
       .count();
 }
 
-inline int64_t linger_ns() {
-  // PAGEDJAX_LINGER_US=0 turns the handoff off (an A/B); 25-400 us measured alike at batch 1
-  static const int64_t ns = [] {
+// How long a helper lingers for the next call's work: the engine sets it from its
+// KernelConfig (PagedjaxSetLingerUs); until then PAGEDJAX_LINGER_US or 100 us (the standalone
+// sanitizer driver). 0 turns the handoff off (an A/B); 25-400 us measured alike at batch 1.
+inline std::atomic<int64_t>& linger_setting_ns() {
+  static std::atomic<int64_t> ns{[] {
     const char* v = std::getenv("PAGEDJAX_LINGER_US");
     return (v ? std::atoll(v) : 100) * 1000;
-  }();
+  }()};
   return ns;
 }
+
+inline int64_t linger_ns() { return linger_setting_ns().load(std::memory_order_relaxed); }
 
 inline void linger() {
   Handoff& h = handoff();

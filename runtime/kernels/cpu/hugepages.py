@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 from typing import Any
 
 import jax
 import numpy as np
+
+from runtime.config import KernelConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,9 @@ MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25  # Linux 6.1+: back an advised range with huge pages now, not when khugepaged gets there
 
 
-def enabled() -> bool:
+def enabled(kernels: KernelConfig | None = None) -> bool:
     return (sys.platform.startswith("linux") and jax.default_backend() == "cpu"
-            and os.environ.get("PAGEDJAX_HUGEPAGES", "1") != "0")
+            and (kernels or KernelConfig().with_env()).huge_pages)
 
 
 def _madvise(addr: int, length: int, advice: int) -> bool:
@@ -59,10 +60,10 @@ def _arena(nbytes: int) -> np.ndarray:
     return arena
 
 
-def place_weights(tree: Any) -> Any:
+def place_weights(tree: Any, kernels: KernelConfig | None = None) -> Any:
     """`tree` with its CPU arrays of MIN_BYTES or more moved into one huge-page arena (the
     same values, now aliasing host memory XLA reads in place); unchanged when disabled."""
-    if not enabled():
+    if not enabled(kernels):
         return tree
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     big = [i for i, a in enumerate(leaves) if isinstance(a, (jax.Array, np.ndarray)) and a.nbytes >= MIN_BYTES
@@ -89,11 +90,11 @@ def place_weights(tree: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def collapse(tree: Any) -> int:
+def collapse(tree: Any, kernels: KernelConfig | None = None) -> int:
     """Back the whole 2 MB pages inside each CPU array of `tree` with huge pages, in place
     (the KV cache: XLA allocates it, and donation keeps it at the same address step after
     step). Returns the bytes advised; 0 when disabled or where madvise refuses."""
-    if not enabled():
+    if not enabled(kernels):
         return 0
     done = 0
     for a in jax.tree_util.tree_leaves(tree):

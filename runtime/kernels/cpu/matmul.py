@@ -26,13 +26,13 @@ also adds a residual in the kernel.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runtime.config import KernelConfig
 from runtime.kernels.cpu import build as cpu_kernels
 
 TARGET = "pagedjax_int8_linear"
@@ -45,36 +45,34 @@ FUSED = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
 PACKED = {**FUSED, "wo": ("wo",), "w_down": ("w_down",)}  # packed name -> the projections it holds
 
 
-def vectorized() -> bool:
+def vectorized(kernels: KernelConfig | None = None) -> bool:
     """The kernels are enabled and the int8 one was compiled with AVX512-VNNI."""
-    lib = cpu_kernels.library() if cpu_kernels.enabled() else None
+    lib = cpu_kernels.library() if cpu_kernels.enabled(kernels) else None
     return bool(lib is not None and lib.PagedjaxInt8LinearVectorized())
 
 
-def amx() -> bool:
+def amx(kernels: KernelConfig | None = None) -> bool:
     """w8a8 products of 16+ rows run on AMX tiles (Sapphire Rapids and later: the kernel was
-    compiled with AMX-INT8 and the OS lends the tile registers); PAGEDJAX_AMX=0 keeps the
-    AVX512-VNNI loop (same outputs, for an A/B)."""
-    return vectorized() and bool(cpu_kernels.library().PagedjaxInt8LinearAmx()) and \
-        os.environ.get("PAGEDJAX_AMX", "1") != "0"
+    compiled with AMX-INT8 and the OS lends the tile registers); KernelConfig.amx off
+    (PAGEDJAX_AMX=0) keeps the AVX512-VNNI loop (same outputs, for an A/B)."""
+    kernels = kernels or KernelConfig().with_env()
+    return vectorized(kernels) and bool(cpu_kernels.library().PagedjaxInt8LinearAmx()) and kernels.amx
 
 
-def f32_vectorized() -> bool:
+def f32_vectorized(kernels: KernelConfig | None = None) -> bool:
     """The kernels are enabled and the float32 one was compiled with AVX2 + FMA or AVX-512."""
-    lib = cpu_kernels.library() if cpu_kernels.enabled() else None
+    lib = cpu_kernels.library() if cpu_kernels.enabled(kernels) else None
     return bool(lib is not None and lib.PagedjaxF32LinearVectorized())
 
 
-def f32_default() -> bool:
-    """Whether float32 layers go through the float kernel: PAGEDJAX_F32_KERNEL=1 / 0 forces
-    it on / off; unset, on wherever it is vectorized (measured faster than XLA's dot with the
-    AVX2 and the AVX-512 tile; see cpu_linear_f32.cc)."""
-    import os
-
-    force = os.environ.get("PAGEDJAX_F32_KERNEL")
-    if not f32_vectorized() or force == "0":
+def f32_default(kernels: KernelConfig | None = None) -> bool:
+    """Whether float32 layers go through the float kernel: KernelConfig.f32_kernel on / off
+    (PAGEDJAX_F32_KERNEL=1 / 0) forces it; auto: wherever it is vectorized (measured faster
+    than XLA's dot with the AVX2 and the AVX-512 tile; see cpu_linear_f32.cc)."""
+    kernels = kernels or KernelConfig().with_env()
+    if not f32_vectorized(kernels) or kernels.f32_kernel == "off":
         return False
-    return force == "1" or bool(cpu_kernels.library().PagedjaxF32LinearPreferred())
+    return kernels.f32_kernel == "on" or bool(cpu_kernels.library().PagedjaxF32LinearPreferred())
 
 
 def packed_array(w: Any) -> Any:
