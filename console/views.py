@@ -214,8 +214,8 @@ def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
         "checkpoint": str(getattr(settings, "checkpoint", "") or "—"),
         "model_name": getattr(settings, "model_name", None) or m.name,
         "m": m, "cache": c, "env": env, "dtype": cfg.dtype, "backend": info.attention_backend
-        + (" (decode rows: C++ kernel, runtime/cpu_attention.cc)" if info.attention_kernel else "")
-        + ("; int8 products: C++ kernel, runtime/cpu_matmul.cc" if info.matmul_kernel else ""),
+        + (" (decode rows: C++ kernel, runtime/kernels/cpu/cpu_attention.cc)" if info.attention_kernel else "")
+        + ("; int8 products: C++ kernel, runtime/kernels/cpu/cpu_matmul.cc" if info.matmul_kernel else ""),
         "quantization": cfg.quantization, "lm_head_int8": cfg.quantize_lm_head, "kv_quantized": c.kv_dtype in QUANTIZED_KV_DTYPES,
         "kv_elem_bytes": DTYPE_BYTES[c.kv_dtype], "kv_scale_bytes": KV_SCALE_BYTES,
         "device": _jax_device(), "params": m.param_count(), "tensor_parallel": info.tensor_parallel,

@@ -77,7 +77,7 @@ class RopeScaling:
         return cls(**d)
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")  # runtime/models FAMILIES
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # runtime/model/families FAMILIES
 
 
 @dataclass(frozen=True)

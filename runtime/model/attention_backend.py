@@ -4,7 +4,7 @@ the paged cache (`write_kv`) and reads them back for the step's queries (`attend
 
     XlaAttention(cpu_kernel=False)   plain XLA (runtime/model/xla_attention.py), any device
     XlaAttention(cpu_kernel=True)    the same contract with the C++ CPU kernels
-                                     (runtime/cpu_attention.cc) serving the float32/int8 cache
+                                     (runtime/kernels/cpu/cpu_attention.cc) serving the float32/int8 cache
     PallasAttention(interpret=...)   the Mosaic GPU kernel (pallas_kernels/paged_attention.py);
                                      `interpret` runs it in the interpreter (tests without a GPU)
 

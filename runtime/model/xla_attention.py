@@ -11,7 +11,7 @@ so each part gives XLA large, regular products and touches only the KV blocks in
   never straddle two sequences; a dynamic loop over tiles (zero iterations in a pure
   decode step), each over its own causal KV range.
 
-On CPU with a float32 or int8 cache both paths are the C++ kernel of runtime/cpu_attention.cc
+On CPU with a float32 or int8 cache both paths are the C++ kernel of runtime/kernels/cpu/cpu_attention.cc
 (`cpu_kernel`; its own cascade; int8 blocks dequantized once inside it): ~2x faster in decode,
 and in a 512-token prefill step 1.6x (16 chats of 32 tokens after a 352-token shared prompt:
 260 -> 159 ms of attention) to 2.3x (one fresh 512-token prompt: 282 -> 122 ms) on a 2-core

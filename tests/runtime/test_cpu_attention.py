@@ -1,4 +1,4 @@
-"""The C++ decode-attention kernel (runtime/cpu_attention.cc): built and registered on this
+"""The C++ decode-attention kernel (runtime/kernels/cpu/cpu_attention.cc): built and registered on this
 machine, equal to the float64 oracle and to the XLA path, and chosen by default for float32
 caches (never for quantized ones)."""
 

@@ -1,4 +1,4 @@
-"""The C++ float32 linear kernel (runtime/cpu_linear_f32.cc): the packed layout, the numbers
+"""The C++ float32 linear kernel (runtime/kernels/cpu/cpu_linear_f32.cc): the packed layout, the numbers
 against a float64 reference, shape checks, and an engine serving float32 through it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The C++ W8A8 linear kernel (runtime/cpu_matmul.cc): the packed layout, the numbers against
+"""The C++ W8A8 linear kernel (runtime/kernels/cpu/cpu_matmul.cc): the packed layout, the numbers against
 XLA's int8 path and a numpy reference, and an engine serving w8a8 through it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (runtime/cpu_attention.cc) as an XLA FFI custom call.
+"""The CPU decode-attention kernel (runtime/kernels/cpu/cpu_attention.cc) as an XLA FFI custom call.
 
 Built and registered by runtime/kernels/cpu/build.py. Where it cannot be built (no compiler,
 another platform) or PAGEDJAX_CPU_KERNELS=0, `enabled()` is False and attention stays on the

@@ -1,4 +1,4 @@
-"""The CPU W8A8 linear kernel (runtime/cpu_matmul.cc): packing and the call.
+"""The CPU W8A8 linear kernel (runtime/kernels/cpu/cpu_matmul.cc): packing and the call.
 
 `pack_params` turns a w8a8 tree ({"q": int8 [..., in, out], "s", "in"?}) into the kernel's
 layout once, when the engine starts: {"p": int8 [..., strips, in/4, 256], "s": [..., out],
@@ -15,7 +15,7 @@ target (activations quantized per row and group of 32, as llama.cpp does).
 Used for w8a8 on the CPU backend when the library was built with AVX512-VNNI
 (`vectorized()`); elsewhere XLA's int8 dot stays (same numbers up to float rounding).
 
-Float32 layers have their own kernel (runtime/cpu_linear_f32.cc, AVX-512 or AVX2 + FMA:
+Float32 layers have their own kernel (runtime/kernels/cpu/cpu_linear_f32.cc, AVX-512 or AVX2 + FMA:
 `f32_vectorized()`, on by default where `f32_default()`): `pack_float_params` packs the
 projections into strips of 16 columns, {"f": float32 [..., N/16, K, 16]}, fused the same
 way, and `linear_f32` calls it. Its gate|up is packed as {"fg": ...}, the gate's and the up
