@@ -10,6 +10,7 @@ from typing import Any
 from runtime.bench.machine import machine_info
 from runtime.bench.report import _ms, _num, _pct
 from scripts.bench_render.engine_md import render_engine_sections, render_tp
+from scripts.bench_render.seam_md import render_seam_ab, render_yardstick
 from scripts.bench_render.md import load as _load, table as _table
 from scripts.bench_render.peers_md import render_disagg, render_fleet, render_peers
 
@@ -199,6 +200,8 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
     L += render_disagg(d)
     L += render_engine_sections(d)
     L += render_tp(d)
+    L += render_yardstick(d)
+    L += render_seam_ab(d)
 
     L += ["## Independent client: guidellm", "",
           "guidellm runs from its own venv (`$GUIDELLM_VENV`, default /tmp/guidellm-venv): installing it into the "
