@@ -117,7 +117,8 @@ def _load(env: dict[str, str], *args: str) -> tuple[dict, list[str]]:
     proc = subprocess.run([sys.executable, "-c", LOAD, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    logs = [line for line in proc.stderr.splitlines() if "runtime.kernels" in line]
+    # the kernels' build says what it did (hugepages, in the same package, logs its own arena)
+    logs = [line for line in proc.stderr.splitlines() if "runtime.kernels.cpu.build" in line]
     return json.loads(proc.stdout.strip().splitlines()[-1]), logs
 
 
