@@ -77,7 +77,9 @@ class RopeScaling:
         return cls(**d)
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")  # runtime/model/families FAMILIES
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # runtime/model/families FAMILIES
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU (tanh GELU)
 
 
 @dataclass(frozen=True)
@@ -101,10 +103,16 @@ class ModelConfig:
     pad_token_id: int | None = None
     add_bos_token: bool = False
     name: str = "model"
-    # Mistral / Qwen2 sliding-window attention: served exactly by never letting a sequence
-    # outgrow the window (the engine refuses a longer max_model_len), since every key in
-    # a sequence no longer than the window is inside it. None: full attention.
+    # Sliding-window attention: a query at position p sees keys p - sliding_window + 1 .. p
+    # on the layers `layer_types` marks "sliding_attention" (every layer when layer_types is
+    # empty and sliding_window is set: Mistral). None: full attention everywhere.
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()   # per layer: "full_attention" | "sliding_attention"; () = uniform
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this ** -0.5 (default head_dim)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (global: rope_theta)
+    hidden_activation: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -115,9 +123,28 @@ class ModelConfig:
         _check(self.architecture in ARCHITECTURES, "architecture",
                f"unsupported architecture {self.architecture!r} (supported: {', '.join(ARCHITECTURES)})")
         _check(self.sliding_window is None or self.sliding_window > 0, "sliding_window", "must be positive")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # hashable: jit's static arg
+        _check(not self.layer_types or len(self.layer_types) == self.num_layers, "layer_types",
+               f"has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        _check(not bad, "layer_types", f"{bad[:1]} not supported (supported: {', '.join(LAYER_TYPES)})")
+        _check(self.sliding_window is not None or "sliding_attention" not in self.layer_types, "layer_types",
+               "has sliding_attention layers but sliding_window is not set")
+        _check(self.hidden_activation in ACTIVATIONS, "hidden_activation",
+               f"{self.hidden_activation!r} not supported (supported: {', '.join(ACTIVATIONS)})")
+        for f in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
+            v = getattr(self, f)
+            _check(v is None or (math.isfinite(v) and v > 0), f, f"must be positive, got {v}")
         s = self.rope_scaling
         _check(s is None or s.rope_type != "freq_factors" or len(s.freq_factors) == self.head_dim // 2,
                "rope_scaling.freq_factors", f"needs one factor per rotary frequency ({self.head_dim // 2})")
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer: the number of keys a query sees (its window), 0 for full attention."""
+        w = self.sliding_window or 0
+        if not self.layer_types:
+            return (w,) * self.num_layers
+        return tuple(w if t == "sliding_attention" else 0 for t in self.layer_types)
 
     # --- sizes used by inspect, the engine log and the planner -----------------
     def param_count(self) -> int:
@@ -138,6 +165,7 @@ class ModelConfig:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_types"] = list(self.layer_types)
         d["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_json()
         return d
 
@@ -150,6 +178,7 @@ class ModelConfig:
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling.from_json(d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["layer_types"] = tuple(d.get("layer_types") or ())
         return cls(**d)
 
     def save(self, path: Path) -> None:
