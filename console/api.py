@@ -27,6 +27,7 @@ from console import schemas as S
 from console.errors import APIError, ClientDisconnected, error_body
 from console.format import Formatter
 from console.structured import ToolPlan, guide_from_body, plan_tools, render_messages
+from console.tool_calls import of_tokenizer
 from runtime.core.async_engine import AsyncEngine
 from runtime.core.engine import RequestOutput
 from runtime.fleet.errors import KV_TRANSFER_FAILED, REPLICA_FAILED
@@ -207,8 +208,10 @@ def _chat_prompt(messages: list[S.ChatMessage], tok: Any, add_generation_prompt:
         if m.tool_calls and m.role != "assistant":
             raise APIError(400, f"messages[{i}].tool_calls: only an assistant message has tool calls",
                            param=f"messages[{i}].tool_calls")
-    renders_tools = getattr(tok, "renders_tools", False)
-    msgs, specs = render_messages(messages, tools or ToolPlan("none"), renders_tools)
+    chat = getattr(tok, "chat", None)
+    renders_calls = chat is not None and "tool_calls" in chat.source
+    msgs, specs = render_messages(messages, tools or ToolPlan("none", format=of_tokenizer(tok)),
+                                  getattr(tok, "renders_tools", False), renders_calls)
     try:
         return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                                   **({"tools": specs} if specs else {})))
@@ -394,7 +397,7 @@ async def chat_completions(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     tok = request.app.state.engine.tokenizer
-    plan = plan_tools(body, guide_from_body(body) is not None)
+    plan = plan_tools(body, guide_from_body(body) is not None, of_tokenizer(tok))
     ids = _chat_prompt(body.messages, tok, tools=plan)
     if body.user:
         log.info("request %s: user %r", record_of(request).request_id, body.user[:200])

@@ -9,7 +9,7 @@ from typing import Any
 from console.schemas import (ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatResponseMessage,
                              ChatTokenLogprob, CompletionChoice, CompletionLogprobs, FunctionDelta, PromptLogprob,
                              ToolCallDelta, TopLogprob)
-from console.structured import ToolStream, parse_tool_calls
+from console.structured import ToolStream, parse_tool_calls, tool_finish_reason
 
 
 class Formatter:
@@ -96,14 +96,13 @@ class Formatter:
         deltas = [ToolCallDelta(i, c.id, "function", FunctionDelta(c.function.name, c.function.arguments))
                   for i, c in enumerate(calls)]
         delta = ChatDelta(content=text or (None if out.finished else ""), tool_calls=deltas or None)
-        reason = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
-        return ChatChunkChoice(job.index, delta, lp, reason, out.stop_reason)
+        return ChatChunkChoice(job.index, delta, lp, tool_finish_reason(calls, out.finish_reason), out.stop_reason)
 
     def chat_choice(self, job: Any) -> ChatChoice:
         text, calls, reason = "".join(job.text), None, job.finish_reason
         if self.tools is not None:
             content, found = parse_tool_calls(text, self.tools)
-            if found and reason == "stop":
-                text, calls, reason = content, found, "tool_calls"
+            if found:  # a forced call cut by max_tokens is still a call, with finish_reason "length"
+                text, calls, reason = content, found, tool_finish_reason(found, reason)
         return ChatChoice(job.index, ChatResponseMessage(text, tool_calls=calls),
                           self._chat_lp(job.token_ids, job.logprobs), reason, job.stop_reason)

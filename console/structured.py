@@ -2,31 +2,34 @@
 (what the engine constrains the output to), tools -> prompt text, and generated text ->
 OpenAI `tool_calls`.
 
-Tool calls, as served here (documented in README "Structured outputs and tools"):
-- The checkpoint's chat template renders `tools` when it knows them (its source uses
-  `tools`). Otherwise -- SmolLM2's ignores them -- TOOL_PROMPT with every tool's name,
-  description and JSON schema goes into the system message, and past calls are written
-  back into assistant turns as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
-  `role: "tool"` turns are rendered by the template as their own role.
-- `required` and a named function are *forced*: the output is constrained to the JSON
-  `{"name": ..., "arguments": ...}` of one tool (named: that one) with its parameters'
-  schema, so `arguments` always parse. `required` makes exactly one call (vLLM makes a
-  list); `auto` parses `<tool_call>` blocks out of free text (all of them, or the first
-  with parallel_tool_calls false).
+Tool calls, as served here (docs/api.md, the tools section):
+- The checkpoint's chat template renders `tools` when it reads them. Otherwise -- SmolLM2's
+  ignores them -- TOOL_PROMPT with every tool's name, description and JSON schema goes into
+  the system message. Past calls go to a template that renders `tool_calls` in OpenAI's shape
+  (arguments as a dict); otherwise they are written back into the assistant turn as text in
+  the family's format. `role: "tool"` turns are rendered by the template.
+- The call format is the checkpoint's family's (console/tool_calls.py: hermes, llama3_json,
+  mistral, generic).
+- `required` and a named function are *forced*: the output is constrained to one call of
+  one tool (named: that one) in the family's shape, with its parameters' schema closed, so
+  the arguments parse and hold only declared keys; cut short by max_tokens it is still
+  returned as a call (finish_reason "length", the arguments as far as generated).
+  `required` makes exactly one call (vLLM makes a list); `auto` parses calls out of free
+  text (all of them, or the first with parallel_tool_calls false).
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from console import schemas as S
 from console.errors import APIError
+from console.tool_calls import (FORMATS, ToolFormat, forced_guide, held_from, parse_auto, parse_forced,
+                                write_back)
 from runtime.model.structured import Guide
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TOOL_PROMPT = """You can call tools. To call one, answer with only
 <tool_call>{{"name": "<tool name>", "arguments": {{<the arguments as JSON>}}}}</tool_call>
 Available tools:
@@ -92,20 +95,22 @@ def guide_from_body(body: Any) -> Guide | None:
 class ToolPlan:
     mode: str                                  # none | auto | forced
     tools: dict[str, S.FunctionDef] = field(default_factory=dict)
-    guide: Guide | None = None                 # forced: the call's JSON
+    guide: Guide | None = None                 # forced: one call in the format's shape
     parallel: bool = True
+    format: ToolFormat = FORMATS["generic"]
+    forced: list[str] = field(default_factory=list)  # forced: the tools it may call
 
     @property
     def active(self) -> bool:
         return self.mode != "none"
 
 
-def plan_tools(body: S.ChatCompletionRequest, has_guide: bool) -> ToolPlan:
+def plan_tools(body: S.ChatCompletionRequest, has_guide: bool, fmt: ToolFormat = FORMATS["generic"]) -> ToolPlan:
     tools, choice = body.tools or [], body.tool_choice
     if not tools:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice: requires tools", param="tool_choice")
-        return ToolPlan("none")
+        return ToolPlan("none", format=fmt)
     by_name: dict[str, S.FunctionDef] = {}
     for i, t in enumerate(tools):
         if t.function.name in by_name:
@@ -115,13 +120,13 @@ def plan_tools(body: S.ChatCompletionRequest, has_guide: bool) -> ToolPlan:
             check_schema(t.function.parameters, f"tools[{i}].function.parameters")
         by_name[t.function.name] = t.function
     if choice == "none":
-        return ToolPlan("none")
+        return ToolPlan("none", format=fmt)
     if choice in (None, "auto"):
         if has_guide:
             raise APIError(400, "tool_choice: auto tool calls cannot be combined with response_format or "
                                 "structured_outputs; set tool_choice to none, required or a function",
                            param="tool_choice")
-        return ToolPlan("auto", by_name, parallel=body.parallel_tool_calls)
+        return ToolPlan("auto", by_name, parallel=body.parallel_tool_calls, format=fmt)
     if has_guide:
         raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format or "
                             "structured_outputs", param="tool_choice")
@@ -132,17 +137,28 @@ def plan_tools(body: S.ChatCompletionRequest, has_guide: bool) -> ToolPlan:
         names = [choice.function.name]
     else:
         names = list(by_name)
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": n}, "arguments": by_name[n].parameters or NO_ARGUMENTS}}
-             for n in names]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return ToolPlan("forced", by_name, Guide.json_schema(schema, "tool_choice"), parallel=False)
+    guide = forced_guide(fmt, {n: by_name[n].parameters or NO_ARGUMENTS for n in names})
+    return ToolPlan("forced", by_name, guide, parallel=False, format=fmt, forced=names)
 
 
-def render_messages(messages: list[S.ChatMessage], plan: ToolPlan, template_renders_tools: bool
+def tool_specs(plan: ToolPlan) -> list[dict[str, Any]]:
+    """The request's tools as chat templates take them (OpenAI's shape)."""
+    return [{"type": "function", "function": {"name": f.name, **({"description": f.description} if f.description
+                                                                  else {}),
+                                               "parameters": f.parameters or NO_ARGUMENTS}}
+            for f in plan.tools.values()]
+
+
+def render_messages(messages: list[S.ChatMessage], plan: ToolPlan, template_renders_tools: bool,
+                    template_renders_calls: bool | None = None
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """Chat messages as template dicts (tool calls written back as text unless the template
-    renders them), and the `tools` to hand the template (None: rendered here)."""
+    """Chat messages as template dicts, and the `tools` to hand the template (None: listed
+    here, in the system message). Past calls go to a template that renders `tool_calls` in
+    OpenAI's shape with `arguments` parsed into a dict (what tool-aware templates index and
+    tojson, as vLLM hands them); otherwise they are written back into the content as text,
+    in the family's format."""
+    renders_calls = template_renders_tools if template_renders_calls is None else template_renders_calls
+
     def text(m: S.ChatMessage) -> str:
         return "".join(p.text for p in m.content) if isinstance(m.content, list) else (m.content or "")
 
@@ -152,22 +168,20 @@ def render_messages(messages: list[S.ChatMessage], plan: ToolPlan, template_rend
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            calls = [{"name": c.function.name, "arguments": _loads_or_text(c.function.arguments)} for c in m.tool_calls]
-            if template_renders_tools:
-                d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
-                                    "arguments": a["arguments"]}} for c, a in zip(m.tool_calls, calls)]
+            calls = [(c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls]
+            if renders_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": n, "arguments": a}}
+                                   for c, (n, a) in zip(m.tool_calls, calls)]
             else:
-                d["content"] += "".join(f"{OPEN}{json.dumps(c)}{CLOSE}" for c in calls)
+                d["content"] += write_back(plan.format, calls)
         out.append(d)
     if not plan.active:
         return out, None
-    specs = [{"type": "function", "function": {"name": f.name, "description": f.description or "",
-                                               "parameters": f.parameters or NO_ARGUMENTS}}
-             for f in plan.tools.values()]
+    specs = tool_specs(plan)
     if template_renders_tools:
         return out, specs
-    listing = "\n".join(f"- {s['function']['name']}: {s['function']['description']} Arguments (JSON schema): "
-                        f"{json.dumps(s['function']['parameters'])}" for s in specs)
+    listing = "\n".join(f"- {s['function']['name']}: {s['function'].get('description', '')} Arguments (JSON "
+                        f"schema): {json.dumps(s['function']['parameters'])}" for s in specs)
     prompt = TOOL_PROMPT.format(tools=listing)
     if out and out[0]["role"] in ("system", "developer"):
         out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}".strip()}
@@ -176,46 +190,40 @@ def render_messages(messages: list[S.ChatMessage], plan: ToolPlan, template_rend
     return out, None
 
 
-def _loads_or_text(s: str) -> Any:
+def _arguments(s: str) -> Any:
+    """A past call's arguments (JSON text on the wire) as templates expect them: a dict; empty: {}."""
+    if not s.strip():
+        return {}
     try:
         return json.loads(s)
     except ValueError:
         return s
 
 
-def _call(name: str, arguments: Any) -> S.ToolCall:
-    return S.ToolCall(id=f"call_{secrets.token_hex(12)}",
-                      function=S.FunctionCall(name, json.dumps(arguments, ensure_ascii=False)))
-
-
 def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[S.ToolCall]]:
-    """(content left, tool calls) of a finished generation."""
+    """(content left, tool calls) of a finished generation. A forced one is always its call,
+    even cut short (see tool_calls.parse_forced)."""
     if plan.mode == "forced":
-        try:
-            obj = json.loads(text)
-            return None, [_call(obj["name"], obj["arguments"])]
-        except (ValueError, KeyError, TypeError):  # cut off by max_tokens: no call, the text stays
-            return text, []
+        return None, [parse_forced(plan.format, text, plan.forced)]
     if plan.mode != "auto":
         return text, []
-    calls, content, rest = [], [], text
-    while OPEN in rest:
-        before, _, after = rest.partition(OPEN)
-        body, closed, rest = after.partition(CLOSE)
-        content.append(before)
-        try:
-            obj = json.loads(body)
-            if obj.get("name") in plan.tools and isinstance(obj.get("arguments", {}), dict):
-                calls.append(_call(obj["name"], obj.get("arguments", {})))
-                continue
-        except (ValueError, AttributeError):
-            pass
-        content.append(OPEN + body + (CLOSE if closed else ""))  # not a call: keep it as text
-    content.append(rest)
+    content, calls = parse_auto(plan.format, text, plan.tools)
     if not plan.parallel:
         calls = calls[:1]
-    left = "".join(content).strip()
-    return (left or None) if calls else text, calls
+    return content, calls
+
+
+def tool_finish_reason(calls: list[S.ToolCall], reason: str | None) -> str | None:
+    """"tool_calls" for a choice that ended itself with whole calls; a call cut short (max_tokens,
+    or a stop string inside a forced call) keeps the reason that cut it."""
+    if not calls or reason != "stop":
+        return reason
+    try:
+        for c in calls:
+            json.loads(c.function.arguments)
+    except ValueError:
+        return reason
+    return "tool_calls"
 
 
 class ToolStream:
@@ -230,14 +238,8 @@ class ToolStream:
         self.text += delta
         if self.plan.mode == "forced":
             return ""
-        hold = self.text.find(OPEN, self.sent)
-        if hold < 0:  # a marker may be starting at the end: hold its possible prefix back
-            hold = len(self.text)
-            for k in range(min(len(OPEN) - 1, len(self.text) - self.sent), 0, -1):
-                if OPEN.startswith(self.text[-k:]):
-                    hold = len(self.text) - k
-                    break
-        out, self.sent = self.text[self.sent:hold], max(self.sent, hold)
+        hold = max(self.sent, held_from(self.plan.format, self.text, self.sent))
+        out, self.sent = self.text[self.sent:hold], hold
         return out
 
     def finish(self) -> tuple[str, list[S.ToolCall]]:

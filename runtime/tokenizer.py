@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import jinja2
+import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.decoders import DecodeStream
@@ -42,32 +45,102 @@ def build_byte_level_bpe(tokens: list[str], merges: list[str], specials: list[st
     return tok
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes; templates expect plain JSON (as transformers renders it)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"messages: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore attributes (no reaching CPython internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r}: underscore names are not allowed")
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (training templates mark the assistant's part
+    with it): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """What transformers' apply_chat_template renders in (transformers/utils/chat_template_utils.py):
+    sandboxed, trim_blocks and lstrip_blocks, loop controls, plain-JSON tojson, raise_exception,
+    strftime_now and a guarded namespace()."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _Generation])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace)
+    return env
+
+
 @dataclass
 class ChatTemplate:
+    """A checkpoint's Jinja chat template, rendered with the variables transformers gives it:
+    messages (keys whose value is None dropped, as transformers does), tools (None when the
+    request has none), documents (None), add_generation_prompt, bos_token, eos_token."""
+
     source: str
     bos_token: str = ""
     eos_token: str = ""
     _compiled: Any = field(default=None, repr=False)
+    _variables: frozenset[str] | None = field(default=None, repr=False)
+
+    @property
+    def variables(self) -> frozenset[str]:
+        """The names the template reads from its context (none if it does not parse: rendering
+        then reports that, as a 400 naming messages)."""
+        if self._variables is None:
+            try:
+                self._variables = frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(self.source)))
+            except jinja2.TemplateSyntaxError:
+                self._variables = frozenset()
+        return self._variables
 
     @property
     def renders_tools(self) -> bool:
-        return "tools" in self.source
+        return "tools" in self.variables
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[dict[str, Any]] | None = None) -> str:
-        if self._compiled is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-            def raise_exception(message: str) -> None:
-                raise ValueError(f"messages: {message}")
-
-            env.globals["raise_exception"] = raise_exception
-            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-            self._compiled = env.from_string(self.source)
+               tools: Sequence[dict[str, Any]] | None = None, **extra: Any) -> str:
+        msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return self._compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token,
-                                         **({"tools": list(tools)} if tools else {}))
+            if self._compiled is None:
+                self._compiled = _environment().from_string(self.source)
+            return self._compiled.render(messages=msgs, tools=list(tools) if tools is not None else None,
+                                         documents=None, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except jinja2.TemplateError as exc:
             raise ValueError(f"messages: chat template failed: {exc}") from None
 
@@ -76,8 +149,10 @@ class TextTokenizer:
     """What the engine and web layer use: ids <-> text and the chat template."""
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None,
-                 bos_token_id: int | None = None, eos_token_ids: Sequence[int] = (), add_bos: bool = False):
+                 bos_token_id: int | None = None, eos_token_ids: Sequence[int] = (), add_bos: bool = False,
+                 architecture: str | None = None):
         self.tok = tokenizer
+        self.architecture = architecture  # the model family (config.json): picks the tool-call format
         self.add_bos = add_bos and bos_token_id is not None
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
@@ -90,7 +165,9 @@ class TextTokenizer:
                         add_bos: bool) -> "TextTokenizer":
         tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
         tpl = ckpt_dir / "chat_template.jinja"
-        return cls(tok, tpl.read_text() if tpl.exists() else None, bos_token_id, eos_token_ids, add_bos)
+        cfg = ckpt_dir / "config.json"
+        arch = json.loads(cfg.read_text()).get("architecture") if cfg.is_file() else None
+        return cls(tok, tpl.read_text() if tpl.exists() else None, bos_token_id, eos_token_ids, add_bos, arch)
 
     @property
     def vocab_size(self) -> int:
@@ -110,10 +187,10 @@ class TextTokenizer:
         return self.chat is not None and self.chat.renders_tools
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: Sequence[dict[str, Any]] | None = None) -> str:
+                            tools: Sequence[dict[str, Any]] | None = None, **extra: Any) -> str:
         if self.chat is None:
             raise ValueError("messages: this checkpoint has no chat template; use /v1/completions")
-        return self.chat.render(messages, add_generation_prompt, tools)
+        return self.chat.render(messages, add_generation_prompt, tools, **extra)
 
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, list(prompt_ids))

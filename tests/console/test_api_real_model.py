@@ -142,6 +142,55 @@ def test_forced_tool_call_then_tool_answer(server):
     assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
 
 
+# The schema of the forced call that once came back as `content` with finish_reason "length":
+# no additionalProperties, so JSON Schema leaves the object open, and SmolLM2 kept inventing
+# (and repeating) keys until max_tokens. Forced calls now close such objects.
+OPEN_WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}]
+
+
+def test_forced_call_with_an_open_schema_keeps_to_declared_keys(server):
+    client = server.openai(timeout=300)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 7, "n": 4}):
+        r = client.chat.completions.create(model=server.model, messages=msgs, tools=OPEN_WEATHER, tool_choice=named,
+                                           max_tokens=80, **kw)
+        for c in r.choices:
+            (call,) = c.message.tool_calls
+            assert c.message.content is None and call.function.name == "get_weather"
+            assert c.finish_reason == "tool_calls", c
+            args = json.loads(call.function.arguments)
+            assert set(args) <= {"city", "unit"} and "city" in args
+    chunks = list(client.chat.completions.create(model=server.model, messages=msgs, tools=OPEN_WEATHER,
+                                                 tool_choice="required", max_tokens=80, temperature=0, stream=True))
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    (delta,) = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert set(json.loads(delta.function.arguments)) <= {"city", "unit"}
+
+
+def test_forced_call_cut_by_max_tokens_is_still_a_tool_call(server):
+    client = server.openai(timeout=300)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=server.model, messages=msgs, tools=OPEN_WEATHER, tool_choice=named,
+                                       max_tokens=20, temperature=0)
+    (c,) = r.choices
+    (call,) = c.message.tool_calls
+    assert c.finish_reason == "length" and c.message.content is None and call.function.name == "get_weather"
+    # 20 tokens end inside the arguments (the call's opening takes 17): the partial JSON text
+    assert call.function.arguments.startswith("{") and call.function.arguments != "{}"
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    chunks = list(client.chat.completions.create(model=server.model, messages=msgs, tools=OPEN_WEATHER,
+                                                 tool_choice=named, max_tokens=20, temperature=0, stream=True))
+    (delta,) = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert delta.function.arguments == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format.json_schema.schema"),
