@@ -184,8 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("pull", help="download and convert a known model (default: smollm2)")
-    s.add_argument("model", nargs="?", default="smollm2")
+    from runtime.checkpoint.pull import DEFAULT_MODEL, KNOWN_MODELS
+
+    s = sub.add_parser("pull", help=f"download and convert a known model (default: {DEFAULT_MODEL})")
+    s.add_argument("model", nargs="?", default=DEFAULT_MODEL, choices=list(KNOWN_MODELS),
+                   help=f"one of: {', '.join(KNOWN_MODELS)} (default: %(default)s)")
     s.add_argument("--out", help="checkpoint directory (default: checkpoints/<name>)")
     s.set_defaults(func=cmd_pull)
 

@@ -7,11 +7,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from runtime.checkpoint.gguf_gemma import GEMMA3_KEYS, GEMMA3_RULES, gemma3_fields
 from runtime.checkpoint.mapping import GGUF_RULES, CheckpointError, ParamAssembler, Rule
 from runtime.config import ModelConfig, RopeScaling
 
-SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
-SUPPORTED_ARCHS = ("llama", "qwen2")
+# Dequantized by the gguf package (gguf.quants), block for block as llama.cpp's ggml does.
+SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 CONTROL_TOKEN = 3
 # `{arch}.` metadata keys model_config reads or checks; any other one is refused by name, so
 # nothing that changes the math is skipped. rope.scaling.original_context_length and
@@ -24,6 +26,11 @@ ARCH_KEYS = frozenset({
     "rope.scaling.attn_factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
     "expert_count", "expert_used_count",
 })
+
+
+# Architectures whose SentencePiece vocabulary ("llama" tokenizer model) is read the Gemma way
+# (no prefix space, merges in file order: runtime/checkpoint/gguf_tokenizer.py).
+SENTENCEPIECE_ARCHS = ("gemma3",)
 
 
 class GGUFSource:
@@ -45,6 +52,8 @@ class GGUFSource:
         self.arch = self._str("general.architecture")
         if self.arch not in SUPPORTED_ARCHS:
             raise CheckpointError(f"{path}: unsupported architecture {self.arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        if self.arch == "gemma3":
+            self.rules = GEMMA3_RULES
         for t in self.reader.tensors:
             if t.tensor_type.name not in SUPPORTED_TYPES:
                 raise CheckpointError(
@@ -92,10 +101,10 @@ class GGUFSource:
         if factor == 0.0:  # llama.cpp: 0 means unset
             factor = 1.0
         if factor < 0:
-            raise self._refuse(fkey, factor, "must be positive")
+            raise self._refuse(str(fkey), factor, "must be positive")
         freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
         if freqs is not None and factor != 1.0:
-            raise self._refuse(fkey, factor, "linear scaling together with rope_freqs.weight is not implemented")
+            raise self._refuse(str(fkey), factor, "linear scaling together with rope_freqs.weight is not implemented")
         if freqs is not None:
             from gguf.quants import dequantize
 
@@ -108,8 +117,9 @@ class GGUFSource:
 
     def model_config(self) -> ModelConfig:
         a = self.arch
+        known = GEMMA3_KEYS if a == "gemma3" else ARCH_KEYS
         unknown = sorted(k for k in self.reader.fields
-                         if k.startswith(f"{a}.") and k.removeprefix(f"{a}.") not in ARCH_KEYS)
+                         if k.startswith(f"{a}.") and k.removeprefix(f"{a}.") not in known)
         if unknown:
             raise CheckpointError(f"{self.path}: unknown metadata {', '.join(map(repr, unknown))} "
                                   "(pagedjax cannot tell whether it changes the model's outputs)")
@@ -128,6 +138,10 @@ class GGUFSource:
                 raise self._refuse(f"{a}.{key}", v, f"must equal the head dimension {head_dim}: "
                                    "partial rotary embeddings / unequal K and V heads are not implemented")
         window = self._field(f"{a}.attention.sliding_window")
+        layers = int(self._arch("block_count"))
+        extra: dict[str, Any] = {"sliding_window": None if window is None or int(window) == 0 else int(window)}
+        if a == "gemma3":
+            extra = gemma3_fields(lambda k: self._field(f"{a}.{k}"), layers, hidden, heads, head_dim)
         eos = self._field("tokenizer.ggml.eos_token_id")
         bos = self._field("tokenizer.ggml.bos_token_id")
         pad = self._field("tokenizer.ggml.padding_token_id")
@@ -137,7 +151,7 @@ class GGUFSource:
                 vocab_size=int(self._field(f"{a}.vocab_size", len(tokens))),
                 hidden_size=hidden,
                 intermediate_size=int(self._arch("feed_forward_length")),
-                num_layers=int(self._arch("block_count")),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(self._arch("attention.head_count_kv", heads)),
                 head_dim=head_dim,
@@ -148,16 +162,22 @@ class GGUFSource:
                 tie_word_embeddings="output.weight" not in names,
                 attention_bias="blk.0.attn_q.bias" in names,
                 bos_token_id=None if bos is None else int(bos),
-                eos_token_ids=() if eos is None else (int(eos),),
+                eos_token_ids=self._stop_ids(eos),
                 pad_token_id=None if pad is None else int(pad),
                 add_bos_token=bool(self._field("tokenizer.ggml.add_bos_token", False)),
                 name=str(self._field("general.name", self.path.stem)),
-                sliding_window=None if window is None or int(window) == 0 else int(window),
+                **extra,
             )
         except CheckpointError:
             raise
         except ValueError as exc:  # ModelConfig's own checks name the field
             raise CheckpointError(f"{self.path}: {exc}") from None
+
+    def _stop_ids(self, eos: Any) -> tuple[int, ...]:
+        """EOS, then the end-of-turn token where the file names one (Gemma's <end_of_turn>):
+        llama.cpp ends generation at either."""
+        ids = [int(v) for v in (eos, self._field("tokenizer.ggml.eot_token_id")) if v is not None]
+        return tuple(dict.fromkeys(ids))
 
     # --- tensors -----------------------------------------------------------------
     def num_tensors(self) -> int:
@@ -225,15 +245,35 @@ class GGUFSource:
         from runtime.tokenizer import build_byte_level_bpe
 
         model = self._str("tokenizer.ggml.model")
+        if model == "llama" and self.arch in SENTENCEPIECE_ARCHS:
+            return self._sentencepiece_json()
         if model != "gpt2":
             raise CheckpointError(
-                f"{self.path}: tokenizer type {model!r} is not supported (supported: gpt2 byte-level BPE)")
+                f"{self.path}: tokenizer type {model!r} is not supported for {self.arch} "
+                f"(supported: gpt2 byte-level BPE; llama SentencePiece for {', '.join(SENTENCEPIECE_ARCHS)})")
         tokens = [str(t) for t in self._field("tokenizer.ggml.tokens")]
         merges = [str(m) for m in self._field("tokenizer.ggml.merges") or []]
         types = list(self._field("tokenizer.ggml.token_type") or [])
         specials = [tok for tok, ty in zip(tokens, types) if ty == CONTROL_TOKEN]
         pre = str(self._field("tokenizer.ggml.pre", "default"))
         return build_byte_level_bpe(tokens, merges, specials, pre).to_str()
+
+    def _sentencepiece_json(self) -> str:
+        from runtime.checkpoint.gguf_tokenizer import build_sentencepiece_bpe
+
+        if self._field("tokenizer.ggml.add_space_prefix", False):
+            raise self._refuse("tokenizer.ggml.add_space_prefix", True, "Gemma's tokenizer adds no prefix space")
+        merges = self._field("tokenizer.ggml.merges")
+        tokens = [str(t) for t in self._field("tokenizer.ggml.tokens")]
+        types = [int(t) for t in self._field("tokenizer.ggml.token_type") or [1] * len(tokens)]
+        unk = self._field("tokenizer.ggml.unknown_token_id")
+        if unk is None or not 0 <= int(unk) < len(tokens):
+            raise CheckpointError(f"{self.path}: GGUF metadata lacks a valid 'tokenizer.ggml.unknown_token_id'")
+        try:
+            return build_sentencepiece_bpe(tokens, types, tokens[int(unk)],
+                                           None if merges is None else [str(m) for m in merges]).to_str()
+        except ValueError as exc:
+            raise CheckpointError(f"{self.path}: {exc}") from None
 
     def chat_template(self) -> str | None:
         v = self._field("tokenizer.chat_template")

@@ -134,9 +134,9 @@ def test_unsupported_architecture(tmp_path, tiny, capsys):
 
 def test_unsupported_tensor_type(tmp_path, tiny, capsys):
     cfg, params, tok_json = tiny
-    g = write_gguf(tmp_path / "m.gguf", cfg, params, tok_json, qtype="Q5_0")
+    g = write_gguf(tmp_path / "m.gguf", cfg, params, tok_json, qtype="MXFP4")  # Q5_0 is now supported
     code, err = run_cli(capsys, "convert", "--from", "gguf", str(g), "--out", str(tmp_path / "o"))
-    assert code == 2 and "unsupported type Q5_0" in err
+    assert code == 2 and "unsupported type MXFP4" in err
 
 
 def test_out_exists_needs_force(tmp_path, tiny, capsys):
