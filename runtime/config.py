@@ -28,7 +28,17 @@ def _check(cond: bool, name: str, msg: str) -> None:
 
 # RoPE frequency scalings the model implements (runtime/model/families/llama.py rope_inv_freq);
 # "default" (no scaling) is rope_scaling null.
-ROPE_TYPES = ("llama3", "linear", "freq_factors")
+ROPE_TYPES = ("llama3", "linear", "freq_factors", "yarn", "dynamic", "longrope")
+# Per rope_type: the fields it reads. Any other field must keep its default, so a config.json
+# edited (or written by a newer version) to set one is refused, not silently ignored.
+_ROPE_FIELDS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+    "freq_factors": ("freq_factors",),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate", "attention_factor"),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "longrope": ("freq_factors", "original_max_position_embeddings", "attention_factor"),
+}
 
 
 @dataclass(frozen=True)
@@ -36,8 +46,18 @@ class RopeScaling:
     """RoPE frequency scaling. rope_type "llama3": Llama 3.1's (long wavelengths slowed by
     `factor`, short ones kept, smooth between); "linear": positions divided by `factor`;
     "freq_factors": each inverse frequency divided by its own factor (llama.cpp's
-    `rope_freqs.weight`, the form a GGUF carries llama3 scaling in). rope_type comes last
-    and defaults to llama3: checkpoints converted before it existed were all llama3."""
+    `rope_freqs.weight`, the form a GGUF carries llama3 scaling in); "yarn": YaRN (static, as
+    transformers): frequencies that turn fewer than beta_slow times over
+    original_max_position_embeddings divided by `factor`, those turning more than beta_fast
+    times kept, a linear ramp over the dimensions between; "dynamic": NTK-aware scaling,
+    which only changes the frequencies once a sequence passes original_max_position_embeddings
+    (transformers recomputes them for the whole sequence then, which a KV cache cannot follow),
+    so it is the default RoPE up to there and served only up to there; "longrope" (Phi-3):
+    `freq_factors` are the short factors, used while a sequence stays within
+    original_max_position_embeddings (past it transformers switches every position to the
+    long factors: not servable with a KV cache, so served only up to there). yarn and
+    longrope multiply cos and sin by `attention_factor`. rope_type comes after the llama3
+    fields and defaults to llama3: checkpoints converted before it existed were all llama3."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -45,30 +65,49 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
     freq_factors: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # yarn, longrope: cos and sin are multiplied by it
+    beta_fast: float = 32.0  # yarn: the ramp's ends, in rotations over original_max_position_embeddings
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole dimensions
 
     def __post_init__(self) -> None:
         _check(self.rope_type in ROPE_TYPES, "rope_scaling.rope_type",
                f"{self.rope_type!r} is not supported (supported: default, {', '.join(ROPE_TYPES)})")
         object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))  # hashable: jit's static arg
-        if self.rope_type == "freq_factors":
+        used = _ROPE_FIELDS[self.rope_type]
+        for fld in dataclasses.fields(self):
+            if fld.name not in used and fld.name != "rope_type" and getattr(self, fld.name) != fld.default:
+                raise ValueError(f"rope_scaling.{fld.name}: not used by rope_type {self.rope_type!r}")
+        if "freq_factors" in used:
             _check(bool(self.freq_factors) and all(math.isfinite(f) and f > 0 for f in self.freq_factors),
                    "rope_scaling.freq_factors", "must be positive finite numbers, one per rotary frequency")
-            return
-        _check(math.isfinite(self.factor) and self.factor > 0, "rope_scaling.factor", f"must be positive, got {self.factor}")
+        if "factor" in used:
+            _check(math.isfinite(self.factor) and self.factor > 0, "rope_scaling.factor",
+                   f"must be positive, got {self.factor}")
+        if "original_max_position_embeddings" in used:
+            _check(self.original_max_position_embeddings > 0, "rope_scaling.original_max_position_embeddings",
+                   "must be positive")
         if self.rope_type == "llama3":
             _check(self.high_freq_factor > self.low_freq_factor > 0, "rope_scaling.high_freq_factor",
                    f"must exceed low_freq_factor (> 0), got {self.high_freq_factor} and {self.low_freq_factor}")
-            _check(self.original_max_position_embeddings > 0, "rope_scaling.original_max_position_embeddings",
-                   "must be positive")
+        _check(math.isfinite(self.attention_factor) and self.attention_factor > 0, "rope_scaling.attention_factor",
+               f"must be positive, got {self.attention_factor}")
+        for beta in ("beta_fast", "beta_slow"):
+            _check(math.isfinite(getattr(self, beta)), f"rope_scaling.{beta}", f"must be a number, got {getattr(self, beta)}")
+        _check(isinstance(self.truncate, bool), "rope_scaling.truncate", f"must be true or false, got {self.truncate!r}")
+
+    @property
+    def max_exact_len(self) -> int | None:
+        """The longest sequence this scaling is served exactly for (dynamic, longrope: their
+        frequencies change past original_max_position_embeddings), None where any length is."""
+        return self.original_max_position_embeddings if self.rope_type in ("dynamic", "longrope") else None
 
     def to_json(self) -> dict[str, Any]:
         """Only the fields its rope_type uses."""
-        if self.rope_type == "freq_factors":
-            return {"rope_type": self.rope_type, "freq_factors": list(self.freq_factors)}
-        if self.rope_type == "linear":
-            return {"rope_type": self.rope_type, "factor": self.factor}
-        return {"rope_type": self.rope_type, **{k: v for k, v in dataclasses.asdict(self).items()
-                                                 if k not in ("rope_type", "freq_factors")}}
+        d = {"rope_type": self.rope_type, **{k: getattr(self, k) for k in _ROPE_FIELDS[self.rope_type]}}
+        if "freq_factors" in d:
+            d["freq_factors"] = list(self.freq_factors)
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "RopeScaling":
@@ -136,8 +175,12 @@ class ModelConfig:
             v = getattr(self, f)
             _check(v is None or (math.isfinite(v) and v > 0), f, f"must be positive, got {v}")
         s = self.rope_scaling
-        _check(s is None or s.rope_type != "freq_factors" or len(s.freq_factors) == self.head_dim // 2,
+        _check(s is None or s.rope_type not in ("freq_factors", "longrope") or len(s.freq_factors) == self.head_dim // 2,
                "rope_scaling.freq_factors", f"needs one factor per rotary frequency ({self.head_dim // 2})")
+        exact = s.max_exact_len if s is not None else None
+        _check(exact is None or self.max_position_embeddings <= exact, "max_position_embeddings",
+               f"{self.max_position_embeddings} is past where {s.rope_type if s else ''} RoPE scaling is served "
+               f"exactly ({exact}; the long-context factors are not implemented)")
 
     def layer_windows(self) -> tuple[int, ...]:
         """Per layer: the number of keys a query sees (its window), 0 for full attention."""
@@ -152,7 +195,9 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.attention_bias else 0)
-        per_layer = attn + 3 * d * f + 2 * d + (2 * self.head_dim if self.architecture == "qwen3" else 0)
+        norms = 4 if self.architecture in ("gemma2", "gemma3") else 2  # Gemma: post-attention and post-MLP norms too
+        qk_norms = 2 * self.head_dim if self.architecture in ("qwen3", "gemma3") else 0
+        per_layer = attn + 3 * d * f + norms * d + qk_norms
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         return L * per_layer + emb + d
 
@@ -195,6 +240,10 @@ class CacheConfig:
     num_blocks: int = 1024
     kv_dtype: str = "float32"
     enable_prefix_cache: bool = True
+    # A model with sliding-window layers: split the layers into KV groups and release the
+    # blocks a window has passed (runtime/kv_groups.py; num_blocks then counts pages of
+    # a group's layers). False keeps every block of every layer (the reference layout).
+    kv_groups: bool = True
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64), "block_size", "must be one of 8, 16, 32, 64")
@@ -206,17 +255,23 @@ class CacheConfig:
         return self.block_size * self.num_blocks
 
     def bytes_per_block(self, model: ModelConfig) -> int:
-        return model.kv_bytes_per_token(self.kv_dtype) * self.block_size
+        """One block (page) of the pool: block_size tokens of one KV group's layers (all
+        layers for a model without sliding layers; runtime/kv_groups.py)."""
+        from runtime.kv_groups import KVGroups
+
+        group = KVGroups.of(model, self.kv_groups).group_size
+        return model.kv_bytes_per_token(self.kv_dtype) * self.block_size * group // model.num_layers
 
     @classmethod
     def from_memory(cls, model: ModelConfig, memory_bytes: int, block_size: int = 16,
-                    kv_dtype: str = "float32", enable_prefix_cache: bool = True) -> "CacheConfig":
-        per_block = model.kv_bytes_per_token(kv_dtype) * block_size
+                    kv_dtype: str = "float32", enable_prefix_cache: bool = True,
+                    kv_groups: bool = True) -> "CacheConfig":
+        per_block = cls(block_size=block_size, kv_dtype=kv_dtype, kv_groups=kv_groups).bytes_per_block(model)
         n = int(memory_bytes // per_block)
         _check(n >= 2, "kv_cache_memory",
                f"{memory_bytes} bytes hold {n} blocks of {per_block} bytes; need at least 2")
         return cls(block_size=block_size, num_blocks=n, kv_dtype=kv_dtype,
-                   enable_prefix_cache=enable_prefix_cache)
+                   enable_prefix_cache=enable_prefix_cache, kv_groups=kv_groups)
 
 
 def parse_memory(text: str) -> int:

@@ -75,6 +75,14 @@ SLOW = (
     "tests/runtime/test_bench.py",                   # benchmark runs, one against a live server
     "tests/runtime/test_bench_engine_parts.py",      # step breakdowns, Llama-3-shaped engine runs
     "tests/runtime/test_families_config.py",         # family configs against transformers (RoPE, windows)
+    # Gemma 2 / 3 through the engine against transformers (the conversions and attention checks stay fast)
+    "tests/runtime/test_families_gemma.py::test_gemma_matches_transformers_through_the_engine",
+    "tests/runtime/test_families_gemma.py::test_gemma_prefix_cache_preemption_and_batch_invariance",
+    "tests/runtime/test_families_phi3.py",           # Phi-3 against transformers through the engine
+    # yarn / dynamic / longrope through the engine against transformers (the tables stay fast)
+    "tests/runtime/test_rope_scaling.py::test_yarn_matches_transformers",
+    "tests/runtime/test_rope_scaling.py::test_dynamic_is_default_rope_within_max_positions_and_refused_past_them",
+    "tests/runtime/test_rope_scaling.py::test_longrope_matches_transformers_within_the_original_context",
     "tests/console/test_api_lifecycle.py",           # four server starts, drains with timeouts
     "tests/console/test_api_streaming.py",           # a server under 32 concurrent streams
     "tests/console/test_api_fuzz.py",                # schemathesis against a live server

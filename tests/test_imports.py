@@ -163,7 +163,7 @@ FORBIDDEN_CYCLES = (
 # Layers, lowest first: a module imports from its own layer or below, never above. The seam
 # types (Linear, the KV pages) sit under the kernels that implement them.
 LAYERS = (
-    ("runtime.config", "runtime.corpus", "runtime.jax_setup", "runtime.optional"),
+    ("runtime.config", "runtime.corpus", "runtime.jax_setup", "runtime.kv_groups", "runtime.optional"),
     ("runtime.model.linear", "runtime.model.kv_pages"),
     ("runtime.kernels",),
     ("runtime.model", "runtime.checkpoint", "runtime.tokenizer", "pallas_kernels"),

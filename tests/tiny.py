@@ -7,7 +7,7 @@ from pathlib import Path
 
 from runtime.checkpoint.store import write_checkpoint
 from runtime.config import ModelConfig
-from runtime.model.families.llama import init_params
+from runtime.model.families import init_params
 from runtime.tokenizer import build_byte_level_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -20,7 +20,7 @@ class NoAttention(AttentionBackend):
     def write_kv(self, cache, k, v, slots):
         return write_kv(*cache, k, v, slots)
 
-    def attend(self, q, cache, inp, base, sm_scale):
+    def attend(self, q, cache, inp, base, sm_scale, window=0, soft_cap=None):
         return q
 
 

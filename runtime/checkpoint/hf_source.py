@@ -8,12 +8,15 @@ from typing import Iterator
 
 import numpy as np
 
-from runtime.checkpoint.mapping import HF_RULES, CheckpointError, Rule
+from runtime.checkpoint.hf_gemma import GEMMA_ARCHS, GEMMA_KEYS, GEMMA_MAX_POSITIONS, gemma_fields
+from runtime.checkpoint.hf_rope import read_rope
+from runtime.checkpoint.mapping import HF_RULES, CheckpointError, Rule, hf_rules
 from runtime.config import ModelConfig, RopeScaling
 
 # architecture -> (our model's architecture, the transformers family whose config.json keys apply)
 ARCHS = {"LlamaForCausalLM": ("llama", "llama"), "MistralForCausalLM": ("llama", "mistral"),
-         "Qwen2ForCausalLM": ("qwen2", "qwen2"), "Qwen3ForCausalLM": ("qwen3", "qwen3")}
+         "Qwen2ForCausalLM": ("qwen2", "qwen2"), "Qwen3ForCausalLM": ("qwen3", "qwen3"),
+         "Phi3ForCausalLM": ("phi3", "phi3")}
 
 # config.json keys that never change the model's outputs: bookkeeping, training-only knobs
 # (dropout is off at inference, pretraining_tp only split the matmuls), generation defaults
@@ -26,7 +29,7 @@ HARMLESS = frozenset({
     "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
     "cross_attention_hidden_size", "torchscript", "use_bfloat16", "tf_legacy_loss", "prefix", "task_specific_params",
     "tokenizer_class", "sep_token_id", "decoder_start_token_id", "keys_to_ignore_at_inference",
-    "attention_dropout", "pretraining_tp",
+    "attention_dropout", "pretraining_tp", "resid_pdrop", "embd_pdrop",
     "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
     "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
     "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "remove_invalid_values",
@@ -52,14 +55,19 @@ FAMILY_KEYS = {  # each family's own keys, implemented or checked (transformers'
                         "layer_types"}),
     "qwen3": frozenset({"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
                         "layer_types"}),
+    "phi3": frozenset({"attention_bias", "sliding_window"}),
 }
 # Defaults of transformers' config classes where a key is absent and the default matters.
-MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
+MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
 MISTRAL_SLIDING_WINDOW = 4096  # MistralConfig's default: a config.json without the key slides
-# rope_type -> the keys of its dict that it reads (beside rope_type/type, rope_theta and the
-# no-op partial_rotary_factor / attention_factor checked below)
-ROPE_KEYS = {"default": (), "linear": ("factor",),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+# Gemma 2 / 3: their keys are read and checked in runtime/checkpoint/hf_gemma.py
+ARCHS.update(GEMMA_ARCHS)
+FAMILY_KEYS.update(GEMMA_KEYS)
+MAX_POSITIONS.update(GEMMA_MAX_POSITIONS)
+# Custom modelling code a config.json may name that transformers has upstreamed (and loads its
+# own class for, which pagedjax matches): Microsoft's Phi-3 repositories carry their
+# pre-integration modeling_phi3.py.
+UPSTREAMED_CODE = {"phi3": "modeling_phi3.Phi3ForCausalLM"}
 
 
 def _read_json(path: Path) -> dict:
@@ -83,6 +91,7 @@ class HFSource:
         if archs[0] not in ARCHS:
             raise CheckpointError(f"{path}: unsupported architecture {archs[0]!r} (supported: {', '.join(ARCHS)})")
         self.arch, self.family = ARCHS[archs[0]]
+        self.rules = hf_rules(self.arch)
         self.files = self._weight_files()
         if not (path / "tokenizer.json").is_file():
             raise CheckpointError(f"{path}: missing tokenizer.json")
@@ -113,7 +122,8 @@ class HFSource:
             raise self._refuse(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
                                f"for {fam} (pagedjax cannot tell whether it changes the model's outputs)")
         refusals = [
-            ("hidden_act", c.get("hidden_act", "silu") not in ("silu", "swish"), "supported: silu"),
+            ("hidden_act", fam not in GEMMA_KEYS and c.get("hidden_act", "silu") not in ("silu", "swish"),
+             "supported: silu"),  # (Gemma reads hidden_activation instead)
             ("mlp_bias", bool(c.get("mlp_bias", False)), "MLP biases are not implemented"),
             # Llama's attention_bias biases o_proj too (not implemented); Qwen2Attention has q/k/v
             # biases whatever the key says (transformers ignores it), so only true is consistent.
@@ -125,7 +135,8 @@ class HFSource:
             ("quantization_config", c.get("quantization_config") is not None,
              "pre-quantized weights are not supported; convert an unquantized checkpoint"),
             ("pruned_heads", bool(c.get("pruned_heads")), "pruned attention heads are not supported"),
-            ("auto_map", any(k.startswith("AutoModel") for k in (c.get("auto_map") or {})),
+            ("auto_map", any(k.startswith("AutoModel") and v != UPSTREAMED_CODE.get(fam)
+                             for k, v in (c.get("auto_map") or {}).items()),
              "custom modelling code is not supported"),
         ]
         for key, bad, why in refusals:
@@ -140,55 +151,22 @@ class HFSource:
         rp = c.get(field) or {}
         if not isinstance(rp, dict):
             raise self._refuse(f"{field} {rp!r} is not supported (expected an object)")
+        if self.family == "gemma3" and isinstance(rp.get("full_attention"), dict):  # the sliding layers' own
+            field, rp = f"{field}.full_attention", rp["full_attention"]  # RoPE: hf_gemma.local_rope_theta
         nested = [k for k, v in rp.items() if isinstance(v, dict)]
         if nested:  # per layer type: fine only while every layer gets the same RoPE
             if len(nested) != len(rp) or any(rp[k] != rp[nested[0]] for k in nested):
                 raise self._refuse(f"{field} per layer type ({', '.join(nested)}) with different RoPE "
                                    "is not supported")
             field, rp = f"{field}.{nested[0]}", rp[nested[0]]
-        rtype = rp.get("rope_type", rp.get("type", "default"))
-        tfield = f"{field}.{'rope_type' if 'rope_type' in rp else 'type'}"
-        if not isinstance(rtype, str) or rtype not in ROPE_KEYS:
-            raise self._refuse(f"{tfield} {rtype!r} is not supported (supported: {', '.join(sorted(ROPE_KEYS))})")
-        for key in sorted(set(rp) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", "attention_factor"}
-                          - set(ROPE_KEYS[rtype])):
-            raise self._refuse(f"{field}.{key} is not supported with rope_type {rtype!r}")
-        for key, why in (("partial_rotary_factor", "partial rotary embeddings are not implemented"),
-                         ("attention_factor", "attention scaling of cos/sin is not implemented")):
-            if rp.get(key) not in (None, 1, 1.0):
-                raise self._refuse(f"{field}.{key} {rp[key]!r} is not supported ({why})")
+        max_pos = c.get("max_position_embeddings", MAX_POSITIONS[self.family])
+        return read_rope(c, self.family, field, rp, max_pos, self._refuse)
 
-        def num(key: str, kind: type = float, default: object = None) -> float:
-            v = rp.get(key, default)
-            if v is None:
-                raise self._refuse(f"{field}.{key} is missing (rope_type {rtype!r} needs it)")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
-                raise self._refuse(f"{field}.{key} {v!r} is not a number")
-            return kind(v)
-
-        theta = num("rope_theta", default=c.get("rope_theta", 10000.0))
-        orig_key = "original_max_position_embeddings"
-        if rtype == "llama3":
-            # transformers: a top-level original_max_position_embeddings wins; else max_position_embeddings
-            orig = c.get(orig_key, rp.get(orig_key))
-            if orig is None:
-                orig = c.get("max_position_embeddings", MAX_POSITIONS[self.family])
-            rp = {**rp, orig_key: orig}
-        try:
-            if rtype == "linear":
-                return theta, RopeScaling(num("factor"), rope_type="linear")
-            if rtype == "llama3":
-                return theta, RopeScaling(num("factor"), num("low_freq_factor"), num("high_freq_factor"),
-                                          int(num(orig_key, int)), rope_type="llama3")
-        except CheckpointError:
-            raise
-        except ValueError as exc:  # RopeScaling's checks: "rope_scaling.<key>: why"
-            raise self._refuse(f"{field}.{str(exc).removeprefix('rope_scaling.')}") from None
-        return theta, None
-
-    def _sliding_window(self) -> int | None:
-        """The attention window every layer of a sequence must stay within, or None."""
+    def _sliding_window(self) -> tuple[int | None, tuple[str, ...]]:
+        """(the attention window, or None; the layers' types where not every layer slides:
+        ModelConfig.layer_types, () = uniform)."""
         c, fam, n = self.hf, self.family, int(self.hf.get("num_hidden_layers", 0))
+        types: list[str] = []
         if fam == "llama":  # transformers' Llama has no window: only "no window" is unambiguous
             windowed = [(k, v) for k, v in (("sliding_window", c.get("sliding_window")),
                                             ("use_sliding_window", c.get("use_sliding_window") or None),
@@ -197,9 +175,9 @@ class HFSource:
             if windowed:
                 key, v = windowed[0]
                 raise self._refuse(f"{key} {v!r} is not supported (LlamaForCausalLM has no sliding window)")
-            return None
-        if fam == "mistral":  # every layer slides; an absent key is MistralConfig's default
-            window = c.get("sliding_window", MISTRAL_SLIDING_WINDOW)
+            return None, ()
+        if fam in ("mistral", "phi3"):  # every layer slides; an absent key is the config class's default
+            window = c.get("sliding_window", MISTRAL_SLIDING_WINDOW if fam == "mistral" else None)
         else:  # qwen2: layers from max_window_layers on slide, when use_sliding_window
             window = c.get("sliding_window", 4096) if c.get("use_sliding_window", False) else None
             types = c.get("layer_types")
@@ -216,20 +194,26 @@ class HFSource:
             if len(types) != n:
                 raise self._refuse(f"layer_types has {len(types)} entries for {n} layers")
             if "sliding_attention" not in types:
-                return None
+                return None, ()
             if window is None:
                 raise self._refuse("layer_types has sliding_attention layers but use_sliding_window is off")
         if window is None:
-            return None
+            return None, ()
         if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
             raise self._refuse(f"sliding_window {window!r} is not a positive integer")
-        return window
+        return window, (tuple(types) if "full_attention" in types else ())
 
     def model_config(self) -> ModelConfig:
         c = self.hf
         self._check_keys()
         theta, scaling = self._rope()
-        window = self._sliding_window()
+        gemma = gemma_fields(c, self.family, self._refuse) if self.family in GEMMA_KEYS else {}
+        window, types = (gemma.pop("sliding_window"), gemma.pop("layer_types")) if gemma else self._sliding_window()
+        max_pos = c.get("max_position_embeddings", MAX_POSITIONS[self.family])
+        if scaling is not None and scaling.max_exact_len is not None and isinstance(max_pos, int):
+            # the context is served only as far as the scaling is exact (RopeScaling.max_exact_len);
+            # engine_args refuses a longer max_model_len against max_position_embeddings
+            max_pos = min(max_pos, scaling.max_exact_len)
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         try:
@@ -243,11 +227,11 @@ class HFSource:
                 num_heads=heads,
                 num_kv_heads=int(c.get("num_key_value_heads") or heads),
                 head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-                max_position_embeddings=int(c.get("max_position_embeddings", MAX_POSITIONS[self.family])),
+                max_position_embeddings=int(max_pos),
                 rope_theta=theta,
                 rope_scaling=scaling,
                 rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(c.get("tie_word_embeddings", self.family in GEMMA_KEYS)),  # Gemma ties by default
                 attention_bias=self.arch == "qwen2",  # Qwen2: q/k/v biases always; llama: refused above
                 bos_token_id=c.get("bos_token_id"),
                 eos_token_ids=eos_ids,
@@ -255,6 +239,8 @@ class HFSource:
                 add_bos_token=bool(self._tokenizer_config().get("add_bos_token", False)),
                 name=self.path.name,
                 sliding_window=window,
+                layer_types=types,
+                **gemma,
             )
         except KeyError as exc:
             raise self._refuse(f"missing field {exc.args[0]!r}") from None
@@ -268,11 +254,15 @@ class HFSource:
         return _read_json(p) if p.is_file() else {}
 
     def num_tensors(self) -> int:
-        return sum(len(read_safetensors_header(f)[0]) for f in self.files)
+        fused = FUSED if self.arch == "phi3" else {}
+        return sum(len(fused.get(name.split(".")[-2:][0], ("",))) for f in self.files
+                   for name in read_safetensors_header(f)[0])
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        cfg = self.model_config() if self.arch == "phi3" else None
         for f in self.files:
-            yield from read_safetensors(f)
+            for name, a in read_safetensors(f):
+                yield from (_unfuse(cfg, name, a) if cfg is not None else ((name, a),))
 
     def tokenizer_json(self) -> str:
         return (self.path / "tokenizer.json").read_text()
@@ -285,6 +275,26 @@ class HFSource:
         if isinstance(t, list):  # named templates: take the default one
             t = next((x["template"] for x in t if x.get("name") == "default"), None)
         return t
+
+
+# Phi-3's fused projections -> the Llama names they hold, in row order (each [out, in]).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _unfuse(cfg: ModelConfig, name: str, a: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """A fused weight split on read into the tensors HF_RULES map: qkv_proj's rows are q
+    (heads x head_dim), k, v (KV heads x head_dim each); gate_up_proj's the gate, then up
+    (transformers' Phi3MLP chunks it in two)."""
+    prefix, part, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
+    if part not in FUSED or leaf != "weight":
+        yield name, a
+        return
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    rows = (q, kv, kv) if part == "qkv_proj" else (cfg.intermediate_size,) * 2
+    if a.ndim != 2 or a.shape[0] != sum(rows):
+        raise CheckpointError(f"tensor {name!r} has shape {list(a.shape)}, expected [{sum(rows)}, {cfg.hidden_size}]")
+    for sub, block in zip(FUSED[part], np.split(a, np.cumsum(rows)[:-1])):
+        yield f"{prefix}.{sub}.{leaf}", block
 
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "F64": np.float64}

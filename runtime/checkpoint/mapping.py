@@ -36,6 +36,9 @@ TRANSFORMS: dict[str, Transform] = {
     "unpermute_k_t": lambda w, c: unpermute_rows(w, c.num_kv_heads).T,
     "unpermute_q": lambda w, c: unpermute_rows(w, c.num_heads),
     "unpermute_k": lambda w, c: unpermute_rows(w, c.num_kv_heads),
+    # Gemma's RMSNorm multiplies by (1 + w), in float32: stored as that effective multiplier
+    # so the shared rms_norm (x * w) applies it unchanged (runtime/model/families/gemma.py)
+    "norm_plus_one": lambda w, c: w + np.float32(1.0),
 }
 
 
@@ -91,6 +94,34 @@ HF_RULES = (
     Rule("model.layers.{i}.mlp.up_proj.weight", "layers/w_up", "t"),
     Rule("model.layers.{i}.mlp.down_proj.weight", "layers/w_down", "t"),
 )
+
+# Gemma 2 / Gemma 3 (Gemma*ForCausalLM): a norm before and after attention and the MLP, the
+# norms' weights stored +1 (see TRANSFORMS), Gemma 3's per-head q/k norms; parameter names as
+# runtime/model/families/gemma.py param_shapes (the GGUF rules write the same tree).
+_GEMMA_NORMS = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "post_attn_norm"),
+                ("pre_feedforward_layernorm", "mlp_norm"), ("post_feedforward_layernorm", "post_mlp_norm"))
+HF_GEMMA_RULES = (
+    Rule("model.embed_tokens.weight", "embed"),
+    Rule("model.norm.weight", "final_norm", "norm_plus_one"),
+    Rule("lm_head.weight", "lm_head", "t", optional=True),
+    *(Rule(f"model.layers.{{i}}.{src}.weight", f"layers/{dst}", "norm_plus_one") for src, dst in _GEMMA_NORMS),
+    Rule("model.layers.{i}.self_attn.q_proj.weight", "layers/wq", "t"),
+    Rule("model.layers.{i}.self_attn.k_proj.weight", "layers/wk", "t"),
+    Rule("model.layers.{i}.self_attn.v_proj.weight", "layers/wv", "t"),
+    Rule("model.layers.{i}.self_attn.o_proj.weight", "layers/wo", "t"),
+    Rule("model.layers.{i}.self_attn.q_norm.weight", "layers/q_norm", "norm_plus_one", optional=True),  # Gemma 3
+    Rule("model.layers.{i}.self_attn.k_norm.weight", "layers/k_norm", "norm_plus_one", optional=True),
+    Rule("model.layers.{i}.mlp.gate_proj.weight", "layers/w_gate", "t"),
+    Rule("model.layers.{i}.mlp.up_proj.weight", "layers/w_up", "t"),
+    Rule("model.layers.{i}.mlp.down_proj.weight", "layers/w_down", "t"),
+)
+HF_RULES_BY_ARCH = {"gemma2": HF_GEMMA_RULES, "gemma3": HF_GEMMA_RULES}
+
+
+def hf_rules(architecture: str) -> tuple[Rule, ...]:
+    """The Hugging Face tensor-name rules for one of our architectures."""
+    return HF_RULES_BY_ARCH.get(architecture, HF_RULES)
+
 
 # Sources that carry no weights: rotary caches some HF exporters write (recomputed from the
 # config), and llama.cpp's rope_freqs.weight, which GGUFSource.model_config has already

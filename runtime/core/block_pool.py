@@ -14,6 +14,12 @@ pool's counters, the console and the read model in runtime/core/snapshot.py all 
 Cached and free blocks share one free queue in LRU order: allocation takes the head,
 freeing appends to the tail, so the block untouched for longest is evicted first.
 
+KV groups (runtime/kv_groups.py): a model with sliding-window layers keeps one block
+table per group of layers, all drawing pages from this one pool. A page caches under
+(group, hash): the same prompt block has one page per group, each reusable on its own (a
+sliding group's early pages are released while the full groups' stay). `group` defaults to
+0, the only group of a model without sliding layers.
+
 Residency events: with `record_events()` the pool logs every change to what its prefix
 cache can serve (a block stored under a hash, a hash evicted or flushed) so a fleet
 router can keep an exact view of which prefixes live on which replica
@@ -106,6 +112,7 @@ class BlockInfo:
     # The previous block's hash when this one was cached (None: a prompt's first block).
     # Prefix chains are followed by these links; set and cleared with block_hash.
     parent_hash: BlockHash | None = None
+    group: int = 0  # the KV group whose hash it carries (meaningful while block_hash is set)
 
 
 class BlockPool:
@@ -125,7 +132,7 @@ class BlockPool:
         self._blocks = [BlockInfo(i) for i in range(num_blocks)]
         # Insertion-ordered set of ref-0 block ids: head = LRU, O(1) removal on a hit.
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._index: dict[BlockHash, int] = {}  # hash -> block id carrying it
+        self._index: dict[tuple[int, BlockHash], int] = {}  # (group, hash) -> block id carrying it
         # Maintained incrementally so the properties are O(1).
         self._num_used = 0
         self._num_cached = 0
@@ -191,8 +198,8 @@ class BlockPool:
                 self.num_evictions += 1
                 self.evicted_ages.append(age)
                 self.evicted_age_total += age
-                del self._index[info.block_hash]
-                if self.events is not None:
+                del self._index[(info.group, info.block_hash)]
+                if self.events is not None and info.group == 0:
                     self.events.append(("removed", info.block_hash))
                 info.block_hash = None
                 info.token_ids = None
@@ -234,22 +241,31 @@ class BlockPool:
     # ---- prefix cache -------------------------------------------------------
 
     def lookup_prefix(
-        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]
+        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], group: int = 0
     ) -> list[int]:
-        """Block ids of the longest verified cached prefix. Read-only."""
-        if not self.enable_prefix_cache:
-            return []
-        bs = self.block_size
+        """Block ids of the longest verified cached prefix (of `group`). Read-only."""
         out: list[int] = []
         for i, block_hash in enumerate(block_hashes):
-            block_id = self._index.get(block_hash)
+            block_id = self.cached_block(block_hash, token_ids, i, group)
             if block_id is None:
-                break
-            # Token verification: a hash collision must never serve another prompt's KV.
-            if self._blocks[block_id].token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
                 break
             out.append(block_id)
         return out
+
+    def cached_block(self, block_hash: BlockHash, token_ids: Sequence[int], index: int,
+                     group: int = 0) -> int | None:
+        """The block caching prompt block `index` (its hash; `token_ids`: the whole prompt)
+        for `group`, verified token by token, or None. Read-only."""
+        if not self.enable_prefix_cache:
+            return None
+        block_id = self._index.get((group, block_hash))
+        if block_id is None:
+            return None
+        bs = self.block_size
+        # Token verification: a hash collision must never serve another prompt's KV.
+        if self._blocks[block_id].token_ids != tuple(token_ids[index * bs:(index + 1) * bs]):
+            return None
+        return block_id
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a prefix hit on blocks from lookup_prefix: share them (ref += 1)."""
@@ -270,10 +286,11 @@ class BlockPool:
             info.last_used = now
 
     def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int],
-                    parent: BlockHash | None = None) -> None:
-        """Register a newly full used block under its hash (first holder wins). `parent` is
-        the previous block's hash (None for a prompt's first block): kept as the block's
-        link for prefix chains and reported in residency events."""
+                    parent: BlockHash | None = None, group: int = 0) -> None:
+        """Register a newly full used block under (group, hash) (first holder wins). `parent`
+        is the previous block's hash (None for a prompt's first block): kept as the block's
+        link for prefix chains and reported in residency events (group 0's only: one event
+        per prompt block, as a router keys prefixes by hash alone)."""
         if not self.enable_prefix_cache:
             return
         info = self._blocks[block_id]
@@ -282,31 +299,32 @@ class BlockPool:
         if len(token_ids) != self.block_size:
             raise ValueError(f"block {block_id}: {len(token_ids)} tokens, need {self.block_size}")
         if info.block_hash is not None:
-            if info.block_hash == block_hash:
+            if info.block_hash == block_hash and info.group == group:
                 return
             raise ValueError(f"block {block_id} already cached under another hash")
         # A duplicate (two requests computed the same prefix concurrently) stays
         # unhashed and simply becomes free when released; the existing entry serves hits.
-        if block_hash in self._index:
+        if (group, block_hash) in self._index:
             return
         info.block_hash = block_hash
         info.token_ids = tuple(token_ids)
         info.parent_hash = parent
-        self._index[block_hash] = block_id
-        if self.events is not None:
+        info.group = group
+        self._index[(group, block_hash)] = block_id
+        if self.events is not None and group == 0:
             self.events.append(("stored", block_hash, parent, info.token_ids))
 
     def reset_prefix_cache(self) -> int:
         """Operator flush: forget every cached (ref 0) block. Used blocks keep their hashes."""
-        dropped = [h for h, b in self._index.items() if self._blocks[b].ref_count == 0]
-        for block_hash in dropped:
-            info = self._blocks[self._index.pop(block_hash)]
+        dropped = [key for key, b in self._index.items() if self._blocks[b].ref_count == 0]
+        for key in dropped:
+            info = self._blocks[self._index.pop(key)]
             info.block_hash = None
             info.token_ids = None
             info.parent_hash = None
         self._num_cached -= len(dropped)
         if self.events is not None:
-            self.events.extend(("removed", h) for h in dropped)
+            self.events.extend(("removed", h) for g, h in dropped if g == 0)
         return len(dropped)
 
     # ---- introspection ------------------------------------------------------
@@ -332,7 +350,7 @@ class BlockPool:
                 fail(f"block {info.block_id} is in the free queue with ref_count {info.ref_count}")
             if state in (FREE, CACHED) and not in_queue:
                 fail(f"ref-0 block {info.block_id} is missing from the free queue")
-            if info.block_hash is not None and self._index.get(info.block_hash) != info.block_id:
+            if info.block_hash is not None and self._index.get((info.group, info.block_hash)) != info.block_id:
                 fail(f"block {info.block_id} carries a hash the index does not map to it")
             if (info.block_hash is None) != (info.token_ids is None):
                 fail(f"block {info.block_id} has a hash without token ids or vice versa")
@@ -340,10 +358,10 @@ class BlockPool:
                 fail(f"block {info.block_id} has a parent link without a hash of its own, or to itself")
         free, cached = by_state[FREE], by_state[CACHED]
         used = by_state[USED] + by_state[SHARED]
-        for block_hash, block_id in self._index.items():
+        for (group, block_hash), block_id in self._index.items():
             if not 0 <= block_id < self.num_blocks:
                 fail(f"index points at nonexistent block {block_id}")
-            if self._blocks[block_id].block_hash != block_hash:
+            if (self._blocks[block_id].group, self._blocks[block_id].block_hash) != (group, block_hash):
                 fail(f"index points at block {block_id}, which does not carry that hash")
         if len(self._free_queue) != cached + free:
             fail(f"free queue holds {len(self._free_queue)} ids, {cached + free} blocks have ref 0")

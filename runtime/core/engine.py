@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from runtime.core.request import step_row
 from runtime.core import disagg
+from runtime.kv_groups import KVGroups
 from runtime.core.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
 from runtime.core.metrics import EngineMetrics, EngineState, StepSample
@@ -92,17 +93,14 @@ class LLMEngine:
                  warmup: bool = True, progress: bool = True, dtype: Any = None):
         import jax.numpy as jnp
 
-        window = config.model.sliding_window  # served exactly only within one window (ModelConfig)
-        if window is not None and config.scheduler.max_model_len > window:
-            raise ValueError(f"max_model_len: {config.scheduler.max_model_len} exceeds the model's sliding_window "
-                             f"{window} (windowed attention is served by limiting the context to the window)")
         self.config = config
         self.tokenizer = tokenizer
         self.envelope = config.scheduler
         self.pool = BlockPool(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
         self._policy = config.policy
         self._policy.validate(self.envelope)
-        self.scheduler = Scheduler(config.cache, self.envelope, self._policy, self.pool)
+        self.kv_groups = KVGroups.of(config.model, config.cache.kv_groups)  # (runtime/kv_groups.py)
+        self.scheduler = Scheduler(config.cache, self.envelope, self._policy, self.pool, self.kv_groups)
         dtype = dtype or {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.dtype]
         from runtime.model.quant import prepare, quantization_of
 

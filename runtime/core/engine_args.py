@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Callable
 
 from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, GiB, KernelConfig, ModelConfig,
@@ -115,13 +114,6 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
         max_len = args.max_model_len or min(model.max_position_embeddings, 4096)
         if max_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len: {max_len} exceeds the model's {model.max_position_embeddings}")
-        window = model.sliding_window  # sliding-window attention is served exactly within one window (ModelConfig)
-        if window and max_len > window and not args.max_model_len:
-            logging.getLogger(__name__).info("max_model_len defaults to the model's sliding_window, %d", window)
-            max_len = window
-        if window and max_len > window:
-            raise ValueError(f"max_model_len: {max_len} exceeds the model's sliding_window {window} "
-                             "(windowed attention is served by limiting the context to the window)")
         envelope = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
         policy = AdmissionPolicy(
             watermark=args.watermark, admission_mode=args.admission_mode,

@@ -48,7 +48,9 @@ class Request:
     status: Status = Status.WAITING
     num_prompt_tokens: int = -1      # set from token_ids at creation
     num_pending: int = 0             # sampled on the device, not yet read back (0 or 1)
-    block_ids: list[int] = field(default_factory=list)
+    # One block table per KV group (runtime/kv_groups.py; one table for a model without
+    # sliding layers). A sliding group's entries that slid out of its window are NULL_BLOCK.
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_computed_tokens: int = 0     # tokens whose KV is in the cache (or being written by a launched step)
     num_cached_tokens: int = -1      # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
@@ -81,6 +83,23 @@ class Request:
         self.token_ids = list(self.token_ids)
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
+
+    # --- views of the block tables -----------------------------------------------------
+    @property
+    def block_ids(self) -> list[int]:
+        """The block table of a one-group cache (every model without sliding layers)."""
+        if len(self.block_tables) != 1:
+            raise ValueError(f"block_ids: the request holds {len(self.block_tables)} KV groups' tables; "
+                             "use block_tables")
+        return self.block_tables[0]
+
+    @block_ids.setter
+    def block_ids(self, ids: list[int]) -> None:
+        self.block_tables = [list(ids)]
+
+    def held_blocks(self) -> list[int]:
+        """Every page the request holds, all groups (released entries left out)."""
+        return [b for t in self.block_tables for b in t if b >= 0]
 
     # --- views of the one token list ---------------------------------------------------
     @property
@@ -183,7 +202,7 @@ def step_row(req: Request, n: int) -> ScheduledSeq:
     known = req.token_ids[start:start + n]
     pending = len(known) < n  # the tail is the token sampled by the step still in flight
     seq = ScheduledSeq(
-        token_ids=known + [0] * (n - len(known)), start_pos=start, block_ids=req.block_ids,
+        token_ids=known + [0] * (n - len(known)), start_pos=start, block_tables=req.block_tables,
         prompt_len=req.num_prompt_tokens, state_row=req.state_row, reset_row=req.needs_row_reset,
         sample=start + n == req.num_tokens, sampling_row=SamplingRow(req.params, req.num_output_tokens),
         count_from=max(0, req.row_counted_upto - start), pending_last=pending)

@@ -8,6 +8,11 @@ watermark. `reserve` mode admits only when prompt + max_tokens fit alongside wha
 running sequences may still grow into, so it never preempts. The arithmetic of both
 modes is runtime/core/capacity.py's, which disaggregation and the fleet's stats share.
 
+KV groups (runtime/kv_groups.py): a request holds one block table per group. `_grow`
+releases what a sliding group's window no longer sees before it allocates, and
+`_prefix_hit` takes a cached prefix only as far as every group still holds what the next
+query reads (a sliding group: just its window before the hit point).
+
 The scheduler is the one writer of a request's lifecycle fields (runtime/core/request.py):
 it admits, grows, preempts and finishes, and `commit` / `append_token` account a
 launched step's tokens; the engine builds step rows from requests without changing them.
@@ -21,6 +26,7 @@ from typing import Sequence
 
 from runtime.core import capacity
 from runtime.core.block_pool import BlockPool, NoFreeBlocks
+from runtime.kv_groups import NULL_BLOCK, KVGroups
 from runtime.config import AdmissionPolicy, CacheConfig, SchedulerConfig
 from runtime.core.request import Request, Status, cacheable_blocks
 
@@ -53,9 +59,13 @@ class SchedulerCounters:
 
 class Scheduler:
     def __init__(self, cache: CacheConfig, envelope: SchedulerConfig, policy: AdmissionPolicy,
-                 pool: BlockPool):
+                 pool: BlockPool, groups: KVGroups | None = None):
         self.cache, self.envelope, self.policy, self.pool = cache, envelope, policy, pool
+        self.groups = groups or KVGroups.single()
         self.bs = cache.block_size
+        # The most tokens one step computes for a request (what a sliding group holds beyond its window).
+        self.max_chunk = min(policy.long_prefill_token_threshold, policy.max_num_batched_tokens,
+                             envelope.max_num_batched_tokens)
         self.resumed: deque[Request] = deque()
         self.waiting: dict[str, deque[Request]] = {p: deque() for p in PRIORITY_RANK}
         self.running: list[Request] = []
@@ -81,7 +91,7 @@ class Scheduler:
         """Queue a request; `pinned_blocks`: blocks reserved for it (runtime/core/disagg.py), which
         it holds while it waits and hands back at admission."""
         total = req.max_total_tokens()
-        why = capacity.never_fits(total, self.envelope.max_model_len, self.pool)
+        why = capacity.never_fits(total, self.envelope.max_model_len, self.pool, self.groups, self.max_chunk)
         if why == "context":
             self._reject("too_long")
             raise ValueError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens}) "
@@ -125,8 +135,8 @@ class Scheduler:
 
     # --- lifecycle -------------------------------------------------------------------
     def _release(self, req: Request) -> None:
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self.pool.free(req.held_blocks())
+        req.block_tables = self._empty_tables()
         if req.state_row >= 0:
             self.free_rows.append(req.state_row)
             req.state_row = -1
@@ -177,15 +187,39 @@ class Scheduler:
             n = min(n, self.policy.long_prefill_token_threshold)
         return max(n, 0)
 
-    def _grow(self, req: Request, tokens: int) -> bool:
-        need = self.blocks_for(tokens) - len(req.block_ids)
-        if need <= 0:
+    def _empty_tables(self) -> list[list[int]]:
+        return [[] for _ in range(self.groups.num_groups)]
+
+    def _grow(self, req: Request, start: int, end: int) -> bool:
+        """Make the request's tables hold what computing tokens [start, end) needs: each
+        sliding group first releases the blocks its window left behind (`skipped_blocks`:
+        the step's queries start at `start`), then every group gets blocks up to `end`, all
+        groups or none."""
+        for g, table in enumerate(req.block_tables):
+            self._release_skipped(table, self.groups.skipped_blocks(g, start, self.bs))
+        needs = [max(0, self.blocks_for(end) - len(t)) for t in req.block_tables]
+        if sum(needs) == 0:
             return True
         try:
-            req.block_ids.extend(self.pool.allocate(need))
-            return True
+            new = self.pool.allocate(sum(needs))
         except NoFreeBlocks:
             return False
+        for table, k in zip(req.block_tables, needs):
+            table.extend(new[:k])
+            new = new[k:]
+        return True
+
+    def _release_skipped(self, table: list[int], skip: int) -> None:
+        """Release table entries [0, skip) (NULL_BLOCK in place). Released entries are always
+        a leading run, so only the new ones are visited."""
+        freed = []
+        b = min(skip, len(table)) - 1
+        while b >= 0 and table[b] != NULL_BLOCK:
+            freed.append(table[b])
+            table[b] = NULL_BLOCK
+            b -= 1
+        if freed:
+            self.pool.free(freed[::-1])
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -200,7 +234,7 @@ class Scheduler:
                 i += 1  # its last token is still pending on the device: it finishes when read back
                 continue
             n = self._chunk(req, req.num_computed_tokens, budget)
-            while not self._grow(req, req.num_computed_tokens + n):
+            while not self._grow(req, req.num_computed_tokens, req.num_computed_tokens + n):
                 if p.admission_mode == "reserve":
                     n = 0  # cannot happen with exact reservations; never preempt in reserve mode
                     break
@@ -223,7 +257,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, max_seqs: int) -> None:
         p = self.policy
-        promised = capacity.promised_growth(self.running, p.admission_mode, self.bs)
+        promised = capacity.promised_growth(self.running, p.admission_mode, self.bs, self.groups, self.max_chunk)
         pending = self._pending_prefix_blocks()
         held: set[str] = set()
         while (budget > 0 and len(self.running) < max_seqs and len(out.scheduled) < max_seqs
@@ -231,32 +265,35 @@ class Scheduler:
             req = self._peek_waiting(held)
             if req is None or not self.free_rows or req.num_pending:
                 return  # (a preempted request waits until its pending token is read back)
-            hits = self._prefix_hits(req)
-            if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in pending:
+            num_hit, hit_tables = self._prefix_hit(req)
+            hits = [b for t in hit_tables for b in t if b != NULL_BLOCK]
+            if num_hit < len(req.block_hashes) and req.block_hashes[num_hit] in pending:
                 # A running request is computing this prompt's next blocks: it waits a step and
                 # hits them. The queue behind it goes on (stopping here left most of a burst's
                 # first steps empty: 16 names in 64 chats on one system prompt held 7 of 8).
                 held.add(req.request_id)
                 continue
-            cached = len(hits) * self.bs
+            cached = num_hit * self.bs
             n = self._chunk(req, cached, budget)
             room = capacity.headroom(self.pool, p, num_tokens=req.num_tokens, max_total_tokens=req.max_total_tokens(),
                                      hits=hits, promised=promised, engine_busy=bool(self.running),
-                                     pinned=req.pinned_blocks)
+                                     pinned=req.pinned_blocks, groups=self.groups, hit_tokens=cached,
+                                     chunk=self.max_chunk)
             if not room.fits:
                 return  # head of line waits: FCFS within its tier
             self._pop_waiting(req)
             self.pool.touch(hits)
             self._unpin(req)  # (its hits now hold the imported blocks; the rest become free)
-            req.block_ids = list(hits)
-            if not self._grow(req, cached + n):
-                self.pool.free(req.block_ids)
-                req.block_ids = []
+            req.block_tables = hit_tables
+            if not self._grow(req, cached, cached + n):
+                self.pool.free(req.held_blocks())
+                req.block_tables = self._empty_tables()
                 self._requeue_front(req)
                 return
-            promised += capacity.promised_growth([req], p.admission_mode, self.bs)  # (it runs now)
+            promised += capacity.promised_growth([req], p.admission_mode, self.bs, self.groups,
+                                                 self.max_chunk)  # (it runs now)
             self._start(req, cached)
-            pending.update(req.block_hashes[len(hits):req.num_prompt_tokens // self.bs])
+            pending.update(req.block_hashes[num_hit:req.num_prompt_tokens // self.bs])
             out.scheduled.append((req, n))
             out.num_admitted += 1
             budget -= n
@@ -279,11 +316,56 @@ class Scheduler:
         (self.resumed if req.status is Status.PREEMPTED else self.waiting[req.priority]).appendleft(req)
         self.queued_tokens += req.num_prompt_tokens
 
-    def _prefix_hits(self, req: Request) -> list[int]:
+    def _prefix_hit(self, req: Request) -> tuple[int, list[list[int]]]:
+        """What a prefix hit reuses: (n, per-group tables) for the longest prefix of n cached
+        blocks that every group can serve -- a full group all n blocks, a sliding group the
+        blocks its window reads before the hit point (`KVGroups.hit_window`; the entries
+        before are NULL_BLOCK). Each group shortens n to its own longest hit until all
+        agree (vLLM's find_longest_cache_hit for hybrid models). Read-only."""
         if not self.cache.enable_prefix_cache or not req.uses_prefix_cache:
-            return []
+            return 0, self._empty_tables()
         req.extend_block_hashes(self.bs)
-        return self.pool.lookup_prefix(req.block_hashes[:cacheable_blocks(req.num_tokens, self.bs)], req.token_ids)
+        hashes = req.block_hashes[:cacheable_blocks(req.num_tokens, self.bs)]
+        found: dict[tuple[int, int], int | None] = {}
+
+        def cached(g: int, i: int) -> int | None:
+            if (g, i) not in found:
+                found[g, i] = self.pool.cached_block(hashes[i], req.token_ids, i, g)
+            return found[g, i]
+
+        n = len(hashes)
+        settled = False
+        while not settled:
+            settled = True
+            for g in range(self.groups.num_groups):
+                m = self._longest_hit(g, n, cached)
+                if m < n:
+                    n, settled = m, False
+        tables: list[list[int]] = []
+        for g in range(self.groups.num_groups):
+            window = self.groups.hit_window(g, n, self.bs)
+            hit = [cached(g, i) for i in window]  # (all cached: _longest_hit settled n)
+            tables.append([NULL_BLOCK] * window.start + [b for b in hit if b is not None])
+        return n, tables
+
+    def _longest_hit(self, g: int, n: int, cached) -> int:
+        """The largest m <= n such that group g caches every block of hit_window(g, m). Scans
+        right to left counting cached blocks; a run [i, i + run) is a hit once the window of
+        m = i + run starts inside it (a full group's window starts at 0: a prefix match)."""
+        if not self.groups.windows[g]:
+            m = 0
+            while m < n and cached(g, m) is not None:
+                m += 1
+            return m
+        run = 0
+        for i in range(n - 1, -1, -1):
+            if cached(g, i) is None:
+                run = 0
+                continue
+            run += 1
+            if self.groups.hit_window(g, i + run, self.bs).start >= i:
+                return i + run
+        return 0
 
     def _start(self, req: Request, cached: int) -> None:
         first = req.num_cached_tokens < 0
@@ -331,6 +413,8 @@ class Scheduler:
             req.extend_block_hashes(self.bs)
             toks = req.token_ids
             for b in range(req.num_registered_blocks, full):
-                self.pool.cache_block(req.block_ids[b], req.block_hashes[b], toks[b * self.bs:(b + 1) * self.bs],
-                                      req.block_hashes[b - 1] if b else None)
+                for g, table in enumerate(req.block_tables):
+                    if table[b] != NULL_BLOCK:  # (a sliding group may have released it already)
+                        self.pool.cache_block(table[b], req.block_hashes[b], toks[b * self.bs:(b + 1) * self.bs],
+                                              req.block_hashes[b - 1] if b else None, group=g)
             req.num_registered_blocks = full

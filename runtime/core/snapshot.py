@@ -137,7 +137,7 @@ def _owners(src: EngineParts) -> dict[int, tuple[str, ...]]:
     """block id -> ids of the running requests holding it (caller holds the lock)."""
     owners: dict[int, list[str]] = {}
     for r in src.scheduler.running:
-        for b in r.block_ids:
+        for b in r.held_blocks():  # (every KV group's pages)
             owners.setdefault(b, []).append(r.request_id)
     return {b: tuple(ids) for b, ids in owners.items()}
 
@@ -164,10 +164,12 @@ def block_views(src: EngineParts, start: int, stop: int) -> list[BlockView]:
 
 
 def hashed_blocks(src: EngineParts) -> list[HashedBlock]:
-    """Every block holding a prefix-cache hash (cached, or used and reusable)."""
+    """Every block holding a prefix-cache hash (cached, or used and reusable) in KV group 0:
+    the other groups cache the same hashes in their own pages, and a prefix chain follows
+    one group's links."""
     with src.lock:
         rows = [(i.block_id, i.block_hash, i.parent_hash, i.token_ids, i.hits, i.ref_count)
-                for i in src.pool.infos if i.block_hash is not None]
+                for i in src.pool.infos if i.block_hash is not None and i.group == 0]
     return [HashedBlock(*r) for r in rows]
 
 
@@ -220,7 +222,7 @@ def take_snapshot(src: EngineParts, with_blocks: bool = True) -> EngineSnapshot:
     with src.lock:
         sched, pool = src.scheduler, src.pool
         reqs = [(r.request_id, r.status.value, r.priority, len(r.prompt_ids), len(r.output_ids),
-                 max(r.num_cached_tokens, 0), len(r.block_ids), now - r.arrival_time,
+                 max(r.num_cached_tokens, 0), len(r.held_blocks()), now - r.arrival_time,
                  (r.first_token_time - r.arrival_time) if r.first_token_time else None, r.num_preemptions)
                 for r in [*sched.running, *sched.waiting_requests()]]
         policy = src.policy

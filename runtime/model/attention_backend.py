@@ -15,6 +15,7 @@ block b is row l * NB + b, so a backend sees a plain paged cache plus the layer'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -22,6 +23,7 @@ from typing import Any, Callable, ClassVar
 import jax
 import jax.numpy as jnp
 
+from runtime.kv_groups import KVGroups
 from runtime.model.kv_pages import QuantizedPages, SharedPrefix
 from runtime.model.xla_attention import write_kv, xla_ragged_paged_attention
 
@@ -38,9 +40,12 @@ class AttentionBackend:
         """New rows k, v [T, Hkv, D] into the cache at flat slots (-1: dropped)."""
         raise NotImplementedError
 
-    def attend(self, q: jax.Array, cache: tuple[Any, Any], inp: Any, base: jax.Array, sm_scale: float) -> jax.Array:
+    def attend(self, q: jax.Array, cache: tuple[Any, Any], inp: Any, base: jax.Array, sm_scale: float,
+               window: jax.Array | int = 0, soft_cap: float | None = None) -> jax.Array:
         """q [T, Hq, D] against the cache through the step's block tables offset by `base`
-        (the layer's first block row) -> [T, Hq, D]; padding rows 0."""
+        (the layer's first block row) -> [T, Hq, D]; padding rows 0. `window` (int32, traced;
+        0 = full): a query at position p sees keys p - window < k <= p. `soft_cap` (static):
+        scaled scores -> soft_cap * tanh(scores / soft_cap) before masking (Gemma 2)."""
         raise NotImplementedError
 
 
@@ -55,11 +60,12 @@ class XlaAttention(AttentionBackend):
     def write_kv(self, cache, k, v, slots):
         return write_kv(*cache, k, v, slots, cpu_kernel=self.cpu_kernel)
 
-    def attend(self, q, cache, inp, base, sm_scale):
+    def attend(self, q, cache, inp, base, sm_scale, window=0, soft_cap=None):
         sh = inp.shared
         shared = SharedPrefix(sh.blocks + base, sh.length, sh.suffix_start, sh.suffix_tables + base)
         return xla_ragged_paged_attention(q, *cache, inp.kv_lens, inp.block_tables + base, inp.query_start_loc,
-                                          inp.num_seqs, sm_scale=sm_scale, shared=shared, cpu_kernel=self.cpu_kernel)
+                                          inp.num_seqs, sm_scale=sm_scale, shared=shared, cpu_kernel=self.cpu_kernel,
+                                          window=window, soft_cap=soft_cap)
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,8 @@ class PallasAttention(AttentionBackend):
     def write_kv(self, cache, k, v, slots):
         return write_kv(*cache, k, v, slots)
 
-    def attend(self, q, cache, inp, base, sm_scale):
+    def attend(self, q, cache, inp, base, sm_scale, window=0, soft_cap=None):
+        # make_backend never pairs this kernel with a windowed or soft-capped model
         from pallas_kernels.paged_attention import ragged_paged_attention
 
         kernel = self.kernel or ragged_paged_attention
@@ -96,15 +103,30 @@ def resolve(name: str) -> str:
     return name
 
 
-def make_backend(name: str, kv_dtype: str, cpu_kernels: bool) -> AttentionBackend:
+def make_backend(name: str, kv_dtype: str, cpu_kernels: bool, windowed: bool = False,
+                 soft_cap: float | None = None, head_dim: int | None = None) -> AttentionBackend:
     """The backend for `name` (auto | xla | pallas). `cpu_kernels`: the C++ CPU kernels may
     serve the XLA path (the runner says no under tensor parallelism); they do where they are
-    built and enabled and the cache is float32 or int8."""
+    built and enabled and the cache is float32 or int8. `windowed` / `soft_cap`: the model has
+    sliding-window layers / an attention logit soft-cap (the Pallas kernel has neither; the
+    C++ CPU kernel has no soft-cap); `head_dim`: the C++ CPU kernel serves only its HEAD_DIMS."""
     name = resolve(name)
+    if name == "pallas" and (windowed or soft_cap is not None):
+        raise ValueError("attention_backend: pallas does not implement "
+                         f"{'sliding-window attention' if windowed else 'attention logit soft-capping'} "
+                         "(use --attention-backend xla)")
     if name == "xla":
         from runtime.kernels.cpu import attention as cpu_attention
 
-        return XlaAttention(cpu_kernel=cpu_kernels and kv_dtype in ("float32", "int8") and cpu_attention.available())
+        kernel = cpu_kernels and kv_dtype in ("float32", "int8") and cpu_attention.available()
+        if kernel and soft_cap is not None:
+            log.info("attention: the XLA path without the C++ CPU kernel (it has no attention logit soft-cap)")
+            kernel = False
+        if kernel and head_dim is not None and head_dim not in cpu_attention.HEAD_DIMS:
+            log.info("attention: the XLA path without the C++ CPU kernel (head_dim %d; it is built for %s)",
+                     head_dim, cpu_attention.HEAD_DIMS)
+            kernel = False
+        return XlaAttention(cpu_kernel=kernel)
     if jax.default_backend() == "gpu":
         return PallasAttention()
     # No GPU: the same kernel runs in the Mosaic GPU interpreter (tests only: slow).
@@ -115,12 +137,37 @@ def make_backend(name: str, kv_dtype: str, cpu_kernels: bool) -> AttentionBacken
     return PallasAttention(interpret=True)
 
 
-def paged_attention(backend: AttentionBackend, num_blocks: int, sm_scale: float, inp: Any, q: jax.Array,
-                    k: jax.Array, v: jax.Array, layer: jax.Array, cache: tuple[Any, Any]) -> tuple[jax.Array, Any]:
+def paged_attention(backend: AttentionBackend, num_blocks: int, sm_scale: float, windows: tuple[int, ...],
+                    soft_cap: float | None, inp: Any, q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array,
+                    cache: tuple[Any, Any], *, groups: KVGroups | None = None) -> tuple[jax.Array, Any]:
     """One layer's KV write (slot mapping) and paged attention: the `attention(q, k, v, layer,
-    cache)` a family calls, once `inp` is bound. Under tensor parallelism it runs per shard
+    cache)` a family calls, once `inp` is bound. `windows`: every layer's window
+    (ModelConfig.layer_windows(), 0 = full), picked here by the scanned layer index;
+    `soft_cap`: the model's attention logit soft-cap or None. `groups`: the KV groups
+    (runtime/kv_groups.py; None = one group of all layers): layer l reads group G(l)'s
+    block tables at row base i(l) * num_blocks. Under tensor parallelism it runs per shard
     (runtime/tp.shard_attention) on the local heads."""
     bs = cache[0].shape[1]
-    slots = jnp.where(inp.slot_mapping >= 0, inp.slot_mapping + layer * num_blocks * bs, -1)
+    if groups is None or groups.num_groups == 1:
+        group, row = 0, layer if groups is None else jnp.asarray(groups.layer_index, jnp.int32)[layer]
+    else:
+        group = jnp.asarray(groups.layer_group, jnp.int32)[layer]
+        row = jnp.asarray(groups.layer_index, jnp.int32)[layer]
+    inp = _group_view(inp, group)
+    slots = jnp.where(inp.slot_mapping >= 0, inp.slot_mapping + row * num_blocks * bs, -1)
     cache = backend.write_kv(cache, k, v, slots)
-    return backend.attend(q, cache, inp, layer * num_blocks, sm_scale), cache
+    window = jnp.asarray(windows, jnp.int32)[layer] if any(windows) else 0
+    return backend.attend(q, cache, inp, row * num_blocks, sm_scale, window, soft_cap), cache
+
+
+def _group_view(inp: Any, group: Any) -> Any:
+    """The step input as one group's layers see it: that group's slot mapping and block
+    tables; the shared prefix (cascade) only in group 0, whose tables it was chosen from
+    (other groups read their own tables whole)."""
+    tables = inp.block_tables[group]
+    if isinstance(group, int):
+        return dataclasses.replace(inp, slot_mapping=inp.slot_mapping[group], block_tables=tables)
+    sh, first = inp.shared, group == 0
+    shared = SharedPrefix(sh.blocks, jnp.where(first, sh.length, 0), jnp.where(first, sh.suffix_start, 0),
+                          jnp.where(first, sh.suffix_tables, tables))
+    return dataclasses.replace(inp, slot_mapping=inp.slot_mapping[group], block_tables=tables, shared=shared)

@@ -4,6 +4,11 @@
 (num_seqs, num_tokens) bucket; `build_step_input` fills it from the scheduler's plan
 with numpy on the host from the scheduler's rows (ScheduledSeq; runtime/core/request.py
 step_row makes one from a request).
+
+KV groups (runtime/kv_groups.py): block tables and slot mappings come one per group,
+[G, S, MB] and [G, T] (G = 1 for a model without sliding layers); a layer reads its group's.
+A sliding group's released entries (NULL_BLOCK, -1 on the host) become block 0 here: those
+positions lie outside the window, so the attention masks whatever block 0 holds.
 """
 
 from __future__ import annotations
@@ -28,12 +33,12 @@ class StepInput:
     token_ids: jax.Array        # [T] int32 flattened tokens of all scheduled sequences, padded
     token_from_state: jax.Array # [T] bool  the token is the row's last sampled one, still on device
     positions: jax.Array        # [T] int32 absolute position of each token
-    slot_mapping: jax.Array     # [T] int32 KV slot (block * block_size + offset); -1 = padding
+    slot_mapping: jax.Array     # [G, T] int32 KV slot per group (block * block_size + offset); -1 = padding
     token_kind: jax.Array       # [T] int32 TOKEN_PAD | TOKEN_PROMPT | TOKEN_OUTPUT (penalty state)
     token_row: jax.Array        # [T] int32 penalty-state row of the token's sequence
     query_start_loc: jax.Array  # [S+1] int32 cumulative token offsets per sequence
     kv_lens: jax.Array          # [S] int32 context length after this step's tokens; 0 = padding
-    block_tables: jax.Array     # [S, MB] int32 block ids per sequence (0-padded)
+    block_tables: jax.Array     # [G, S, MB] int32 block ids per group and sequence (0-padded)
     num_seqs: jax.Array         # [1] int32 real sequences in this step
     logits_indices: jax.Array   # [S] int32 index in [T] of each sequence's last token
     state_rows: jax.Array       # [S] int32 penalty-state row per sequence (R-1 = scratch row)
@@ -41,7 +46,7 @@ class StepInput:
     sample_mask: jax.Array      # [S] bool the sampled token is kept (chunk reached the end)
     prompt_targets: jax.Array   # [T] int32 the prompt token after this one, for prompt logprobs; -1 = none
     sampling: SamplingInputs    # per-sequence sampling parameters, [S] each
-    shared: SharedPrefix        # leading blocks many sequences share (cascade attention)
+    shared: SharedPrefix        # leading blocks many sequences share in group 0 (cascade attention)
 
 
 @dataclass
@@ -50,7 +55,7 @@ class ScheduledSeq:
 
     token_ids: Sequence[int]     # the tokens to compute this step
     start_pos: int               # position of token_ids[0]
-    block_ids: Sequence[int]     # the sequence's whole block table
+    block_tables: Sequence[Sequence[int]]  # the sequence's block table per KV group (-1: released)
     prompt_len: int              # tokens before this index are prompt (for penalty kinds)
     state_row: int
     reset_row: bool
@@ -63,9 +68,11 @@ class ScheduledSeq:
 
 def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tokens_bucket: int,
                      max_blocks_per_seq: int, block_size: int, scratch_row: int,
-                     token_mask: np.ndarray | None = None) -> StepInput:
+                     token_mask: np.ndarray | None = None, num_groups: int = 1, cascade: bool = True) -> StepInput:
     """Vectorised over tokens: the per-sequence Python work is list building only, so a
-    256-sequence decode step costs well under a millisecond on the host."""
+    256-sequence decode step costs well under a millisecond on the host. `num_groups`: KV
+    groups (every row has that many tables); `cascade`: look for a shared prefix in group 0
+    (off when group 0 slides: its released leading entries are not a shared prefix)."""
     from runtime.model.sampling import make_sampling_inputs
 
     S, T, n = num_seqs_bucket, num_tokens_bucket, len(seqs)
@@ -79,12 +86,9 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
     offset = np.arange(t, dtype=np.int32) - qsl[seq_of_token]  # index within its sequence's chunk
     pos = starts[seq_of_token] + offset
 
-    tables = np.zeros((S, max_blocks_per_seq), np.int32)
-    nblocks = np.fromiter((len(sq.block_ids) for sq in seqs), np.int32, n)
-    flat_blocks = np.fromiter((b for sq in seqs for b in sq.block_ids), np.int32, int(nblocks.sum()))
-    rows = np.repeat(np.arange(n), nblocks)
-    cols = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(nblocks) - nblocks, nblocks)
-    tables[rows, cols] = flat_blocks
+    all_tables = np.zeros((num_groups, S, max_blocks_per_seq), np.int32)
+    nblocks = [_fill_table(all_tables[g], [sq.block_tables[g] for sq in seqs]) for g in range(num_groups)][0]
+    tables = all_tables[0]
 
     token_ids = np.zeros(T, np.int32)
     token_ids[:t] = np.fromiter((x for sq in seqs for x in sq.token_ids), np.int32, t)
@@ -94,8 +98,8 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
         from_state[qsl[1:n + 1][pending] - 1] = True
     positions = np.zeros(T, np.int32)
     positions[:t] = pos
-    slots = np.full(T, -1, np.int32)
-    slots[:t] = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+    slots = np.full((num_groups, T), -1, np.int32)
+    slots[:, :t] = all_tables[:, seq_of_token, pos // block_size] * block_size + pos % block_size
     prompt_len = np.fromiter((sq.prompt_len for sq in seqs), np.int32, n)[seq_of_token]
     count_from = np.fromiter((sq.count_from for sq in seqs), np.int32, n)[seq_of_token]
     kind = np.zeros(T, np.int32)
@@ -117,9 +121,23 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
         if sq.prompt_next:
             targets[qsl[i]:qsl[i] + len(sq.prompt_next)] = sq.prompt_next
     sampling = make_sampling_inputs([sq.sampling_row for sq in seqs], S, token_mask)
-    shared = choose_shared_prefix(tables, nblocks, kv_lens, n, block_size)
-    return StepInput(token_ids, from_state, positions, slots, kind, token_row, qsl, kv_lens, tables,
+    shared = (choose_shared_prefix(tables, nblocks, kv_lens, n, block_size) if cascade
+              else SharedPrefix(np.zeros(max_blocks_per_seq, np.int32), np.zeros(1, np.int32), np.zeros(S, np.int32),
+                                tables))
+    return StepInput(token_ids, from_state, positions, slots, kind, token_row, qsl, kv_lens, all_tables,
                      np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, targets, sampling, shared)
+
+
+def _fill_table(out: np.ndarray, tables: Sequence[Sequence[int]]) -> np.ndarray:
+    """Rows of `out` [S, MB] <- the sequences' tables (released -1 entries as block 0);
+    returns each table's length."""
+    n = len(tables)
+    nblocks = np.fromiter((len(t) for t in tables), np.int32, n)
+    flat_blocks = np.fromiter((b for t in tables for b in t), np.int32, int(nblocks.sum()))
+    rows = np.repeat(np.arange(n), nblocks)
+    cols = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(nblocks) - nblocks, nblocks)
+    out[rows, cols] = np.maximum(flat_blocks, 0)
+    return nblocks
 
 
 def choose_shared_prefix(tables: np.ndarray, nblocks: np.ndarray, kv_lens: np.ndarray, n: int,

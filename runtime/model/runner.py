@@ -11,7 +11,6 @@ values of that shape plus one float32 scale per slot and head (runtime/model/xla
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from runtime.model.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_ste
 from runtime.config import QUANTIZED_KV_DTYPES, CacheConfig, KernelConfig, ModelConfig, SchedulerConfig
 from runtime.model.attention_backend import AttentionBackend, make_backend, paged_attention
 from runtime.model.families import family
-from runtime.model.families.llama import Params
+from runtime.model.families.llama import Params, attention_scale
 from runtime.model.quant import cast_params
 from runtime.model.sampling import SampleOutput, penalties_on, sample
 
@@ -65,6 +64,27 @@ def compilations(fun_name: str = STEP_FN_NAME) -> int:
     still counts: it is a shape the steady state should never see)."""
     with _compile_lock:
         return sum(v for k, v in _compilations.items() if fun_name in k)
+
+
+def pack_float_for(cfg: ModelConfig, params: Params) -> Params:
+    """The float32 tree packed for the C++ float kernel as far as the family's layer allows:
+    a Llama-style layer (SWIGLU_TAIL) gets the SwiGLU gate|up pair and with it the fused layer
+    tail (runtime/kernels/cpu/matmul.py); any other (Gemma: post-norms, GeGLU) gets each
+    projection packed on its own (q|k|v still one product), so typed() builds no tail and
+    the family applies its own activation and norms."""
+    from runtime.kernels.cpu import matmul as cpu_matmul
+
+    if getattr(family(cfg), "SWIGLU_TAIL", True):
+        return cpu_matmul.pack_float_params(params, cfg.tie_word_embeddings)
+    layers = dict(params["layers"])
+    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    if any(np.shape(layers[n])[-1] % cpu_matmul.F32_STRIP for n in names):
+        return params
+    layers["qkv"] = cpu_matmul.pack_float(np.concatenate([np.asarray(layers.pop(n), np.float32)
+                                                          for n in ("wq", "wk", "wv")], axis=-1))
+    for n in names[3:]:
+        layers[n] = cpu_matmul.pack_float(layers[n])
+    return cpu_matmul.with_float_head({**params, "layers": layers}, cfg.tie_word_embeddings)
 
 
 def tune_cpu_allocator() -> None:
@@ -134,9 +154,10 @@ def _reset_state_rows(counts: jax.Array, prompt_mask: jax.Array, inp: StepInput)
 
 
 def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: Any, params: Params, kv: tuple,
-          rows: tuple, inp: StepInput) -> tuple[tuple, tuple, SampleOutput, PromptLogprobs]:
+          rows: tuple, inp: StepInput, *, groups: Any = None) -> tuple[tuple, tuple, SampleOutput, PromptLogprobs]:
     """rows = (counts [R, V] i32, prompt_mask [R, V] bool, last_token [R] i32): per-request
-    device state, row R-1 being scratch for padding. mesh: None, or the tensor-parallel mesh
+    device state, row R-1 being scratch for padding. groups: the KV groups (runtime/kv_groups.py;
+    None: one group of all layers). mesh: None, or the tensor-parallel mesh
     (attention then runs per shard on its heads; runtime/model/tp.py)."""
     counts, prompt_mask, last_token = rows
     scratch = counts.shape[0] - 1
@@ -149,7 +170,8 @@ def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: An
     out_rows = jnp.where(inp.token_kind == TOKEN_OUTPUT, inp.token_row, scratch)
     counts = counts.at[out_rows, token_ids].add(1)
 
-    local = partial(paged_attention, backend, num_blocks, 1.0 / math.sqrt(cfg.head_dim))
+    local = partial(paged_attention, backend, num_blocks, attention_scale(cfg), cfg.layer_windows(),
+                    cfg.attn_logit_softcapping, groups=groups)
     if mesh is None:
         attention = partial(local, inp)
     else:
@@ -246,7 +268,7 @@ class ModelRunner:
         self.f32_kernel = (quantization == "none" and jnp.dtype(dtype) == jnp.float32 and self.tp == 1
                            and jax.default_backend() == "cpu" and cpu_matmul.f32_default(kernels))
         if self.f32_kernel:
-            params = cpu_matmul.pack_float_params(params, cfg.tie_word_embeddings)
+            params = pack_float_for(cfg, params)
             self.f32_kernel = "qkv" in params["layers"]
         self.params = cast_params(params, dtype)
         # XLA:CPU: float layer weights as separate per-layer arrays (models/llama.py
@@ -265,7 +287,12 @@ class ModelRunner:
         if cache.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype: {cache.kv_dtype!r} is not supported by the runner "
                              f"(supported: {', '.join(KV_DTYPES)})")
-        shape = (cfg.num_layers * cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # KV groups (runtime/kv_groups.py): a page holds a group's layers; one group of all
+        # layers (every model without sliding layers) is the [L * NB, ...] layout.
+        from runtime.kv_groups import KVGroups
+
+        self.kv_groups = KVGroups.of(cfg, cache.kv_groups)
+        shape = (self.kv_groups.group_size * cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
         if self.mesh is None:
             self.kv = allocate_kv(shape, cache.kv_dtype)
             from runtime.kernels.cpu import hugepages
@@ -282,10 +309,12 @@ class ModelRunner:
         self.scratch_row = rows - 1
         # Under TP the plain XLA path: the C++ CPU kernels' custom calls are not shard-safe yet.
         self.attention = make_backend(attention_backend, cache.kv_dtype,
-                                      cpu_kernels=self.tp == 1 and kernels.cpu_kernels)
+                                      cpu_kernels=self.tp == 1 and kernels.cpu_kernels,
+                                      windowed=any(cfg.layer_windows()), soft_cap=cfg.attn_logit_softcapping,
+                                      head_dim=cfg.head_dim)
         self.attention_backend = self.attention.name
         self.attention_kernel = bool(getattr(self.attention, "cpu_kernel", False))  # decode rows on the C++ kernel
-        fn = partial(_step, cfg, self.attention, cache.num_blocks, self.mesh)
+        fn = partial(_step, cfg, self.attention, cache.num_blocks, self.mesh, groups=self.kv_groups)
         fn.__name__ = STEP_FN_NAME  # type: ignore[attr-defined]
         if self.mesh is None:
             self._step = jax.jit(fn, donate_argnums=(1, 2))
@@ -337,7 +366,8 @@ class ModelRunner:
         if token_mask is None:
             token_mask = self.masks.all_allowed(num_seqs_bucket)
         inp = build_step_input(seqs, num_seqs_bucket, num_tokens_bucket, self.max_blocks_per_seq,
-                               self.cache_cfg.block_size, self.scratch_row, token_mask)
+                               self.cache_cfg.block_size, self.scratch_row, token_mask,
+                               num_groups=self.kv_groups.num_groups, cascade=not self.kv_groups.windows[0])
         if self.fail_next_step is not None:
             exc, self.fail_next_step = self.fail_next_step, None
             raise exc
@@ -373,7 +403,8 @@ class ModelRunner:
         for s, t in tqdm(self.sched.bucket_pairs(), desc="compiling buckets", unit="shape", disable=not progress):
             per = [t // s] * s
             per[-1] += t - sum(per)
-            seqs = [ScheduledSeq(token_ids=[0] * n, start_pos=0, block_ids=[0] * -(-n // self.cache_cfg.block_size),
+            seqs = [ScheduledSeq(token_ids=[0] * n, start_pos=0,
+                                 block_tables=[[0] * -(-n // self.cache_cfg.block_size)] * self.kv_groups.num_groups,
                                  prompt_len=n, state_row=self.scratch_row, reset_row=False, sample=True,
                                  sampling_row=greedy) for n in per]
             self.run(seqs, s, t)

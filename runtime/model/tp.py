@@ -129,7 +129,8 @@ def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int, *, stored: boo
     layer = {"wq": P(None, None, AXIS), "wk": P(None, None, AXIS), "wv": P(None, None, AXIS),
              "bq": P(None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS), "wo": P(None, AXIS, None),
              "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
-             "attn_norm": P(), "mlp_norm": P(), "q_norm": P(), "k_norm": P()}
+             "attn_norm": P(), "mlp_norm": P(), "q_norm": P(), "k_norm": P(),
+             "post_attn_norm": P(), "post_mlp_norm": P()}  # (Gemma's norms after attention and the MLP)
     if rep_kv:
         layer.update(wk=P(), wv=P(), bk=P(), bv=P())
     specs: dict[str, Any] = {}

@@ -25,7 +25,7 @@ needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ 
 
 
 @needs_kernel
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 16), (4, 4, 32), (16, 2, 128)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 16), (4, 4, 32), (16, 2, 128), (4, 1, 256)])
 def test_cpu_kernel_matches_oracle(hq, hkv, d):
     rng = np.random.default_rng(hq * 100 + d)
     # decodes of many lengths (partial blocks, one token, a long one), a prefill chunk whose

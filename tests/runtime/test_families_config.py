@@ -257,7 +257,7 @@ def test_old_config_without_rope_type_loads_as_llama3(tmp_path):
     assert not np.allclose(rope_inv_freq(cfg), rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None)))
 
 
-# --- sliding window: served exactly within one window, refused beyond it -----------------
+# --- sliding window: masked per layer, so prompts run past it ------------------------------
 
 def engine_args(*argv: str) -> argparse.Namespace:
     from runtime.core.engine_args import add_engine_arguments
@@ -268,20 +268,32 @@ def engine_args(*argv: str) -> argparse.Namespace:
 
 
 def test_mistral_sliding_window(tmp_path):
-    src = build_hf(tmp_path / "hf", "mistral", sliding_window=64, rope_parameters={"rope_type": "default",
+    """A 24-token window and an 80-token prompt plus 20 decoded: every layer's keys slide
+    out of the window (whole blocks too), and the tokens and logprobs are transformers'."""
+    src = build_hf(tmp_path / "hf", "mistral", sliding_window=24, rope_parameters={"rope_type": "default",
                                                                                    "rope_theta": 10000.0})
     convert(HFSource(src), tmp_path / "ck", progress=False)
-    cfg = load_config(tmp_path / "ck")
-    assert cfg.sliding_window == 64
-    with pytest.raises(ValueError, match=r"^max_model_len: 128 exceeds the model's sliding_window 64"):
-        make_engine(tmp_path / "ck", max_model_len=128)
+    cfg, params, _ = load_checkpoint(tmp_path / "ck")
+    assert cfg.sliding_window == 24 and cfg.layer_windows() == (24, 24)
     from runtime.core.engine_args import engine_config_from_args
 
-    assert engine_config_from_args(engine_args())(cfg).scheduler.max_model_len == 64  # the default follows the window
-    with pytest.raises(ValueError, match=r"^max_model_len: 128 exceeds the model's sliding_window 64"):
-        engine_config_from_args(engine_args("--max-model-len", "128"))(cfg)
-    # within the window, the same tokens and logprobs as transformers (whose mask slides)
-    assert_engine_matches(tmp_path / "ck", src, PROMPT[:40], 20, max_model_len=64)
+    # the context is no longer capped at the window
+    assert engine_config_from_args(engine_args())(cfg).scheduler.max_model_len == 1024
+    assert engine_config_from_args(engine_args("--max-model-len", "128"))(cfg).scheduler.max_model_len == 128
+    ids = jnp.asarray(PROMPT)  # the window changes the outputs past it (else the parity proves nothing)
+    full = dataclasses.replace(cfg, sliding_window=None)
+    assert np.abs(np.asarray(dense_logits(cfg, params, ids)) - np.asarray(dense_logits(full, params, ids))).max() > 0.1
+    assert_engine_matches(tmp_path / "ck", src, PROMPT, 20)
+
+
+def test_qwen2_sliding_window_matches_transformers(tmp_path):
+    """Qwen2 with use_sliding_window from layer 1 on: layer 0 full, layer 1 windowed."""
+    src = build_hf(tmp_path / "hf", "qwen2", use_sliding_window=True, sliding_window=24, max_window_layers=1,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    convert(HFSource(src), tmp_path / "ck", progress=False)
+    cfg = load_config(tmp_path / "ck")
+    assert cfg.layer_windows() == (0, 24)
+    assert_engine_matches(tmp_path / "ck", src, PROMPT, 20)
 
 
 @pytest.mark.parametrize("changes,window", [

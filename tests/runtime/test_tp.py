@@ -67,6 +67,20 @@ def test_tp2_tp4_match_tp1(ckpts):
     assert res[2]["kv_shard_shape"][2] == 2 and res[4]["kv_shard_shape"][2] == 1  # the cache by KV head
 
 
+def test_gemma3_tp2_matches_tp1(tmp_path):
+    """Gemma 3's layer (pre- and post-norms, q/k norms, GeGLU, scaled embeddings) with a
+    sliding window on 2 of 3 layers (KV groups: pages released as the window passes) and both
+    soft-caps, sharded 2 ways: TP 1's tokens and logprobs."""
+    ckpt = make_tiny_checkpoint(tmp_path / "gemma3", architecture="gemma3", num_heads=4, num_kv_heads=2,
+                                num_layers=3, vocab_size=268, sliding_window=24, hidden_activation="gelu_tanh",
+                                layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+                                query_pre_attn_scalar=16.0, attn_logit_softcapping=50.0,
+                                final_logit_softcapping=30.0, rope_local_theta=10000.0, rope_theta=1e6)
+    # 3 KV groups of 1 layer (1 full, 2 sliding): a page is a third of a Llama page here
+    res = _run_check(ckpt, "2", "--pages=30")
+    _assert_parity(res, [2])
+
+
 def test_tp4_replicates_kv_heads(ckpts):
     res = _run_check(ckpts["8q2kv"], "4")
     _assert_parity(res, [4])

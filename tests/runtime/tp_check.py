@@ -132,6 +132,10 @@ def main(argv: list[str]) -> None:
     flags = ("--quick", "--memory", "--step-memory")
     quick, memory, with_memory = (f in argv for f in flags)
     argv = [a for a in argv if a not in flags]
+    # --pages=N: the pressure pool in pages (default 16: a page of every layer); a model with
+    # sliding-window layers has smaller pages (a KV group's layers), so it needs more of them
+    pages = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--pages=")]
+    argv = [a for a in argv if not a.startswith("--pages=")]
     ckpt, tps = Path(argv[0]), [int(a) for a in argv[1:]]
     if memory:
         memory_check(ckpt, tps, num_blocks=2048)
@@ -145,7 +149,7 @@ def main(argv: list[str]) -> None:
         # quick (SmolLM2): one sequence at a time in 16-token chunks: 2 step shapes compile; 128
         # blocks (of which it uses 8) make one KV shard (15.7 MB at TP 3) dwarf the step's
         # activations (4.7 MB) for --step-memory.
-        eng = engine(ckpt, tp, max_num_batched_tokens=16 if quick else 32, num_blocks=128 if quick else 16,
+        eng = engine(ckpt, tp, max_num_batched_tokens=16 if quick else 32, num_blocks=128 if quick else (pages[0] if pages else 16),
                      max_num_seqs=1 if quick else 4, admission_mode="optimistic", watermark=0.0)
         built = time.perf_counter() - t0
         res = workload(eng, n_tokens, eng.config.model.vocab_size, quick)

@@ -17,7 +17,8 @@
 // [NB, BS, H] (the *Int8 targets); kv_lens [S] (decode; 0 = no query: output zeros);
 // block_tables [rows, MB] (absolute block rows, the layer's base included); seq_of, pos [S]
 // (prefill: the token's table row and position, pos -1 = not this kernel's: output zeros;
-// empty in decode). Output [S, H, G, D], normalized.
+// empty in decode); window [1] (0 = full attention; else a query at position p sees only keys
+// p - window < k <= p, and blocks wholly before that are not read). Output [S, H, G, D], normalized.
 
 #include <algorithm>
 #include <atomic>
@@ -64,7 +65,23 @@ struct Problem {
   // table row seq_of[t] and sits at position pos[t] (-1: not this kernel's token, output 0).
   const int32_t* seq_of = nullptr;
   const int32_t* pos = nullptr;
+  int64_t window = 0;  // 0: full attention; else keys k with p - window < k <= p (sliding window)
 };
+
+// The first key position a query at position `qpos` sees (0 without a window).
+inline int64_t window_start(const Problem& p, int64_t qpos) {
+  return p.window > 0 ? std::max<int64_t>(0, qpos - p.window + 1) : 0;
+}
+
+// A cascade / decode row's query position: its token's in prefill, its sequence's last in decode.
+inline int64_t row_position(const Problem& p, int64_t row) {
+  return p.pos != nullptr ? p.pos[row / p.G] : p.lens[row / p.G] - 1;
+}
+
+// Decode: the first of sequence s's own blocks it reads (after the cascade's, inside the window).
+inline int64_t first_own_block(const Problem& p, int64_t s) {
+  return std::max<int64_t>(p.suffix_start[s] / p.BS, window_start(p, p.lens[s] - 1) / p.BS);
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -300,17 +317,25 @@ void shared_rows(const Problem& p, int64_t h, const int64_t* rows, int64_t nrows
       qT[i][r] = p.q[((row / G) * H + h) * G * D + (row % G) * D + i];
     }
   alignas(64) float m[16], l[16], A[16][D];
+  int64_t lo[16], lowest = INT64_MAX, highest = 0;  // each row's window start (rows sit after the prefix)
   for (int r = 0; r < 16; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.0f;
     for (int i = 0; i < D; ++i) A[r][i] = 0.0f;
+    lo[r] = window_start(p, row_position(p, rows[std::min<int64_t>(r, nrows - 1)]));
+    lowest = std::min(lowest, lo[r]);
+    highest = std::max(highest, lo[r]);
   }
   const int64_t nblocks = p.shared_len / BS;
-  for (int64_t b = 0; b < nblocks; ++b) {
+  for (int64_t b = lowest / BS; b < nblocks; ++b) {  // blocks before every row's window: skipped
     const float *kb, *vb;
     const int64_t ts = block_rows<D>(p, p.shared_blocks[b], h, kf, vf, &kb, &vb);
     alignas(64) float sc[kMaxBlock][16];
     block_scores<D>(qT, kb, ts, BS, sc);
+    if (b * BS < highest)  // some row's window starts after this block's first token
+      for (int64_t t = 0; t < BS; ++t)
+        for (int r = 0; r < 16; ++r)
+          if (b * BS + t < lo[r]) sc[t][r] = -INFINITY;
     alignas(64) float alpha[16];
     block_softmax(sc, BS, m, l, alpha);
     block_values<D>(A, nrows, alpha, sc, vb, ts, BS);
@@ -334,10 +359,12 @@ void token_tile(const Problem& p, int64_t t0, int64_t nt, int64_t h) {
   alignas(64) float kf[kMaxBlock * D], vf[kMaxBlock * D];
   alignas(64) float qT[D][16], m[16], l[16], A[16][D], alpha[16];
   int32_t lim[16];
+  int64_t lo[16];  // each row's window start
   const bool member = p.suffix_start[s] > 0;
   for (int r = 0; r < 16; ++r) {
     const int64_t rr = std::min<int64_t>(r, nrows - 1), t = t0 + rr / G, g = rr % G;
     lim[r] = p.pos[t];
+    lo[r] = window_start(p, p.pos[t]);
     for (int i = 0; i < D; ++i) qT[i][r] = p.q[(t * H + h) * G * D + g * D + i];
     if (member) {  // (state exists only when there is a shared prefix)
       const float* st = p.state + ((t * H + h) * G + g) * (2 + D);
@@ -352,14 +379,15 @@ void token_tile(const Problem& p, int64_t t0, int64_t nt, int64_t h) {
   }
   const int32_t* table = p.tables + s * p.MB;
   const int64_t last = p.pos[t0 + nt - 1] / BS;  // tokens ascend: the tile's last sees the most
-  for (int64_t b = p.suffix_start[s] / BS; b <= last; ++b) {
+  const int64_t first = std::max<int64_t>(p.suffix_start[s] / BS, window_start(p, p.pos[t0]) / BS);  // and the first
+  for (int64_t b = first; b <= last; ++b) {
     const float *kb, *vb;
     const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
     alignas(64) float sc[kMaxBlock][16];
     block_scores<D>(qT, kb, ts, BS, sc);
     for (int64_t t = 0; t < BS; ++t)
       for (int r = 0; r < 16; ++r)
-        if (b * BS + t > lim[r]) sc[t][r] = -INFINITY;
+        if (b * BS + t > lim[r] || b * BS + t < lo[r]) sc[t][r] = -INFINITY;
     block_softmax(sc, BS, m, l, alpha);
     block_values<D>(A, nrows, alpha, sc, vb, ts, BS);
   }
@@ -403,11 +431,13 @@ void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float 
   if (b * BS >= len) return;
   {
     const int64_t n = std::min<int64_t>(BS, len - b * BS);
+    const int64_t skip = window_start(p, len - 1) - b * BS;  // tokens of this block before the window
     const float *kb, *vb;
     const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    for (int64_t t0 = skip > 0 ? skip / 16 * 16 : 0; t0 < n; t0 += 16) {  // (every tile sees a token)
       const int64_t nt = std::min<int64_t>(16, n - t0);
-      const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1);
+      const uint32_t before = skip > t0 ? (1u << (skip - t0)) - 1 : 0u;
+      const __mmask16 valid = static_cast<__mmask16>(((1u << nt) - 1) & ~before);
       for (int64_t g = 0; g < G; ++g) {
         __m512 qv[C];
         for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * D + 16 * c);
@@ -473,11 +503,15 @@ void own_head(const Problem& p, int64_t s, int64_t h, float* m, float* l, float 
   if (b * BS >= len) return;
   {
     const int64_t n = std::min<int64_t>(BS, len - b * BS);
+    const int64_t skip = window_start(p, len - 1) - b * BS;  // tokens of this block before the window
     const float *kb, *vb;
     const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
-    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    for (int64_t t0 = skip > 0 ? skip / 8 * 8 : 0; t0 < n; t0 += 8) {  // (every tile sees a token)
       const int64_t nt = std::min<int64_t>(8, n - t0);
-      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nt)), lane));
+      const int first = static_cast<int>(std::max<int64_t>(0, skip - t0));  // lanes [first, nt) are visible
+      const __m256 valid = _mm256_castsi256_ps(_mm256_and_si256(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nt)), lane),
+          _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(first - 1))));
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
         __m128 half[2];
@@ -532,14 +566,15 @@ void one_head(const Problem& p, int64_t s, int64_t h) {
   const int32_t* table = p.tables + s * p.MB;
   alignas(64) float kf[kMaxBlock * D], vf[kMaxBlock * D];  // int8 caches: this block, dequantized
   const int64_t nblocks = (len + BS - 1) / BS;
-  const int64_t first = p.suffix_start[s] / BS;  // blocks the cascade already covered
+  const int64_t first = first_own_block(p, s);  // after the blocks the cascade covered, inside the window
+  const int64_t lo = window_start(p, len - 1);
   alignas(64) float acc[kMaxGroup][D];
   alignas(64) float sc[kMaxGroup][kMaxBlock];
   float m[kMaxGroup], l[kMaxGroup];
   {
     const float* q = p.q + (s * H + h) * G * D;
     for (int64_t g = 0; g < G; ++g) {
-      if (first > 0) {
+      if (p.suffix_start[s] > 0) {
         const float* st = p.state + ((s * H + h) * G + g) * (2 + D);
         m[g] = st[0];
         l[g] = st[1];
@@ -552,9 +587,10 @@ void one_head(const Problem& p, int64_t s, int64_t h) {
     }
     for (int64_t b = first; b < nblocks; ++b) {
       const int64_t n = std::min<int64_t>(BS, len - b * BS);
+      const int64_t t1 = std::max<int64_t>(0, lo - b * BS);  // tokens before the window: not read
       const float *kb, *vb;
       const int64_t ts = block_rows<D>(p, table[b], h, kf, vf, &kb, &vb);
-      for (int64_t t = 0; t < n; ++t) {  // scores: each K row read once for the whole group
+      for (int64_t t = t1; t < n; ++t) {  // scores: each K row read once for the whole group
         const float* kt = kb + t * ts;
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = q + g * D;
@@ -566,11 +602,11 @@ void one_head(const Problem& p, int64_t s, int64_t h) {
       }
       for (int64_t g = 0; g < G; ++g) {  // online softmax over this block
         float mx = m[g];
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[g][t]);
+        for (int64_t t = t1; t < n; ++t) mx = std::max(mx, sc[g][t]);
         const float alpha = m[g] == -INFINITY ? 0.0f : fast_exp(m[g] - mx);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = t1; t < n; ++t) {
           const float e = fast_exp(sc[g][t] - mx);
           sc[g][t] = e;
           sum += e;
@@ -582,7 +618,7 @@ void one_head(const Problem& p, int64_t s, int64_t h) {
           for (int i = 0; i < D; ++i) acc[g][i] *= alpha;
         }
       }
-      for (int64_t t = 0; t < n; ++t) {  // values: each V row read once for the whole group
+      for (int64_t t = t1; t < n; ++t) {  // values: each V row read once for the whole group
         const float* vt = vb + t * ts;
         for (int64_t g = 0; g < G; ++g) {
           const float w = sc[g][t];
@@ -613,7 +649,7 @@ inline int64_t own_splits(const Problem& p, int64_t threads) {
   if (p.S >= 4 * threads) return 1;
   int64_t most = 0;
   for (int64_t s = 0; s < p.S; ++s)
-    most = std::max<int64_t>(most, (p.lens[s] + p.BS - 1) / p.BS - p.suffix_start[s] / p.BS);
+    most = std::max<int64_t>(most, (p.lens[s] + p.BS - 1) / p.BS - first_own_block(p, s));
   const int64_t want = (4 * threads + p.S - 1) / p.S;
   return std::max<int64_t>(1, std::min<int64_t>({want, most / 2, kMaxSplits}));  // (2+ blocks a range)
 }
@@ -649,7 +685,7 @@ void own_ranges(ffi::ThreadPool& pool, int64_t threads, const Problem& p, int64_
       }
     }
     if (len > 0) {
-      const int64_t first = p.suffix_start[s] / BS, nblocks = (len + BS - 1) / BS;
+      const int64_t first = first_own_block(p, s), nblocks = (len + BS - 1) / BS;
       const int64_t per = (nblocks - first + splits - 1) / splits, b0 = first + c * per;
       const int64_t b1 = std::min(nblocks, b0 + per);
       const int32_t* table = p.tables + s * p.MB;
@@ -770,7 +806,7 @@ ffi::Error Decode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<con
                   ffi::Buffer<ffi::S32>& kv_lens, ffi::Buffer<ffi::S32>& block_tables,
                   ffi::Buffer<ffi::S32>& shared_blocks, ffi::Buffer<ffi::S32>& shared_len,
                   ffi::Buffer<ffi::S32>& suffix_start, ffi::Buffer<ffi::S32>& seq_of, ffi::Buffer<ffi::S32>& pos,
-                  ffi::Result<ffi::Buffer<ffi::F32>>& out, int64_t num_threads) {
+                  ffi::Buffer<ffi::S32>& window, ffi::Result<ffi::Buffer<ffi::F32>>& out, int64_t num_threads) {
   const auto qd = q.dimensions();
   const auto td = block_tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2) {
@@ -780,7 +816,7 @@ ffi::Error Decode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<con
   const bool prefill = pos.element_count() > 0;
   if (kd[2] != H || kd[3] != D || G > kMaxGroup || kd[1] > kMaxBlock || kd[1] % 8 != 0 ||
       suffix_start.element_count() != static_cast<size_t>(td[0]) ||
-      shared_blocks.element_count() < static_cast<size_t>(td[1]) ||
+      shared_blocks.element_count() < static_cast<size_t>(td[1]) || window.element_count() != 1 ||
       (prefill ? (pos.element_count() != static_cast<size_t>(S) || seq_of.element_count() != static_cast<size_t>(S))
                : td[0] != S)) {
     return ffi::Error::InvalidArgument("paged attention: shapes disagree or exceed the kernel's limits");
@@ -804,12 +840,14 @@ ffi::Error Decode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<con
     p.seq_of = seq_of.typed_data();
     p.pos = pos.typed_data();
   }
+  p.window = std::max<int32_t>(0, window.typed_data()[0]);
   switch (D) {
     case 16: run<16>(pool, num_threads, p); break;
     case 32: run<32>(pool, num_threads, p); break;
     case 64: run<64>(pool, num_threads, p); break;
     case 128: run<128>(pool, num_threads, p); break;
-    default: return ffi::Error::InvalidArgument("paged attention: head_dim must be 16, 32, 64 or 128");
+    case 256: run<256>(pool, num_threads, p); break;  // Gemma 2/3
+    default: return ffi::Error::InvalidArgument("paged attention: head_dim must be 16, 32, 64, 128 or 256");
   }
   return ffi::Error::Success();
 }
@@ -818,11 +856,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> kv_lens,
                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> shared_blocks,
                            ffi::Buffer<ffi::S32> shared_len, ffi::Buffer<ffi::S32> suffix_start,
-                           ffi::Buffer<ffi::S32> seq_of, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
-                           int64_t num_threads) {
+                           ffi::Buffer<ffi::S32> seq_of, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> window,
+                           ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
   return Decode(pool, q, k_cache.dimensions(), k_cache.typed_data(), v_cache.typed_data(), nullptr, nullptr,
-                nullptr, nullptr, kv_lens, block_tables, shared_blocks, shared_len, suffix_start, seq_of, pos, out,
-                num_threads);
+                nullptr, nullptr, kv_lens, block_tables, shared_blocks, shared_len, suffix_start, seq_of, pos, window,
+                out, num_threads);
 }
 
 // The same over an int8 cache (runtime.model.xla_attention.QuantizedPages): values and per-slot scales.
@@ -831,14 +869,14 @@ ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> kv_lens,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> shared_blocks,
                                ffi::Buffer<ffi::S32> shared_len, ffi::Buffer<ffi::S32> suffix_start,
-                               ffi::Buffer<ffi::S32> seq_of, ffi::Buffer<ffi::S32> pos,
+                               ffi::Buffer<ffi::S32> seq_of, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> window,
                                ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
   if (k_scale.element_count() * k_cache.dimensions()[3] != k_cache.element_count()) {
     return ffi::Error::InvalidArgument("paged attention: int8 scales must be [NB, BS, H]");
   }
   return Decode(pool, q, k_cache.dimensions(), nullptr, nullptr, k_cache.typed_data(), v_cache.typed_data(),
                 k_scale.typed_data(), v_scale.typed_data(), kv_lens, block_tables, shared_blocks, shared_len,
-                suffix_start, seq_of, pos, out, num_threads);
+                suffix_start, seq_of, pos, window, out, num_threads);
 }
 
 // The step's new K and V rows [T, H, D] into the float32 caches [NB, BS, H, D] at flat slots
@@ -904,6 +942,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_of (prefill; empty for decode)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window [1] (0: full attention)
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads"));
 
@@ -922,5 +961,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDecodeAttentionInt8, DecodeAttentionInt8,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_of (prefill; empty for decode)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window [1] (0: full attention)
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads"));

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from runtime.config import ModelConfig
-from runtime.model.families import llama, qwen3
+from runtime.model.families import gemma, llama, qwen3
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": llama, "qwen3": qwen3}
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": llama, "qwen3": qwen3, "gemma2": gemma, "gemma3": gemma,
+                                   "phi3": llama}  # Phi-3: Llama's math (fused weights split at convert)
 
 
 def family(cfg: ModelConfig) -> ModuleType:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from runtime.config import ModelConfig
+from runtime.config import ModelConfig, RopeScaling
 from runtime.model.linear import HeldPerLayer, Norm, rms_norm, typed
 
 Params = dict[str, Any]
@@ -61,30 +61,62 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = np.float32, shapes
 # --- the family's math ------------------------------------------------------------------
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    """The rotary table apply_rope takes, float32 [2, D/2]: the inverse frequencies, then the
+    amplitude cos and sin are multiplied by (yarn's and longrope's attention_factor, else 1).
+    One array of one shape, so every family passes it through (and picks between tables, as
+    Gemma's sliding and full layers do) without knowing which scaling the model has."""
     s = cfg.rope_scaling
-    if s is not None and s.rope_type == "linear":  # positions / factor: the same angles
-        return (inv / s.factor).astype(np.float32)
-    if s is not None and s.rope_type == "freq_factors":  # llama.cpp's rope_freqs.weight: a divisor per frequency
-        return (inv / np.asarray(s.freq_factors, np.float64)).astype(np.float32)
-    if s is not None:  # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, smooth between.
-        low_wl = s.original_max_position_embeddings / s.low_freq_factor
-        high_wl = s.original_max_position_embeddings / s.high_freq_factor
-        wl = 2 * math.pi / inv
-        smooth = (s.original_max_position_embeddings / wl - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor)
-        scaled = np.where(wl > low_wl, inv / s.factor, inv)
-        mid = (wl <= low_wl) & (wl >= high_wl)
-        inv = np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
-    return inv.astype(np.float32)
+    inv = _scaled_inv_freq(cfg.head_dim, cfg.rope_theta, s)
+    return np.stack([inv, np.full_like(inv, 1.0 if s is None else s.attention_factor)]).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x [T, H, D], positions [T]; rotate-half convention."""
+def _scaled_inv_freq(dim: int, theta: float, s: RopeScaling | None) -> np.ndarray:
+    """float64 [dim/2] inverse frequencies of `theta`, scaled by `s` (RopeScaling's types)."""
+    inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if s is None or s.rope_type == "dynamic":  # NTK's base only grows past original_max_position_embeddings
+        return inv
+    if s.rope_type == "linear":  # positions / factor: the same angles
+        return inv / s.factor
+    if s.rope_type in ("freq_factors", "longrope"):  # a divisor per frequency (longrope: its short factors)
+        return inv / np.asarray(s.freq_factors, np.float64)
+    if s.rope_type == "yarn":
+        return _yarn_inv_freq(dim, theta, s, inv)
+    # llama3 (Llama 3.1): long wavelengths slowed by `factor`, short ones kept, smooth between.
+    low_wl = s.original_max_position_embeddings / s.low_freq_factor
+    high_wl = s.original_max_position_embeddings / s.high_freq_factor
+    wl = 2 * math.pi / inv
+    smooth = (s.original_max_position_embeddings / wl - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    scaled = np.where(wl > low_wl, inv / s.factor, inv)
+    mid = (wl <= low_wl) & (wl >= high_wl)
+    return np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling, inv: np.ndarray) -> np.ndarray:
+    """YaRN as transformers' _compute_yarn_parameters: the dimension index where a frequency
+    turns `r` times over original_max_position_embeddings is dim ln(L / 2 pi r) / 2 ln(theta);
+    below beta_fast's index frequencies are kept, above beta_slow's divided by factor, with a
+    linear ramp between (ends rounded outwards when `truncate`, clipped to [0, dim - 1])."""
+    def index(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = index(s.beta_fast), index(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return inv / s.factor * ramp + inv * (1 - ramp)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, table: jax.Array) -> jax.Array:
+    """x [T, H, D], positions [T], table rope_inv_freq's [2, D/2]; rotate-half convention.
+    cos and sin are multiplied by the table's amplitude, as transformers does."""
+    inv_freq, amplitude = table[0], table[1]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
+    cos = (jnp.cos(angles) * amplitude)[:, None, :]
+    sin = (jnp.sin(angles) * amplitude)[:, None, :]
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -216,32 +248,51 @@ def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     return typed(params)["head"].apply(hidden)
 
 
-def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, num_segments_mask: jax.Array
-                           ) -> jax.Array:
-    """Plain softmax attention for one sequence: q [T,Hq,D], k/v [T,Hkv,D]."""
+def attention_scale(cfg: ModelConfig) -> float:
+    """The factor on q.k: query_pre_attn_scalar ** -0.5 where the model sets it (Gemma), else
+    head_dim ** -0.5."""
+    return 1.0 / math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)
+
+
+def causal_mask(T: int, window: jax.Array | int = 0) -> jax.Array:
+    """[T, T] bool: query i sees key j when i - window < j <= i (window 0: every j <= i)."""
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    return (j <= i) & ((window <= 0) | (j > i - window))
+
+
+def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, num_segments_mask: jax.Array,
+                           sm_scale: float | None = None, soft_cap: float | None = None) -> jax.Array:
+    """Plain softmax attention for one sequence: q [T,Hq,D], k/v [T,Hkv,D]; scores scaled by
+    `sm_scale` (default head_dim ** -0.5), soft-capped (cap * tanh(s / cap)) when `soft_cap`,
+    then masked by num_segments_mask [T, T] (causal_mask: causal, optionally windowed)."""
     T, Hq, D = q.shape
     group = Hq // k.shape[1]
     k = jnp.repeat(k, group, axis=1)
     v = jnp.repeat(v, group, axis=1)
-    s = jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(D)
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    s = jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(num_segments_mask[None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("hts,shd->thd", p, v.astype(jnp.float32)).astype(q.dtype)
 
 
-def dense_logits(cfg: ModelConfig, params: Params, token_ids: jax.Array, forward: Callable | None = None
-                 ) -> jax.Array:
+def dense_logits(cfg: ModelConfig, params: Params, token_ids: jax.Array, forward: Callable | None = None,
+                 head: Callable | None = None) -> jax.Array:
     """Reference forward without any cache: token_ids [T] -> logits [T, V] (float32), through
-    `forward` (a family's forward_hidden; this one's by default). Used by parity tests and
+    `forward` and `head` (a family's forward_hidden and lm_head; this one's by default), with
+    each layer's window and the model's attention scale and soft-cap. Used by parity tests and
     the dense (non-paged) greedy baseline."""
     T = token_ids.shape[0]
-    mask = jnp.tril(jnp.ones((T, T), dtype=bool))
+    windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # each layer's window (0: full)
 
     def attention(q, k, v, layer, cache):
-        return dense_causal_attention(q, k, v, mask), cache
+        return dense_causal_attention(q, k, v, causal_mask(T, windows[layer]), attention_scale(cfg),
+                                      cfg.attn_logit_softcapping), cache
 
     hidden, _ = (forward or forward_hidden)(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
-    return lm_head(cfg, params, hidden)
+    return (head or lm_head)(cfg, params, hidden)
 
 
 class Llama(nnx.Module):
