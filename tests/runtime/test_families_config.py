@@ -174,7 +174,7 @@ def test_transformers_default_configs_convert(tmp_path, arch):
     assert cfg.sliding_window == (4096 if arch == "mistral" else None)  # MistralConfig's default window
 
 
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e4}
+MROPE = {"rope_type": "mrope", "factor": 4.0, "rope_theta": 1e4}  # (Qwen2-VL's: not implemented)
 REFUSED = [
     ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ("llama", {"mlp_bias": True}, "mlp_bias True"),
@@ -185,12 +185,9 @@ REFUSED = [
     ("llama", {"logit_scale": 2.0}, "'logit_scale'"),
     ("llama", {"sliding_window": 64}, "sliding_window 64"),
     ("llama", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types 'sliding_attention'"),
-    ("llama", {"rope_parameters": YARN}, "rope_parameters.rope_type 'yarn' is not supported "
-                                         "(supported: default, linear, llama3)"),
-    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type 'dynamic'"),
-    ("llama", {"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "rope_parameters.rope_type 'longrope'"),
-    ("llama", {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 4.0}},
-     "rope_scaling.type 'yarn'"),
+    ("llama", {"rope_parameters": MROPE}, "rope_parameters.rope_type 'mrope' is not supported"),
+    ("llama", {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "mrope", "factor": 4.0}},
+     "rope_scaling.type 'mrope'"),
     ("llama", {"rope_parameters": {**LINEAR, "attention_factor": 2.0}}, "rope_parameters.attention_factor 2.0"),
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "rope_parameters.partial_rotary_factor 0.5"),
@@ -201,11 +198,11 @@ REFUSED = [
     ("mistral", {"mlp_bias": True}, "'mlp_bias'"),
     ("mistral", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
     ("mistral", {"sliding_window": 0}, "sliding_window 0"),
-    ("mistral", {"rope_parameters": YARN}, "rope_parameters.rope_type 'yarn'"),
+    ("mistral", {"rope_parameters": MROPE}, "rope_parameters.rope_type 'mrope'"),
     ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]}, "layer_types 'chunked_attention'"),
     ("qwen2", {"use_sliding_window": False, "layer_types": ["sliding_attention"] * 2}, "use_sliding_window"),
     ("qwen2", {"attention_bias": False}, "attention_bias False"),
-    ("qwen2", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type 'dynamic'"),
+    ("qwen2", {"rope_parameters": MROPE}, "rope_parameters.rope_type 'mrope'"),
 ]
 
 
@@ -228,9 +225,9 @@ def test_refused_rope_type_at_load_too(tmp_path):
 
     ck = make_tiny_checkpoint(tmp_path / "ck")
     c = json.loads((ck / "config.json").read_text())
-    c["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    c["rope_scaling"] = {"rope_type": "mrope", "factor": 4.0}
     (ck / "config.json").write_text(json.dumps(c))
-    with pytest.raises(CheckpointError, match=r"config.json: invalid \(rope_scaling.rope_type: 'yarn' is not supported"):
+    with pytest.raises(CheckpointError, match=r"config.json: invalid \(rope_scaling.rope_type: 'mrope' is not supported"):
         load_config(ck)
     c["rope_scaling"] = {"rope_type": "linear", "factor": 2.0, "mscale": 1.0}
     (ck / "config.json").write_text(json.dumps(c))
@@ -252,9 +249,10 @@ def test_old_config_without_rope_type_loads_as_llama3(tmp_path):
     assert json.loads((tmp_path / "new.json").read_text())["rope_scaling"] == {"rope_type": "llama3", **old}
     assert ModelConfig.load(tmp_path / "new.json") == cfg
     linear = dataclasses.replace(cfg, rope_scaling=RopeScaling(4.0, rope_type="linear"))
-    np.testing.assert_allclose(rope_inv_freq(linear), rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None)) / 4,
-                               rtol=1e-6)
-    assert not np.allclose(rope_inv_freq(cfg), rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None)))
+    # (rope_inv_freq: [inverse frequencies, amplitudes])
+    np.testing.assert_allclose(rope_inv_freq(linear)[0],
+                               rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))[0] / 4, rtol=1e-6)
+    assert not np.allclose(rope_inv_freq(cfg)[0], rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))[0])
 
 
 # --- sliding window: masked per layer, so prompts run past it ------------------------------

@@ -199,7 +199,8 @@ def test_converted_config_with_unused_or_bad_rope_field_is_refused_at_load(tmp_p
                 attention_factor=1.1),
 ])
 def test_new_rope_types_round_trip_through_a_converted_config(tmp_path, scaling):
-    ck = make_tiny_checkpoint(tmp_path / "ck", rope_scaling=scaling)  # head_dim 16: 8 frequencies
+    # head_dim 16: 8 frequencies; dynamic and longrope are served up to their original length only
+    ck = make_tiny_checkpoint(tmp_path / "ck", rope_scaling=scaling, max_position_embeddings=scaling.max_exact_len or 1024)
     assert load_config(ck).rope_scaling == scaling
     stored = json.loads((ck / "config.json").read_text())["rope_scaling"]
     assert stored["rope_type"] == scaling.rope_type and "low_freq_factor" not in stored  # only what the type reads
