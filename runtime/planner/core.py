@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from runtime.config import DTYPE_BYTES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES, GiB, ModelConfig
+from runtime.kv_groups import KVGroups
 
 GB = 10**9
 BLOCK_SIZE = 16
@@ -224,6 +225,18 @@ class CapacityPlan:
         return dataclasses.asdict(self)
 
 
+def kv_bytes_per_seq(model: ModelConfig, kv_dtype: str, context_len: int) -> int:
+    """C_seq: the KV one sequence of `context_len` tokens holds. Every layer's keys for a model
+    whose layers all see the whole context; with sliding-window layers, what the engine's KV
+    groups keep (runtime/kv_groups.py: a sliding layer only the pages its window still sees),
+    counted in pages of BLOCK_SIZE tokens."""
+    groups = KVGroups.of(model)
+    if not groups.frees_blocks:
+        return model.kv_bytes_per_token(kv_dtype) * context_len
+    page = model.kv_bytes_per_token(kv_dtype) * BLOCK_SIZE * groups.group_size // model.num_layers
+    return groups.steady_pages(context_len, BLOCK_SIZE) * page
+
+
 def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_dtype: str = "bfloat16",
          kv_dtype: str = "bfloat16", overhead_bytes: int = 3 * GB, target_rps: float | None = None,
          output_tokens: int = 200, headroom: float = 0.2,
@@ -241,7 +254,7 @@ def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_
     weights = int(params * WEIGHT_DTYPE_BYTES[wd])
     per_token = model.kv_bytes_per_token(kd)
     mha = dataclasses.replace(model, num_kv_heads=model.num_heads).kv_bytes_per_token(kd)
-    c_seq = per_token * context_len
+    c_seq = kv_bytes_per_seq(model, kd, context_len)
     budget = device.memory_bytes - weights - int(overhead_bytes)
     b_max = max(0, budget // c_seq)
     bw = device.bandwidth_bytes_per_s

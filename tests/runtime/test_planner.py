@@ -268,3 +268,26 @@ def test_cli_tensor_parallel_table(capsys):
     out = capsys.readouterr().out
     assert "Tensor parallel on h200" in out
     assert [line.split()[0] for line in out.splitlines()[-4:]] == ["1", "2", "4", "8"]
+
+
+def test_sliding_window_layers_hold_only_their_window_and_b_max_follows():
+    """Gemma 3 270M's shape (15 of 18 layers slide over 512 tokens): an 8k-token sequence holds
+    what the engine's KV groups keep -- 3 layers' whole context and 15 layers' window -- so it
+    costs <= 25% of the keep-everything KV and B_max grows to match."""
+    from runtime.config import ModelConfig
+
+    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18))
+    gemma = ModelConfig(architecture="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                        num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768,
+                        sliding_window=512, layer_types=types, query_pre_attn_scalar=256.0,
+                        hidden_activation="gelu_tanh", rope_local_theta=10000.0, name="gemma3-270m-shape")
+    keep = dataclasses.replace(gemma, layer_types=(), sliding_window=None)
+    p, k = plan(gemma, H100, context_len=8192), plan(keep, H100, context_len=8192)
+    per_layer_token = gemma.kv_bytes_per_token("bfloat16") // 18
+    # 3 full layers x 8192 tokens + 15 sliding layers x the 32 pages (512 tokens) their window reads
+    assert p.kv_bytes_per_seq == per_layer_token * (3 * 8192 + 15 * 32 * 16)
+    assert k.kv_bytes_per_seq == per_layer_token * 18 * 8192
+    assert p.kv_bytes_per_seq / k.kv_bytes_per_seq <= 0.25
+    assert p.b_max == p.kv_budget_bytes // p.kv_bytes_per_seq >= 4 * k.b_max
+    # a model without sliding layers keeps its exact per-token figure (not rounded to pages)
+    assert plan(keep, H100, context_len=1000).kv_bytes_per_seq == keep.kv_bytes_per_token("bfloat16") * 1000
