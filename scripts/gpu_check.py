@@ -98,9 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="engine decode TPS of a Llama-3-8B-shaped model with random bf16 weights made on"
                  " the device, at B in 1,16,64,B_max, against the planner, with exposed host time"
                  " (dry run: a scaled-down shape in float32 on CPU)")
-  p.add_argument("--engine-variants", default="bf16,w8a16,fp8kv,int8kv",
+  p.add_argument("--engine-variants", default="bf16,w8a16,fp8kv,int8kv,llama31,gemma3",
                  help="engine TPS runs: bf16 weights; w8a16 (int8 weights); fp8kv / int8kv (fp8_e4m3 / "
-                      "int8 KV cache, read by the Pallas kernel)")
+                      "int8 KV cache, read by the Pallas kernel); llama31 (Llama 3.1 8B: llama3 RoPE); "
+                      "gemma3 (a Gemma-3-1B shape: sliding-window KV groups, XLA attention)")
   args = p.parse_args(argv)
   if args.reps < 1:
     p.error("--reps must be >= 1")
@@ -677,26 +678,35 @@ def run_engine_step(args: argparse.Namespace, rec: Recorder, backends: tuple[str
 
 def run_engine_tps(args: argparse.Namespace, rec: Recorder) -> bool:
   """The Llama-3-8B-shaped engine run; returns True when it failed."""
-  from runtime.bench.gpu_engine import LLAMA3_8B, LLAMA3_SCALED, engine_decode_tps, format_engine_tps
+  from runtime.bench.gpu_engine import (GEMMA3_1B, GEMMA3_SCALED, LLAMA3_8B, LLAMA3_SCALED, LLAMA31_ROPE,
+                                        engine_decode_tps, format_engine_tps)
 
   rec.step = "engine_tps"
   failed = False
   # bf16 first (the engine-speed issue's table), then the quantization issue's rows:
   # int8 weights dequantized in the graph (w8a16), and fp8 / int8 KV caches (the Pallas
   # kernel reads their 1-byte values: half a bf16 cache's bytes per step).
+  # Then the model-families issue's rows: Llama 3.1 8B (llama3 RoPE scaling) and a Gemma-3-1B
+  # shape (sliding-window KV groups, 262k vocabulary; the XLA attention path).
   variants = {"bf16": {}, "w8a16": {"quantization": "w8a16"}, "fp8kv": {"kv_dtype": "fp8_e4m3"},
-              "int8kv": {"kv_dtype": "int8"}}
+              "int8kv": {"kv_dtype": "int8"}, "llama31": {"rope_scaling": LLAMA31_ROPE},
+              "gemma3": {"model": "gemma3", "attention_backend": "xla"}}
   for name in args.engine_variants.split(","):
     if name not in variants:
       print(f"--engine-variants: unknown {name!r} (known: {', '.join(variants)})")
       return True
     key = "engine_tps" if name == "bf16" else f"engine_tps_{name}"
+    kw = dict(variants[name])
+    gemma = kw.pop("model", None) == "gemma3"
+    rope = {"rope_scaling": kw.pop("rope_scaling")} if "rope_scaling" in kw else {}
     try:
       if args.dry_run:
-        r = engine_decode_tps(LLAMA3_SCALED, (1, 4, 8), context_len=200, steps=3, dtype="float32",
-                              kv_memory=64 << 20, device_name="cpu-none", **variants[name])
+        shape = {**(GEMMA3_SCALED if gemma else LLAMA3_SCALED), **rope}
+        r = engine_decode_tps(shape, (1, 4, 8), context_len=200, steps=3, dtype="float32",
+                              kv_memory=64 << 20, device_name="cpu-none", **kw)
       else:
-        r = engine_decode_tps(LLAMA3_8B, (1, 16, 64, 100_000), context_len=1000, steps=8, **variants[name])
+        shape = {**(GEMMA3_1B if gemma else LLAMA3_8B), **rope}
+        r = engine_decode_tps(shape, (1, 16, 64, 100_000), context_len=1000, steps=8, **kw)
       rec.results[key] = r
       print(format_engine_tps(r), flush=True)
     except Exception as e:  # noqa: BLE001

@@ -19,6 +19,30 @@ LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096, inte
 # The same architecture, small enough for a CPU dry run of the whole path.
 LLAMA3_SCALED = {**LLAMA3_8B, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 896, "num_layers": 2,
                  "num_heads": 8, "num_kv_heads": 2, "head_dim": 32, "name": "llama-3-shaped-scaled"}
+# Llama 3.1 8B: the same shapes with its llama3 RoPE scaling (what 3.1/3.2/3.3 ship).
+LLAMA31_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+# Gemma 3 1B's shapes: 26 layers, 5 of every 6 sliding over 512 tokens (KV groups), one KV head
+# of 256, a 262k vocabulary; served on the XLA attention path (the Pallas kernel has no window).
+GEMMA3_1B = dict(architecture="gemma3", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+                 num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768, rope_theta=1e6,
+                 rope_local_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=2,
+                 eos_token_ids=(1,), pad_token_id=0, sliding_window=512, query_pre_attn_scalar=256.0,
+                 hidden_activation="gelu_tanh", name="gemma-3-1b-shaped-random",
+                 layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)))
+GEMMA3_SCALED = {**GEMMA3_1B, "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 256, "num_layers": 6,
+                 "head_dim": 32, "sliding_window": 64, "query_pre_attn_scalar": 32.0, "name": "gemma-3-shaped-scaled",
+                 "layer_types": tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6))}
+
+
+def model_config(cfg_kw: dict[str, Any]) -> Any:
+    """A ModelConfig from one of the dicts above (`rope_scaling` given as a dict)."""
+    from runtime.config import ModelConfig, RopeScaling
+
+    kw = dict(cfg_kw)
+    if isinstance(kw.get("rope_scaling"), dict):
+        kw["rope_scaling"] = RopeScaling(**kw["rope_scaling"])
+    return ModelConfig(**kw)
 
 
 def random_params_on_device(cfg: Any, dtype: Any, quantization: str = "none") -> Any:
@@ -28,7 +52,7 @@ def random_params_on_device(cfg: Any, dtype: Any, quantization: str = "none") ->
     import jax
     import jax.numpy as jnp
 
-    from runtime.model.families.llama import param_shapes
+    from runtime.model.families import param_shapes
     from runtime.model.quant import LINEAR_WEIGHTS
 
     leaves, tree = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
@@ -71,20 +95,23 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
     import jax.numpy as jnp
 
     from runtime.bench.breakdown import _median_ms
-    from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
     from runtime.core.engine import LLMEngine
     from runtime.core.engine_args import _default_kv_memory
+    from runtime.kv_groups import KVGroups
     from runtime.planner import DEVICES, tokens_per_s
+    from runtime.planner.core import kv_bytes_per_seq
     from runtime.model.sampling import SamplingParams
 
-    cfg = ModelConfig(**cfg_kw)
+    cfg = model_config(cfg_kw)
     jdt = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype]
     params = random_params_on_device(cfg, jdt, quantization)
     kv_dtype = kv_dtype or dtype
     weight_bytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
     max_len = 16 * math.ceil((context_len + steps + 64) / 16)
     cache = CacheConfig.from_memory(cfg, kv_memory or _default_kv_memory(cfg), 16, kv_dtype)
-    per_seq_blocks = max_len // 16
+    # the decode rows keep every block of every KV group (runtime/bench/step_rows.py)
+    per_seq_blocks = max_len // 16 * KVGroups.of(cfg).num_groups
     b_cap = cache.num_blocks // per_seq_blocks
     batches = tuple(sorted({min(b, b_cap) for b in batches}))
     top = max(batches)
@@ -95,7 +122,7 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
     eng = LLMEngine(EngineConfig(cfg, cache, env, pol, attention_backend, dtype, quantization=quantization), params,
                     synthetic_tokenizer(cfg.vocab_size), warmup=False, progress=False)
     dev = DEVICES.get(device_name)
-    kv_seq = cfg.kv_bytes_per_token(kv_dtype) * context_len
+    kv_seq = kv_bytes_per_seq(cfg, kv_dtype, context_len)
     rng = np.random.default_rng(0)
     rows = []
     for B in batches:
@@ -127,7 +154,8 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
         seqs = decode_rows(r_, B, context_len)
         s_b, t_b = env.bucket_for(B, B)
         inp = jax.device_put(build_step_input(seqs, s_b, t_b, r_.max_blocks_per_seq, 16, r_.scratch_row,
-                                                  r_.masks.all_allowed(s_b)))
+                                              r_.masks.all_allowed(s_b), num_groups=r_.kv_groups.num_groups,
+                                              cascade=not r_.kv_groups.windows[0]))
 
         def go():
             r_.kv, r_.penalty, out, _ = r_._step(r_.params, r_.kv, r_.penalty, inp)

@@ -38,9 +38,13 @@ def decode_rows(runner: Any, batch: int, context_len: int, shared_len: int = 0) 
     bs = runner.cache_cfg.block_size
     shared_blocks = min(shared_len, context_len) // bs
     own = math.ceil(context_len / bs) - shared_blocks
-    if shared_blocks + batch * own > runner.cache_cfg.num_blocks:
+    # KV groups (runtime/kv_groups.py): each group gets its own pages, every block kept (a
+    # sliding group's worst case, before anything slid out of its window)
+    groups = runner.kv_groups.num_groups
+    per_group = shared_blocks + batch * own
+    if groups * per_group > runner.cache_cfg.num_blocks:
         raise ValueError(f"kv_cache_memory: {batch} sequences of {context_len} tokens need "
-                         f"{shared_blocks + batch * own} blocks, the cache has {runner.cache_cfg.num_blocks}")
+                         f"{groups * per_group} blocks, the cache has {runner.cache_cfg.num_blocks}")
     if batch > runner.sched.max_num_seqs:
         raise ValueError(f"max_num_seqs: batch {batch} exceeds the envelope ({runner.sched.max_num_seqs})")
     vocab = runner.cfg.vocab_size
@@ -49,7 +53,8 @@ def decode_rows(runner: Any, batch: int, context_len: int, shared_len: int = 0) 
         req = Request(f"decode-{i}", [3 + (13 * i + j) % (vocab - 3) for j in range(context_len)],
                       SamplingParams(temperature=0.0, max_tokens=16))
         start = shared_blocks + i * own
-        req.block_ids = list(range(shared_blocks)) + list(range(start, start + own))
+        table = list(range(shared_blocks)) + list(range(start, start + own))
+        req.block_tables = [[b + g * per_group for b in table] for g in range(groups)]
         req.state_row, req.num_computed_tokens = i, context_len - 1
         rows.append(step_row(req, 1))
     return rows
