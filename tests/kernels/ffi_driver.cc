@@ -342,7 +342,7 @@ Case F32LayerTail(Rng& rng, int64_t M, int64_t d, int64_t A, int64_t I, int64_t 
 // prefill: `chunk` query tokens ending at each sequence's length), the first `members`
 // sequences sharing `shared_blocks` leading blocks (cascade), float32 or int8 pages.
 Case Attention(Rng& rng, std::vector<int32_t> lens, int64_t H, int64_t G, int64_t D, int members,
-               int64_t shared_blocks, bool prefill, bool int8) {
+               int64_t shared_blocks, bool prefill, bool int8, int32_t window = 0) {
   constexpr int64_t BS = 16;
   const int64_t S = static_cast<int64_t>(lens.size());
   int64_t MB = 1;
@@ -373,7 +373,8 @@ Case Attention(Rng& rng, std::vector<int32_t> lens, int64_t H, int64_t G, int64_
   }
   const int64_t T = prefill ? static_cast<int64_t>(pos.size()) : S;
   Case c{std::string(prefill ? "prefill" : "decode") + " attention " + std::to_string(S) + " seqs" +
-             (int8 ? " int8" : "") + (shared_blocks ? " +shared" : ""),
+             (int8 ? " int8" : "") + (shared_blocks ? " +shared" : "") +
+             (window ? " window " + std::to_string(window) : ""),
          int8 ? PagedjaxDecodeAttentionInt8 : PagedjaxDecodeAttention, {}, {}, {Threads()}};
   c.exact = false;
   c.args.push_back(F32(rng, {T, H, G, D}, 0.2f));
@@ -393,6 +394,7 @@ Case Attention(Rng& rng, std::vector<int32_t> lens, int64_t H, int64_t G, int64_
   c.args.push_back(std::move(suffix));
   c.args.push_back(prefill ? S32({T}, seq_of) : Empty(XLA_FFI_DataType_S32));
   c.args.push_back(prefill ? S32({T}, pos) : Empty(XLA_FFI_DataType_S32));
+  c.args.push_back(S32({1}, {window}));  // 0: full attention
   c.rets.emplace_back(XLA_FFI_DataType_F32, std::vector<int64_t>{T, H, G, D});
   return c;
 }
@@ -439,6 +441,8 @@ std::vector<Case> Cases(uint64_t seed) {
   cs.push_back(Attention(rng, {70, 52, 33, 61, 49, 80, 40}, 3, 3, 64, 5, 2, false, false));
   cs.push_back(Attention(rng, {70, 52, 33, 61, 49, 80, 40}, 3, 3, 64, 5, 2, false, true));
   cs.push_back(Attention(rng, {300}, 3, 3, 64, 0, 0, false, false));  // one sequence: split ranges
+  cs.push_back(Attention(rng, {300, 90}, 1, 4, 256, 0, 0, false, false, 40));  // Gemma 3's shape, sliding
+  cs.push_back(Attention(rng, {37, 60, 90}, 2, 4, 16, 0, 0, true, false, 24));
   cs.push_back(Attention(rng, {37, 60, 90}, 2, 4, 16, 2, 1, true, false));
   cs.push_back(Attention(rng, {37, 60, 90}, 2, 4, 16, 2, 1, true, true));
   return cs;
