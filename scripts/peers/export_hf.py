@@ -37,13 +37,27 @@ def gguf_chat_template(path: Path) -> str | None:
     return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
+def gguf_add_bos(path: Path) -> bool:
+    """The GGUF's `tokenizer.ggml.add_bos_token` (False when absent)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.add_bos_token")
+    return bool(field is not None and field.parts[field.data[0]][0])
+
+
 def export(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The GGUF says whether a prompt starts with BOS (Gemma's must: without it Gemma 3 270M
+    # answers "France. The The The ..."); transformers' GGUF tokenizer does not carry it over.
+    add_bos = gguf_add_bos(gguf)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                        **({"add_bos_token": True} if add_bos else {}))
+    if add_bos and tok("x")["input_ids"][0] != tok.bos_token_id:
+        sys.exit("export_hf: the GGUF adds BOS but the exported tokenizer does not")
     if src.config.model_type not in SUPPORTED:
         sys.exit(f"export_hf: expected one of {', '.join(SUPPORTED)}, got {src.config.model_type!r}")
     config_cls, model_cls = type(src.config), type(src)
