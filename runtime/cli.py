@@ -91,9 +91,12 @@ def inspect_text(path: Path) -> str:
         ("tied embeddings", cfg.tie_word_embeddings),
         ("parameters", f"{n:,} ({n / 1e6:.1f} M)"),
         ("dtype", dtype),
-        ("quantization", "w8a8 (GGUF Q8_0 int8 values + one scale per 32 inputs, exact; activations per "
-                         "token and group of 32)" if quant == "w8a8" and meta["group_size"] else
-         {"none": "none (float weights)", "w8a8": "w8a8 (int8 decoder weights + scales, SmoothQuant)",
+        ("quantization", f"w8a8 ({'GGUF Q8_0 int8 values' if meta['exact_q8_0'] else 'int8 decoder weights'} + "
+                         f"one scale per {meta['group_size']} inputs{', exact' if meta['exact_q8_0'] else ''}; activations "
+                         f"per token and group of {meta['group_size']}; LM head "
+                         f"{'int8' if meta['lm_head_int8'] else 'float'})" if quant == "w8a8" and meta["group_size"] else
+         {"none": "none (float weights)",
+          "w8a8": "w8a8 (int8 decoder weights + a scale per output channel, SmoothQuant; activations per token)",
           "w8a16": "w8a16 (int8 decoder weights + scales, weight-only)"}.get(quant, quant)),
         ("weight bytes", f"{stored_bytes:,} ({stored_bytes / 2**20:.1f} MiB)"),
         ("KV bytes per token", f"{kv_tok:,} ({kv_tok / 1024:.1f} KiB, {dtype})"),

@@ -66,7 +66,8 @@ def save_params(path: Path, params: dict[str, Any]) -> None:
 
 def write_checkpoint(out: Path, cfg: ModelConfig, params: dict[str, Any], tokenizer_json: str,
                      chat_template: str | None, dtype: str = "float32", force: bool = False,
-                     quantization: str = "none", lm_head_int8: bool = False, group_size: int | None = None) -> Path:
+                     quantization: str = "none", lm_head_int8: bool = False, group_size: int | None = None,
+                     exact_q8_0: bool = False) -> Path:
     with atomic_output_dir(out, force) as tmp:
         save_params(tmp / "params", params)
         cfg.save(tmp / "config.json")
@@ -74,8 +75,10 @@ def write_checkpoint(out: Path, cfg: ModelConfig, params: dict[str, Any], tokeni
         if chat_template:
             (tmp / "chat_template.jinja").write_text(chat_template)
         meta = {"format": 1, "dtype": dtype, "quantization": quantization, "lm_head_int8": lm_head_int8}
-        if group_size:  # GGUF Q8_0's values and block scales, as stored there
+        if group_size:  # a scale per group_size inputs (w8a8's own, or GGUF Q8_0's as stored there)
             meta["group_size"] = group_size
+        if exact_q8_0:  # the int8 values and scales are a GGUF's Q8_0 blocks, as stored there
+            meta["exact_q8_0"] = True
         (tmp / "pagedjax.json").write_text(json.dumps(meta) + "\n")
     return out
 
@@ -85,7 +88,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     meta = path / "pagedjax.json"
     d = json.loads(meta.read_text()) if meta.is_file() else {}
     return {"dtype": d.get("dtype", "float32"), "quantization": d.get("quantization", "none"),
-            "lm_head_int8": bool(d.get("lm_head_int8", False)), "group_size": d.get("group_size")}
+            "lm_head_int8": bool(d.get("lm_head_int8", False)), "group_size": d.get("group_size"),
+            "exact_q8_0": bool(d.get("exact_q8_0", False))}
 
 
 def stored_weight_bytes(path: Path) -> int:
@@ -150,11 +154,13 @@ def convert(source: Any, out: Path, dtype: str = "float32", force: bool = False,
         if "head" in exact:
             params["head"] = exact["head"]
         check_shapes(params, quantized_shapes(param_shapes(cfg), "w8a8", lm_head, Q8_0_GROUP))
-        return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize, lm_head, Q8_0_GROUP)
+        return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize, lm_head, Q8_0_GROUP,
+                                exact_q8_0=True)
     if quantize != "none":
         print(f"quantizing ({quantize}) ...", file=sys.stderr)
         params = quantize_for_checkpoint(cfg, params, quantize, tok_json, template, lm_head)
-    return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize, lm_head)
+    return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize, lm_head,
+                            _group_size(params))
 
 
 def quantize_checkpoint(src: Path, out: Path, method: str, force: bool = False, lm_head: bool = False) -> Path:
@@ -173,7 +179,14 @@ def quantize_checkpoint(src: Path, out: Path, method: str, force: bool = False, 
     chat = template.read_text() if template.is_file() else None
     print(f"quantizing ({method}) ...", file=sys.stderr)
     qp = quantize_for_checkpoint(cfg, params, method, tok_json, chat, lm_head)
-    return write_checkpoint(out, cfg, qp, tok_json, chat, "float32", force, method, lm_head)
+    return write_checkpoint(out, cfg, qp, tok_json, chat, "float32", force, method, lm_head, _group_size(qp))
+
+
+def _group_size(params: dict[str, Any]) -> int | None:
+    """The inputs per scale of a grouped w8a8 tree (None: one scale per output channel)."""
+    from runtime.model.quant import W8A8_GROUP, is_grouped, quantization_of
+
+    return W8A8_GROUP if quantization_of(params) == "w8a8" and is_grouped(params) else None
 
 
 def check_checkpoint_dir(path: Path) -> None:

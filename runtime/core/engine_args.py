@@ -26,13 +26,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                    help="compiled per-step token envelope")
     g.add_argument("--quantization", choices=("auto", "none", "w8a8", "w8a16"), default="auto",
                    help="auto: as the checkpoint stores it (float, or what `convert --quantize` wrote). "
-                        "w8a8: int8 weights (per-channel scales) and per-token int8 activations in every "
-                        "decoder projection, SmoothQuant-calibrated; the LM head and embeddings stay float. "
+                        "w8a8: int8 weights and int8 activations in every decoder projection, one scale per 32 "
+                        "inputs, SmoothQuant-calibrated; the LM head and embeddings stay float. "
                         "w8a16: int8 weights only, for bandwidth-bound GPU decode (on CPU slower than w8a8 from 2 rows). "
                         "Accuracy: `pagedjax bench accuracy`")
     g.add_argument("--quantize-lm-head", action="store_true",
-                   help="with w8a8: an int8 LM head as well (64-row decode step ~10%% faster on CPU; perplexity "
-                        "+1.87%% instead of +1.55%% on the seed chapters)")
+                   help="with w8a8: an int8 LM head as well (a scale per 32 inputs; faster steps of 2+ rows "
+                        "on CPU; its accuracy: `pagedjax bench accuracy --quantize-lm-head`)")
     g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "int8", "fp8_e4m3"), default="auto",
                    help="auto: the compute dtype. int8 / fp8_e4m3 store one scale per token and KV head "
                         "(3.8x the tokens of a float32 cache for SmolLM2) and dequantize on read (the XLA path, "

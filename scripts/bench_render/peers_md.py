@@ -343,13 +343,13 @@ def render_gemma3(results: str | Path) -> list[str]:
                 "ITL p50 ms", "prefix hit rate", "load avg 1m at start", "CPU busy before run", "warm-up reply"]
         rows = []
         for k, r in found.items():
-            peer = r.get("peer") or {}
+            peer, mm = r.get("peer") or {}, r.get("machine") or {}
             rows.append([PEER_LABELS.get(k, k), f"{r['successful_requests']}/{r['failed_requests']}",
                          f"{r['output_throughput']:,.1f}",
                          _x(_ratio(r["output_throughput"], base and base["output_throughput"])),
                          _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["itl_s"]["p50"]),
-                         _pct(r.get("client_cached_token_rate")), _num(peer.get("loadavg_1m"), ".2f"),
-                         _num(peer.get("cpu_busy_pct_before"), ".0f") + "%",
+                         _pct(r.get("client_cached_token_rate")), _num(mm.get("loadavg_1m"), ".2f"),
+                         _num(mm.get("cpu_busy_pct_before"), ".0f") + "%",
                          repr((peer.get("warmup_reply") or "")[:40])])
         L += _table(head, rows)
         L.append("")

@@ -7,7 +7,7 @@ import pytest
 
 from runtime.checkpoint.gguf_source import GGUFSource
 from runtime.checkpoint.hf_source import HFSource
-from runtime.checkpoint.store import convert, load_checkpoint, write_checkpoint
+from runtime.checkpoint.store import convert, load_checkpoint, read_meta, write_checkpoint
 from runtime.cli import main
 from runtime.model.families.llama import Llama, dense_logits, init_params
 from tests.model_files import write_gguf, write_hf_dir
@@ -174,13 +174,15 @@ def test_inspect_a_gguf_file_states_how_each_type_loads(tmp_path, tiny, capsys):
 
 
 def test_convert_gguf_with_quantize_stores_int8(tmp_path, tiny):
-    """Projections that are not Q8_0 (here Q4_0) are dequantized, then SmoothQuant-requantized."""
+    """Projections that are not Q8_0 (here Q4_0) are dequantized, then SmoothQuant-requantized
+    (w8a8's own scheme: a scale per 32 inputs, the smoothing folded, no input scale left)."""
     cfg, params, tok_json = tiny
     src = write_gguf(tmp_path / "m.gguf", cfg, params, tok_json, qtype="Q4_0", chat_template=CHAT_TEMPLATE)
     assert main(["convert", "--from", "gguf", str(src), "--out", str(tmp_path / "q"), "--quantize", "w8a8"]) == 0
     _, qp, _ = load_checkpoint(tmp_path / "q")
-    assert qp["layers"]["w_down"]["q"].dtype == jnp.int8 and "in" in qp["layers"]["w_down"]
-    assert "g" not in qp["layers"]["w_down"]
+    assert qp["layers"]["w_down"]["q"].dtype == jnp.int8 and "in" not in qp["layers"]["w_down"]
+    assert qp["layers"]["w_down"]["g"].shape[-2] == cfg.intermediate_size // 32
+    assert read_meta(tmp_path / "q")["group_size"] == 32 and not read_meta(tmp_path / "q")["exact_q8_0"]
 
 
 def test_convert_q8_0_gguf_keeps_its_int8_values_and_block_scales(tmp_path, tiny, capsys):

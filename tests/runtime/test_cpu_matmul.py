@@ -74,7 +74,7 @@ def test_pack_params_fuses_projections_that_share_an_input(tiny_ckpt):
     from runtime.checkpoint.store import load_checkpoint
 
     cfg, params, _ = load_checkpoint(tiny_ckpt)
-    qp = quantize_params(params, "w8a8")
+    qp = quantize_params(params, "w8a8", grouped=False)  # one scale per output channel (the fallback)
     packed = cpu_matmul.pack_params(qp)
     layers = packed["layers"]
     assert set(layers) >= {"qkv", "gate_up", "wo", "w_down"} and not {"wq", "wk", "wv", "w_gate", "w_up"} & set(layers)
@@ -85,6 +85,9 @@ def test_pack_params_fuses_projections_that_share_an_input(tiny_ckpt):
     assert is_quantized(layers["qkv"]) and quantization_of(packed) == "w8a8"
     with pytest.raises(ValueError, match="share their input scale"):
         cpu_matmul._pack([{**qp["layers"]["wq"], "in": np.ones(d, np.float32)}, qp["layers"]["wk"]])
+    # the default: a scale per 32 inputs, fused the same way (the grouped kernel's "gs")
+    grouped = cpu_matmul.pack_params(quantize_params(params, "w8a8"))["layers"]
+    assert grouped["qkv"]["gs"].shape == (cfg.num_layers, d // 32, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd)
 
 
 @needs_vnni
