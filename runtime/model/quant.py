@@ -1,7 +1,7 @@
-"""W8A8 linear layers: int8 weights with per-output-channel scales, activations quantized
-per token on the fly, one int8 x int8 -> int32 dot and one rescale. The LM head and the
-embeddings stay float (the embedding is a gather; the head's logits feed sampling and
-logprobs directly).
+"""W8A8 linear layers: int8 weights with one scale per 32 inputs of each column, activations
+quantized per token and 32 inputs on the fly, int8 x int8 -> int32 dots and the rescale
+(W8A8_GROUP says why groups). The LM head and the embeddings stay float (the embedding is a
+gather; the head's logits feed sampling and logprobs directly).
 
 (A bfloat16-weights mode was measured and left out: its isolated dot is 1.8x float32 at 64
 rows on an AVX512-BF16 EPYC, but inside the layer scan XLA:CPU made the whole step 1.4x
@@ -9,10 +9,13 @@ slower at batch 64 and 7x at batch 1.)
 
 A quantized weight is a pytree in place of the float array, so the stacked-layer scan and
 the checkpoint tree keep their shape:
-  w8a8   {"q": int8 [..., in, out], "s": float32 [..., out] (, "in": float32 [..., in])}
-  w8a8, grouped  {"q": int8 [..., in, out], "g": float32 [..., in/32, out]}: a GGUF Q8_0
-         checkpoint's own values and block scales (one per 32 inputs of each column), never
-         requantized; activations get a scale per token and group of 32 (llama.cpp's Q8_0 dot).
+  w8a8   {"q": int8 [..., in, out], "g": float32 [..., in/32, out]}: w8a8's own (SmoothQuant
+         folded into what makes each input), or a GGUF Q8_0 checkpoint's values and block
+         scales, never requantized; activations get a scale per token and group of 32
+         (llama.cpp's Q8_0 dot).
+  w8a8, per channel  {"q": int8 [..., in, out], "s": float32 [..., out] (, "in": float32
+         [..., in])}: where a projection's width does not divide by 32, and older checkpoints;
+         activations per token.
   w8a16  {"w8": int8 [..., in, out], "s": float32 [..., out]}: weight-only, dequantized in
          the graph and multiplied in the compute dtype (halves the weight bytes a
          bandwidth-bound GPU decode reads; on a 2-core EPYC 1.47x float32 at batch 1 and
