@@ -254,12 +254,31 @@ def _bisect(pred, lo: jax.Array, hi: jax.Array) -> jax.Array:
     return _unkey(lo)
 
 
+_TOPK_CHUNK = 64  # columns per chunk of top_values' first stage
+
+
+def top_values(s: jax.Array, C: int) -> jax.Array:
+    """The C largest values of each row of s [S, V], descending: lax.top_k's values, in two
+    stages when the vocabulary is large. Every value in a row's top C lies in a chunk whose
+    max is itself in the top C, so the C chunks with the largest maxima hold all of them
+    (ties included: the same multiset of values). At 64 rows x 262,144 (Gemma 3) 11 ms
+    against lax.top_k's 38 ms on XLA:CPU, which sorts far more than it keeps."""
+    S, V = s.shape
+    ch = _TOPK_CHUNK
+    if V % ch or V < 8 * C * ch:
+        return jax.lax.top_k(s, C)[0]
+    chunks = s.reshape(S, V // ch, ch)
+    _, idx = jax.lax.top_k(jnp.max(chunks, -1), C)                  # the C chunks with the largest maxima
+    cand = jnp.take_along_axis(chunks, idx[:, :, None], 1).reshape(S, C * ch)
+    return jax.lax.top_k(cand, C)[0]
+
+
 def _topk_topp_threshold(s, lse, top_k, top_p, k_on, p_on):
     """Per-row logit threshold of top-k then top-p (top-p over the top-k-renormalised mass)."""
     S, V = s.shape
     C = min(CANDIDATES, V)
     ninf = jnp.full((S,), -jnp.inf, s.dtype)
-    vals = jax.lax.top_k(s, C)[0]                                   # [S, C] descending
+    vals = top_values(s, C)                                         # [S, C] descending
     cum = jnp.cumsum(jnp.exp(vals - lse[:, None]), -1)
     pick = lambda a, i: jnp.take_along_axis(a, i[:, None], 1)[:, 0]
     kc = jnp.clip(top_k, 1, C) - 1

@@ -319,3 +319,18 @@ def test_pytrees_go_through_jit():
     assert len(leaves) == len(dataclasses.fields(SamplingInputs))
     out = _run(np.zeros((2, 10), np.float32), [None, None], num_logprobs=2)
     assert len(jax.tree.leaves(out)) == 4 and out.token_ids.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.0])
+def test_top_values_in_two_stages_equal_lax_top_k(scale):
+    """A large vocabulary takes top_values' two stages; the values are lax.top_k's, also
+    with many ties (rounded logits) and a row of all-equal values (scale 0)."""
+    from runtime.model.sampling import top_values
+
+    S, V = 3, 8 * CANDIDATES * 64 * 2
+    x = jnp.round(jax.random.normal(jax.random.key(7), (S, V)) * scale * 8) / 8
+    x = x.at[1, 12345].set(1e4).at[2, :].set(x[2] * 0.01)        # one far outlier; a flat row
+    want = jax.lax.top_k(x, CANDIDATES)[0]
+    np.testing.assert_array_equal(np.asarray(jax.jit(top_values, static_argnums=1)(x, CANDIDATES)), np.asarray(want))
+    small = x[:, :4096]  # below the two-stage size: lax.top_k itself
+    np.testing.assert_array_equal(np.asarray(top_values(small, CANDIDATES)), np.asarray(jax.lax.top_k(small, CANDIDATES)[0]))
