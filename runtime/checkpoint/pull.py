@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import re
@@ -204,5 +205,12 @@ def pull(name: str = DEFAULT_MODEL, out: Path | None = None, progress: bool = Tr
     out = out or checkpoints_root() / model.name
     if (out / "config.json").is_file() and (out / "params").is_dir():
         return out
-    gguf_path = fetch_gguf(model, progress)
-    return convert(GGUFSource(gguf_path), out, progress=progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Two pulls of one model at once (two shells, two test workers): the second waits for the
+    # first and then finds the checkpoint, instead of failing on the half-made directory.
+    with open(out.parent / f".{out.name}.pull.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file() and (out / "params").is_dir():
+            return out
+        gguf_path = fetch_gguf(model, progress)
+        return convert(GGUFSource(gguf_path), out, progress=progress)

