@@ -97,7 +97,11 @@ def inspect_text(path: Path) -> str:
                          f"{'int8' if meta['lm_head_int8'] else 'float'})" if quant == "w8a8" and meta["group_size"] else
          {"none": "none (float weights)",
           "w8a8": "w8a8 (int8 decoder weights + a scale per output channel, SmoothQuant; activations per token)",
-          "w8a16": "w8a16 (int8 decoder weights + scales, weight-only)"}.get(quant, quant)),
+          "w8a16": "w8a16 (int8 decoder weights + scales, weight-only)",
+          "w4a16": f"w4a16 ({'GGUF 4-bit values (Q4_0/Q4_1/Q4_K blocks), exact' if meta['exact_gguf'] else '4-bit decoder weights, round to nearest'}; "
+                   f"4.0 bits per weight + a float32 scale and offset per 32 inputs (6.0 bits in all); "
+                   f"LM head int8 + a scale per 32 inputs; activations float; embeddings and norms float)",
+          }.get(quant, quant)),
         ("weight bytes", f"{stored_bytes:,} ({stored_bytes / 2**20:.1f} MiB)"),
         ("KV bytes per token", f"{kv_tok:,} ({kv_tok / 1024:.1f} KiB, {dtype})"),
         ("KV bytes per 1,000-token seq", f"{kv_tok * 1000:,} ({kv_tok * 1000 / 2**20:.1f} MiB)"),
@@ -126,6 +130,8 @@ def gguf_inspect_text(path: Path) -> str:
         how = ("float, copied" if k in ("F32", "F16", "BF16") else
                "int8 values and block scales kept as they are by --quantize w8a8 (every projection is Q8_0; "
                "otherwise dequantized to float)" if k == "Q8_0" and exact else
+               "4-bit values, block scales and offsets kept as they are by --quantize w4a16 (every projection "
+               "4-bit); otherwise dequantized to float" if k in ("Q4_0", "Q4_1", "Q4_K") else
                "blocks dequantized to float; --quantize w8a8 then requantizes per output channel, smoothed")
         rows.append((f"  {k}", how))
     width = max(len(k) for k, _ in rows)
@@ -199,10 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--from", dest="source", choices=("gguf", "hf", "pagedjax"), required=True,
                    help="pagedjax: an existing float checkpoint, to store it quantized (--quantize)")
     s.add_argument("src", help="GGUF file, Hugging Face model directory or pagedjax checkpoint")
-    s.add_argument("--quantize", choices=("none", "w8a8", "w8a16"), default="none",
+    s.add_argument("--quantize", choices=("none", "w8a8", "w8a16", "w4a16"), default="none",
                    help="store int8 weights and scales (w8a8: SmoothQuant-calibrated, as `serve --quantization "
                         "w8a8` would at start-up; from a GGUF whose projections are all Q8_0, its own int8 values "
-                        "and block scales, exact), so start-up loads them without requantizing")
+                        "and block scales, exact; w4a16: from a GGUF, its Q4_0/Q4_1/Q4_K blocks as stored, refused "
+                        "for a projection of another type; else 4-bit round to nearest per 32 inputs), so start-up "
+                        "loads them without requantizing")
     s.add_argument("--quantize-lm-head", action="store_true", help="with --quantize w8a8: store an int8 LM head too")
     s.add_argument("--out", required=True, help="output checkpoint directory, e.g. checkpoints/NAME")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

@@ -459,7 +459,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | xla | pallas
     dtype: str = "float32"
     async_scheduling: bool = True    # plan and launch step N+1 while step N runs on the device
-    quantization: str = "auto"       # auto (as the checkpoint stores it) | none | w8a8 | w8a16 (runtime/model/quant.py)
+    quantization: str = "auto"       # auto (as the checkpoint stores it) | none | w8a8 | w8a16 | w4a16 (runtime/model/quant.py)
     quantize_lm_head: bool = False   # w8a8: an int8 LM head too (faster, less accurate: runtime/model/quant.py)
     tensor_parallel_size: int = 1    # devices the model is sharded over (runtime/model/tp.py); 1: one device
     kernels: KernelConfig = field(default_factory=KernelConfig)  # the CPU kernels' switches

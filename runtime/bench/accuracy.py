@@ -28,9 +28,9 @@ import numpy as np
 
 # Allowed relative perplexity increase, per quantized part (the quantization issue's gates);
 # a setting that quantizes both weights and KV is held to the sum.
-PPL_GATES = {"w8a8": 0.02, "w8a16": 0.02, "int8": 0.005, "fp8_e4m3": 0.01}
+PPL_GATES = {"w8a8": 0.02, "w8a16": 0.02, "w4a16": 0.05, "int8": 0.005, "fp8_e4m3": 0.01}
 # Allowed share of changed answers, per quantized part (summed like the perplexity gates).
-ANSWER_GATES = {"w8a8": 0.05, "w8a16": 0.05, "int8": 0.02, "fp8_e4m3": 0.02}
+ANSWER_GATES = {"w8a8": 0.05, "w8a16": 0.05, "w4a16": 0.10, "int8": 0.02, "fp8_e4m3": 0.02}
 KV_CHOICES = ("float32", "int8", "fp8_e4m3")
 QUESTIONS = Path(__file__).parent / "data" / "answer_questions.jsonl"
 ANSWER_TOKENS = 24  # a one-line answer fits; the first line is what is compared
@@ -126,17 +126,23 @@ def token_logprobs(cfg: Any, params: Any, ids: list[int], window: int, kv_dtype:
 
 
 def evaluate(cfg: Any, params: Any, ids: list[int], method: str, window: int, tokenizer: Any = None,
-             kv_dtype: str = "float32", lm_head: bool = False) -> dict[str, Any]:
+             kv_dtype: str = "float32", lm_head: bool = False, served: Any = None) -> dict[str, Any]:
     """Teacher-forced comparison of weights quantized by `method` ("none" keeps them) and
     the KV cache stored as `kv_dtype`; with `tokenizer`, weights are quantized exactly as the
-    engine does (calibrated smoothing), else plain per-channel quantization."""
+    engine does (calibrated smoothing), else plain per-channel quantization. `served`: an
+    already quantized tree (a stored checkpoint's) in place of quantizing `params`."""
     import jax
     import jax.numpy as jnp
 
     from runtime.model.quant import prepare, quantize_params
 
     ref = token_logprobs(cfg, jax.tree.map(jnp.asarray, params), ids, window)
-    qp = prepare(params, method, cfg, tokenizer, lm_head) if tokenizer is not None else quantize_params(params, method)
+    if served is not None:
+        qp = served
+    elif tokenizer is not None:
+        qp = prepare(params, method, cfg, tokenizer, lm_head)
+    else:
+        qp = quantize_params(params, method)
     got = token_logprobs(cfg, jax.tree.map(jnp.asarray, qp), ids, window, kv_dtype)
     ppl_ref, ppl = math.exp(-ref.mean()), math.exp(-got.mean())
     return {"tokens": len(ref), "window": min(window, len(ids) - 1), "perplexity_float32": ppl_ref, "perplexity": ppl,
@@ -182,8 +188,9 @@ def answer_agreement(questions: list[dict[str, str]], ref: list[str], got: list[
 
 
 def compare_engines(ckpt: Path, tok: Any, method: str, kv_dtype: str, lm_head: bool, prompts: list[list[int]],
-                    max_tokens: int, questions: list[dict[str, str]]) -> dict[str, Any]:
-    """The float32 engine and the setting's on the same greedy prompts and answer questions."""
+                    max_tokens: int, questions: list[dict[str, str]], served: Path | None = None) -> dict[str, Any]:
+    """The float32 engine and the setting's on the same greedy prompts and answer questions
+    (the setting's engine serves `served`, a quantized checkpoint, as stored, where given)."""
     from runtime.model.sampling import SamplingParams
 
     chats = [tok.encode(tok.apply_chat_template([{"role": "system", "content": ANSWER_SYSTEM},
@@ -192,8 +199,8 @@ def compare_engines(ckpt: Path, tok: Any, method: str, kv_dtype: str, lm_head: b
     jobs = [(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
             (chats, SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS))]
     (ref_greedy, ref_ans), (got_greedy, got_ans) = (
-        engine_outputs(ckpt, m, kv, head, jobs) for m, kv, head in (("none", "float32", False),
-                                                                     (method, kv_dtype, lm_head)))
+        engine_outputs(c, m, kv, head, jobs) for c, m, kv, head in ((ckpt, "none", "float32", False),
+                                                                     (served or ckpt, method, kv_dtype, lm_head)))
     text = lambda outs: [tok.decode(o, skip_special_tokens=True) for o in outs]  # noqa: E731
     return {"greedy": greedy_agreement(ref_greedy, got_greedy, max_tokens),
             "answers": answer_agreement(questions, text(ref_ans), text(got_ans))}
@@ -214,6 +221,17 @@ def run_accuracy(args: argparse.Namespace) -> int:
     text = "\n".join(t.read_text() for t in texts)
     ids = tok.encode(text)[:args.max_text_tokens]
     method, kv = args.quantization, args.kv_cache_dtype
+    served = served_params = None
+    if args.served:
+        from runtime.checkpoint.store import read_meta
+
+        served = Path(args.served)
+        stored = read_meta(served)["quantization"]
+        if stored != method:
+            print(f"pagedjax bench accuracy: error: served: {served} stores {stored} weights, not "
+                  f"--quantization {method}", file=__import__("sys").stderr)
+            return 2
+        served_params = load_checkpoint(served)[1]
     if method == "none" and kv == "float32":
         print("pagedjax bench accuracy: error: quantization: nothing to compare (give --quantization w8a8 "
               "and/or --kv-cache-dtype int8)", file=__import__("sys").stderr)
@@ -225,7 +243,10 @@ def run_accuracy(args: argparse.Namespace) -> int:
     name = setting_name(method, kv) + (" (int8 LM head)" if head else "")
     res = {"kind": "accuracy", "machine": machine_info(), "checkpoint": ckpt.name, "method": method,
            "kv_cache_dtype": kv, "lm_head_int8": head, "setting": name, "text": [str(t) for t in texts]}
-    res["teacher_forced"] = evaluate(cfg, params, ids, method, args.window, tok, kv_dtype=kv, lm_head=head)
+    if served:
+        res["served"] = str(served)
+    res["teacher_forced"] = evaluate(cfg, params, ids, method, args.window, tok, kv_dtype=kv, lm_head=head,
+                                     served=served_params)
     sents = [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.split()) >= 8]
     step = max(1, len(sents) // args.prompts)
     prompts = [tok.encode(s + ".") for s in sents[::step][:args.prompts]]
@@ -234,7 +255,7 @@ def run_accuracy(args: argparse.Namespace) -> int:
         print("pagedjax bench accuracy: error: checkpoint: the answer gate asks chat questions and this "
               "checkpoint has no chat template", file=__import__("sys").stderr)
         return 2
-    res.update(compare_engines(ckpt, tok, method, kv, head, prompts, args.max_tokens, questions))
+    res.update(compare_engines(ckpt, tok, method, kv, head, prompts, args.max_tokens, questions, served))
     gate, agate = ppl_gate(method, kv), answer_gate(method, kv)
     tf, a = res["teacher_forced"], res["answers"]
     res["gate"] = {"perplexity_increase_max": gate, "answers_kept_min": agate,
@@ -263,7 +284,10 @@ def run_accuracy(args: argparse.Namespace) -> int:
 
 def add_accuracy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="checkpoint directory (default: the pulled default model)")
-    p.add_argument("--quantization", choices=("none", "w8a8", "w8a16"), default="w8a8")
+    p.add_argument("--quantization", choices=("none", "w8a8", "w8a16", "w4a16"), default="w8a8")
+    p.add_argument("--served", metavar="CHECKPOINT",
+                   help="a checkpoint stored quantized (e.g. `convert --quantize w4a16` of the GGUF that --checkpoint "
+                        "was converted from), served as stored and compared with --checkpoint's float32 weights")
     p.add_argument("--quantize-lm-head", action="store_true", help="with w8a8: the int8 LM head too")
     p.add_argument("--kv-cache-dtype", choices=KV_CHOICES, default="float32",
                    help="KV cache storage to evaluate with the weights (gates add: w8a8 +2%%/95%%, int8 KV +0.5%%/98%%)")

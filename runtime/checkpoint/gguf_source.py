@@ -33,6 +33,51 @@ ARCH_KEYS = frozenset({
 SENTENCEPIECE_ARCHS = ("gemma3",)
 
 
+
+def q8_0_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 blocks (float16 d, then 32 int8) -> (values [n, 32] int8, scale [n] float32)."""
+    b = raw.reshape(-1, 34)
+    return b[:, 2:].copy().view(np.int8), b[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def _q4_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0 blocks (float16 d, 16 bytes of nibbles: values 0-15, w = d (q - 8)) -> (values
+    [n, 32] uint8, scale [n], offset [n]) with w = q scale + offset exactly (-8 d is exact)."""
+    b = raw.reshape(-1, 18)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+    return _nibbles(b[:, 2:]), d, np.float32(-8) * d
+
+
+def _q4_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 blocks (float16 d, float16 m, 16 bytes of nibbles): w = d q + m."""
+    b = raw.reshape(-1, 20)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+    m = b[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+    return _nibbles(b[:, 4:]), d, m
+
+
+def _q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks of 256 (float16 d and dmin, 12 bytes of 6-bit scales and mins, 128
+    bytes of nibbles) -> 8 groups of 32 each: w = (d sc) q - dmin m, as gguf computes it."""
+    from gguf.quants import Q4_K
+
+    b = raw.reshape(-1, 144)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & np.uint8(15)).reshape(-1, 8, 32)  # [n, group, 32]: chunk j's low nibbles, then its high
+    return q.reshape(-1, 32), (d * sc.astype(np.float32)).reshape(-1), -(dmin * mn.astype(np.float32)).reshape(-1)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes per block -> its 32 values: the low nibbles are elements 0-15, the high 16-31."""
+    return np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)
+
+
+# GGUF 4-bit block types w4a16 serves exactly: raw bytes -> (values [n, 32], scale [n], offset [n])
+Q4_BLOCKS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+
 class GGUFSource:
     rules: tuple[Rule, ...] = GGUF_RULES
 
@@ -227,10 +272,9 @@ class GGUFSource:
             is_head = lm_head and t.name == head_name
             if not is_head and values.match(t.name) is None:
                 continue
-            raw = np.asarray(t.data, np.uint8).reshape(-1, 34)  # Q8_0 block: float16 d, then 32 int8
             out_dim, in_dim = (int(d) for d in reversed(t.shape))
-            d = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(out_dim, in_dim // 32)
-            q = raw[:, 2:].copy().view(np.int8).reshape(out_dim, in_dim)
+            q, d = q8_0_blocks(np.asarray(t.data, np.uint8))
+            q, d = q.reshape(out_dim, in_dim), d.reshape(out_dim, in_dim // 32)
             if is_head:  # [V, d] (embedding) or [V, d] (output.weight): groups run along d
                 head = {"q": np.ascontiguousarray(q.T), "g": np.ascontiguousarray(d.T)}
             else:
@@ -239,6 +283,49 @@ class GGUFSource:
         g = scales.finish_layers()
         layers = {k: {"q": v, "g": g[k]} for k, v in values.finish_layers().items()}
         return {"layers": layers, **({"head": head} if lm_head else {})}
+
+    def check_4bit(self, cfg: ModelConfig) -> None:
+        """CheckpointError unless every decoder projection is a 4-bit type w4a16 keeps exactly
+        (from the tensor types alone: `convert` asks before it reads any data)."""
+        values, _, _ = self._projection_assemblers(cfg)
+        for t in self.reader.tensors:
+            if values.match(t.name) is not None and t.tensor_type.name not in Q4_BLOCKS:
+                raise CheckpointError(
+                    f"{self.path}: w4a16 keeps 4-bit tensors as stored, and {t.name} is {t.tensor_type.name} "
+                    f"(exact paths: {', '.join(Q4_BLOCKS)}); convert without --quantize and serve "
+                    f"--quantization w4a16 to requantize the float weights")
+
+    def q4_weights(self, cfg: ModelConfig) -> dict[str, Any]:
+        """The decoder projections as stored, for w4a16: {"layers": {"wq": {"q4": uint8 [L, in/2,
+        out], "s4", "m4": float32 [L, in/32, out]}, ...}, "head": {"q8": int8 [d, V], "s8":
+        [d/32, V]}}. Q4_0 / Q4_1 / Q4_K blocks give their 4-bit values with one scale and offset
+        per 32 inputs, q * s4 + m4 equal bit for bit to `tensors`' float32 (gguf's dequantizer);
+        a Q8_0 head its own int8 values and block scales (no "head" for any other type: the
+        caller quantizes its float values). A projection of any other type: CheckpointError."""
+        from runtime.model.quant import pack_nibbles
+
+        self.check_4bit(cfg)
+        values, scales, head_name = self._projection_assemblers(cfg)
+        offsets = ParamAssembler(cfg, values.rules, np.dtype(np.float32))
+        values = ParamAssembler(cfg, values.rules, np.dtype(np.uint8))
+        head = None
+        for t in self.reader.tensors:
+            if t.name == head_name and t.tensor_type.name == "Q8_0":
+                V, d = (int(x) for x in reversed(t.shape))
+                q, g = q8_0_blocks(np.asarray(t.data, np.uint8))
+                head = {"q8": np.ascontiguousarray(q.reshape(V, d).T), "s8": np.ascontiguousarray(g.reshape(V, d // 32).T)}
+                continue
+            if values.match(t.name) is None:
+                continue
+            kind = t.tensor_type.name
+            out_dim, in_dim = (int(x) for x in reversed(t.shape))
+            q, sc, off = Q4_BLOCKS[kind](np.asarray(t.data, np.uint8))
+            values.add(t.name, q.reshape(out_dim, in_dim))
+            scales.add(t.name, sc.reshape(out_dim, in_dim // 32))
+            offsets.add(t.name, off.reshape(out_dim, in_dim // 32))
+        q4, s4, m4 = values.finish_layers(), scales.finish_layers(), offsets.finish_layers()
+        layers = {k: {"q4": pack_nibbles(v), "s4": s4[k], "m4": m4[k]} for k, v in q4.items()}
+        return {"layers": layers, **({"head": head} if head is not None else {})}
 
     # --- tokenizer -----------------------------------------------------------------
     def tokenizer_json(self) -> str:

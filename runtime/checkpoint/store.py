@@ -67,7 +67,7 @@ def save_params(path: Path, params: dict[str, Any]) -> None:
 def write_checkpoint(out: Path, cfg: ModelConfig, params: dict[str, Any], tokenizer_json: str,
                      chat_template: str | None, dtype: str = "float32", force: bool = False,
                      quantization: str = "none", lm_head_int8: bool = False, group_size: int | None = None,
-                     exact_q8_0: bool = False) -> Path:
+                     exact_gguf: bool = False) -> Path:
     with atomic_output_dir(out, force) as tmp:
         save_params(tmp / "params", params)
         cfg.save(tmp / "config.json")
@@ -77,8 +77,8 @@ def write_checkpoint(out: Path, cfg: ModelConfig, params: dict[str, Any], tokeni
         meta = {"format": 1, "dtype": dtype, "quantization": quantization, "lm_head_int8": lm_head_int8}
         if group_size:  # a scale per group_size inputs (w8a8's own, or GGUF Q8_0's as stored there)
             meta["group_size"] = group_size
-        if exact_q8_0:  # the int8 values and scales are a GGUF's Q8_0 blocks, as stored there
-            meta["exact_q8_0"] = True
+        if exact_gguf:  # the quantized values and scales are a GGUF's own blocks, as stored there
+            meta["exact_q8_0" if quantization == "w8a8" else "exact_gguf"] = True
         (tmp / "pagedjax.json").write_text(json.dumps(meta) + "\n")
     return out
 
@@ -89,7 +89,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     d = json.loads(meta.read_text()) if meta.is_file() else {}
     return {"dtype": d.get("dtype", "float32"), "quantization": d.get("quantization", "none"),
             "lm_head_int8": bool(d.get("lm_head_int8", False)), "group_size": d.get("group_size"),
-            "exact_q8_0": bool(d.get("exact_q8_0", False))}
+            "exact_q8_0": bool(d.get("exact_q8_0", False)), "exact_gguf": bool(d.get("exact_gguf", False))}
 
 
 def stored_weight_bytes(path: Path) -> int:
@@ -110,7 +110,8 @@ def stored_weight_bytes(path: Path) -> int:
                 walk(v)
             else:
                 size = int(np.prod(v))
-                total += size * (1 if k in ("q", "w8") else 4 if k in ("s", "in", "g") else DTYPE_BYTES[meta["dtype"]])
+                total += size * (1 if k in ("q", "w8", "q4", "q8") else 4 if k in ("s", "in", "g", "s4", "m4", "s8")
+                                 else DTYPE_BYTES[meta["dtype"]])
     walk(shapes)
     return total
 
@@ -138,6 +139,8 @@ def convert(source: Any, out: Path, dtype: str = "float32", force: bool = False,
     if out.exists() and not force:
         raise CheckpointError(f"{out}: already exists (pass --force to overwrite)")
     cfg = source.model_config()
+    if quantize == "w4a16" and hasattr(source, "check_4bit"):
+        source.check_4bit(cfg)  # refused before any tensor is read
     asm = ParamAssembler(cfg, source.rules, np_dtype)
     total = source.num_tensors()
     for name, array in tqdm(source.tensors(), total=total, desc="converting", unit="tensor",
@@ -145,6 +148,16 @@ def convert(source: Any, out: Path, dtype: str = "float32", force: bool = False,
         asm.add(name, array)
     params = asm.finish(param_shapes(cfg))
     tok_json, template = source.tokenizer_json(), source.chat_template()
+    if quantize == "w4a16" and hasattr(source, "q4_weights"):  # a GGUF: its 4-bit blocks, as they are
+        print("quantizing (w4a16): the GGUF's 4-bit values, block scales and offsets, kept exact", file=sys.stderr)
+        from runtime.model.quant import W4_GROUP, quantize_head_w8, quantized_shapes
+
+        exact4 = source.q4_weights(cfg)
+        head = exact4.get("head") or quantize_head_w8(params)  # a Q8_0 head as stored, else from its floats
+        params = {**params, "layers": {**params["layers"], **exact4["layers"]}, "head": head}
+        check_shapes(params, quantized_shapes(param_shapes(cfg), "w4a16"))
+        return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize, True, W4_GROUP,
+                                exact_gguf=True)
     exact = source.q8_0_weights(cfg, lm_head) if quantize == "w8a8" and hasattr(source, "q8_0_weights") else None
     if exact is not None:  # every projection is Q8_0: its int8 values and block scales, as they are
         print("quantizing (w8a8): the GGUF's Q8_0 values and block scales, kept exact", file=sys.stderr)
@@ -155,12 +168,12 @@ def convert(source: Any, out: Path, dtype: str = "float32", force: bool = False,
             params["head"] = exact["head"]
         check_shapes(params, quantized_shapes(param_shapes(cfg), "w8a8", lm_head, Q8_0_GROUP))
         return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize, lm_head, Q8_0_GROUP,
-                                exact_q8_0=True)
+                                exact_gguf=True)
     if quantize != "none":
         print(f"quantizing ({quantize}) ...", file=sys.stderr)
         params = quantize_for_checkpoint(cfg, params, quantize, tok_json, template, lm_head)
-    return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize, lm_head,
-                            _group_size(params))
+    return write_checkpoint(out, cfg, params, tok_json, template, dtype, force, quantize,
+                            lm_head or quantize == "w4a16", _group_size(params))
 
 
 def quantize_checkpoint(src: Path, out: Path, method: str, force: bool = False, lm_head: bool = False) -> Path:
@@ -179,13 +192,16 @@ def quantize_checkpoint(src: Path, out: Path, method: str, force: bool = False, 
     chat = template.read_text() if template.is_file() else None
     print(f"quantizing ({method}) ...", file=sys.stderr)
     qp = quantize_for_checkpoint(cfg, params, method, tok_json, chat, lm_head)
-    return write_checkpoint(out, cfg, qp, tok_json, chat, "float32", force, method, lm_head, _group_size(qp))
+    return write_checkpoint(out, cfg, qp, tok_json, chat, "float32", force, method, lm_head or method == "w4a16",
+                            _group_size(qp))
 
 
 def _group_size(params: dict[str, Any]) -> int | None:
     """The inputs per scale of a grouped w8a8 tree (None: one scale per output channel)."""
-    from runtime.model.quant import W8A8_GROUP, is_grouped, quantization_of
+    from runtime.model.quant import W4_GROUP, W8A8_GROUP, is_grouped, quantization_of
 
+    if quantization_of(params) == "w4a16":
+        return W4_GROUP
     return W8A8_GROUP if quantization_of(params) == "w8a8" and is_grouped(params) else None
 
 

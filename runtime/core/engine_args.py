@@ -24,11 +24,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     g.add_argument("--max-num-seqs", type=int, default=64 if serving else 4, help="compiled sequence envelope")
     g.add_argument("--max-num-batched-tokens", type=int, default=512 if serving else 128,
                    help="compiled per-step token envelope")
-    g.add_argument("--quantization", choices=("auto", "none", "w8a8", "w8a16"), default="auto",
+    g.add_argument("--quantization", choices=("auto", "none", "w8a8", "w8a16", "w4a16"), default="auto",
                    help="auto: as the checkpoint stores it (float, or what `convert --quantize` wrote). "
                         "w8a8: int8 weights and int8 activations in every decoder projection, one scale per 32 "
                         "inputs, SmoothQuant-calibrated; the LM head and embeddings stay float. "
                         "w8a16: int8 weights only, for bandwidth-bound GPU decode (on CPU slower than w8a8 from 2 rows). "
+                        "w4a16: 4-bit weights (a scale and an offset per 32 inputs; a Q4 GGUF's own with `convert "
+                        "--quantize w4a16`), an 8-bit head, float activations. "
                         "Accuracy: `pagedjax bench accuracy`")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="with w8a8: an int8 LM head as well (a scale per 32 inputs; faster steps of 2+ rows "

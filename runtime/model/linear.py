@@ -5,11 +5,13 @@ product. A family multiplies by `w.apply(x)` and never asks how `w` is stored.
     Int8           w8a8: int8 [in, out], scale per output (+ SmoothQuant input scale)
     Int8Grouped    GGUF Q8_0: int8 [in, out], one scale per 32 inputs of each output
     Int8WeightOnly w8a16: int8 dequantized in the graph, float activations
+    Int4Grouped    w4a16: 4-bit values, a scale and an offset per 32 inputs, float activations
+    Int8GroupedWeightOnly  w4a16's LM head: int8, a scale per 32 inputs, float activations
     PerLayer       a weight held as separate per-layer arrays inside the layer scan
     LmHead         the vocabulary projection with its optional faster copies
 
 The C++ CPU kernels add their packed forms beside these (runtime/kernels/cpu/matmul.py: PackedInt8,
-PackedInt8Grouped, PackedF32, PackedSwiGLU, F32Tail), built once by the runner.
+PackedInt8Grouped, PackedF32, PackedSwiGLU, F32Tail, PackedWq), built once by the runner.
 
 `apply(x, residual, norm)` computes rms_norm(x) @ w + residual; a kernel that folds the
 norm (prologue) and the residual (epilogue) into its call overrides `apply`, the others
@@ -168,6 +170,50 @@ class Int8WeightOnly(Linear):
         return self.w8.shape[-1]
 
 
+@pytree
+class Int4Grouped(Linear):
+    """w4a16 (runtime/model/quant.py's layout): the weight dequantized in the graph, w = q * s4 +
+    m4 per group of 32 inputs, times float activations. The C++ kernel's PackedWq reads the
+    nibbles themselves; this is the path without it (and the reference it is tested against)."""
+    q4: jax.Array  # [in/2, out] uint8
+    s4: jax.Array  # [in/32, out] float32
+    m4: jax.Array  # [in/32, out] float32
+
+    def product(self, x):
+        return x @ dequantize_int4(self.q4, self.s4, self.m4).astype(x.dtype)
+
+    @property
+    def out_features(self):
+        return self.q4.shape[-1]
+
+
+def dequantize_int4(q4: jax.Array, s4: jax.Array, m4: jax.Array) -> jax.Array:
+    """[..., K/2, N] nibbles + [..., K/32, N] scales and offsets -> float32 [..., K, N]."""
+    *lead, H, N = q4.shape
+    g = q4.reshape(*lead, H // 16, 1, 16, N)
+    q = jnp.concatenate([g & 15, g >> 4], axis=-3).astype(jnp.float32)  # [..., G, 2, 16, N]
+    w = q.reshape(*lead, H // 16, 32, N) * s4[..., None, :] + m4[..., None, :]
+    return w.reshape(*lead, 2 * H, N)
+
+
+@pytree
+class Int8GroupedWeightOnly(Linear):
+    """w4a16's LM head: int8 values with one scale per 32 inputs (GGUF Q8_0's), dequantized in
+    the graph, float activations."""
+    fast_at_one_row = True
+    q8: jax.Array  # [in, out] int8
+    s8: jax.Array  # [in/32, out] float32
+
+    def product(self, x):
+        K, N = self.q8.shape
+        w = (self.q8.reshape(K // 32, 32, N).astype(jnp.float32) * self.s8[:, None, :]).reshape(K, N)
+        return (x.astype(jnp.float32) @ w).astype(x.dtype)
+
+    @property
+    def out_features(self):
+        return self.q8.shape[-1]
+
+
 class HeldPerLayer:
     """A weight the layer scan does not slice: it reaches the layer's body as `at(layer)`."""
 
@@ -268,6 +314,10 @@ def from_stored(w: Any) -> Any:
             lin = read(w)
             if lin is not None:
                 return lin
+        if "q4" in w:
+            return Int4Grouped(w["q4"], w["s4"], w["m4"])
+        if "q8" in w:
+            return Int8GroupedWeightOnly(w["q8"], w["s8"])
         if "w8" in w:
             return Int8WeightOnly(w["w8"], w["s"])
         if "g" in w:

@@ -20,6 +20,12 @@ the checkpoint tree keep their shape:
          the graph and multiplied in the compute dtype (halves the weight bytes a
          bandwidth-bound GPU decode reads; on a 2-core EPYC 1.47x float32 at batch 1 and
          1.08x at 64, but slower than w8a8 from 2 rows on).
+  w4a16  {"q4": uint8 [..., in/2, out], "s4", "m4": float32 [..., in/32, out]}: 4-bit values
+         (row 16 g + j holds input 32 g + j in its low nibble, 32 g + 16 + j in its high one:
+         GGUF Q4_0 / Q4_1's order), w = q * s4 + m4 per group of 32 inputs: a GGUF Q4_0 /
+         Q4_1 / Q4_K checkpoint's own values, or a float one's quantized by `quantize_weight_int4`;
+         activations stay float. Its LM head is 8-bit weight-only: {"q8": int8 [d, V], "s8":
+         float32 [d/32, V]} (GGUF Q8_0's, or `quantize_head_w8`'s).
   packed {"p", "s", "c" (, "in")}: w8a8 repacked at start for the C++ kernel on CPUs with
          AVX512-VNNI (runtime/kernels/cpu/matmul.py), q|k|v and gate|up fused.
 The products themselves are the Linear objects of runtime/model/linear.py (`from_stored`
@@ -44,13 +50,13 @@ import numpy as np
 
 from runtime.model.linear import Dense, from_stored, grouped_product
 
-QUANTIZATIONS = ("none", "w8a8", "w8a16")
+QUANTIZATIONS = ("none", "w8a8", "w8a16", "w4a16")
 Q8_0_GROUP = 32  # inputs per scale in a grouped (GGUF Q8_0) weight
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def is_quantized(w: Any) -> bool:
-    return isinstance(w, dict) and ("q" in w or "w8" in w or "p" in w)
+    return isinstance(w, dict) and ("q" in w or "w8" in w or "p" in w or "q4" in w or "qp" in w)
 
 
 def quantization_of(params: dict[str, Any]) -> str:
@@ -60,6 +66,8 @@ def quantization_of(params: dict[str, Any]) -> str:
         w = w[0]
     if not is_quantized(w):
         return "none"
+    if "q4" in w or "qp" in w:
+        return "w4a16"
     return "w8a16" if "w8" in w else "w8a8"
 
 
@@ -68,7 +76,8 @@ def cast_params(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
     compensations) and float32 scales."""
     def place(path, a):
         key = jax.tree_util.keystr(path)
-        keep = np.issubdtype(np.asarray(a).dtype, np.integer) or key.endswith(("['s']", "['g']", "['gs']"))
+        keep = np.issubdtype(np.asarray(a).dtype, np.integer) or key.endswith(
+            ("['s']", "['g']", "['gs']", "['s4']", "['m4']", "['s8']", "['qps']"))
         return jnp.asarray(a) if keep else jnp.asarray(a, dtype)
     return jax.tree_util.tree_map_with_path(place, params)
 
@@ -81,6 +90,12 @@ def quantized_shapes(shapes: dict[str, Any], method: str, lm_head: bool = False,
     if method == "none":
         return shapes
     layers = dict(shapes["layers"])
+    if method == "w4a16":  # the head always comes as 8-bit (quantize_params says why)
+        for k in LINEAR_WEIGHTS:
+            *lead, K, N = layers[k]
+            layers[k] = {"q4": (*lead, K // 2, N), "s4": (*lead, K // W4_GROUP, N), "m4": (*lead, K // W4_GROUP, N)}
+        d, v = shapes["embed"][1], shapes["embed"][0]
+        return {**shapes, "layers": layers, "head": {"q8": (d, v), "s8": (d // W4_GROUP, v)}}
     for k in LINEAR_WEIGHTS:
         shp = tuple(layers[k])
         if group_size:
@@ -138,6 +153,55 @@ def quantize_weight_grouped(w: np.ndarray, group: int = W8A8_GROUP) -> dict[str,
     return {"q": q, "g": g}
 
 
+W4_GROUP = 32  # inputs per scale and offset of a 4-bit weight (GGUF Q4_0 / Q4_1's block)
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """uint8 values 0..15 [..., K, N] -> [..., K/2, N] in the w4a16 order (module docstring)."""
+    *lead, K, N = q.shape
+    g = np.asarray(q, np.uint8).reshape(*lead, K // W4_GROUP, 2, W4_GROUP // 2, N)
+    return (g[..., 0, :, :] | (g[..., 1, :, :] << 4)).reshape(*lead, K // 2, N)
+
+
+def unpack_nibbles(q4: np.ndarray) -> np.ndarray:
+    """pack_nibbles' inverse: [..., K/2, N] -> uint8 values [..., K, N]."""
+    *lead, H, N = q4.shape
+    g = np.asarray(q4, np.uint8).reshape(*lead, H // (W4_GROUP // 2), 1, W4_GROUP // 2, N)
+    return np.concatenate([g & 15, g >> 4], axis=-3).reshape(*lead, 2 * H, N)
+
+
+def quantize_weight_int4(w: np.ndarray, group: int = W4_GROUP) -> dict[str, np.ndarray]:
+    """[..., in, out] float -> 4-bit values with a scale and an offset per `group` inputs of each
+    column (round to nearest over each group's [min, max], as GGUF Q4_1):
+    {"q4", "s4", "m4"}, w ~ q * s4 + m4."""
+    w = np.asarray(w, np.float32)
+    *lead, K, N = w.shape
+    if K % group:
+        raise ValueError(f"w4a16: {K} inputs do not divide into groups of {group}")
+    wg = w.reshape(*lead, K // group, group, N)
+    lo, hi = wg.min(axis=-2), wg.max(axis=-2)
+    s = ((hi - lo) / 15.0).astype(np.float32)
+    s = np.where(s > 0, s, 1.0).astype(np.float32)
+    q = np.clip(np.rint((wg - lo[..., None, :]) / s[..., None, :]), 0, 15).astype(np.uint8).reshape(w.shape)
+    return {"q4": pack_nibbles(q), "s4": s, "m4": lo.astype(np.float32)}
+
+
+def dequantize_int4(w: dict[str, np.ndarray]) -> np.ndarray:
+    """A stored 4-bit weight as float32 [..., in, out] (q * s4 + m4, as the products read it)."""
+    q = unpack_nibbles(w["q4"]).astype(np.float32)
+    *lead, K, N = q.shape
+    s, m = np.asarray(w["s4"], np.float32), np.asarray(w["m4"], np.float32)
+    return (q.reshape(*lead, K // W4_GROUP, W4_GROUP, N) * s[..., None, :] + m[..., None, :]).reshape(q.shape)
+
+
+def quantize_head_w8(params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The LM head [d, V] as 8-bit weight-only values, one scale per 32 inputs (absmax / 127,
+    GGUF Q8_0's scheme): {"q8": int8 [d, V], "s8": float32 [d/32, V]}."""
+    w = np.asarray(params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T, np.float32)
+    g = quantize_weight_grouped(w)
+    return {"q8": np.ascontiguousarray(g["q"]), "s8": g["g"]}
+
+
 def groupable(layers: dict[str, Any], group: int = W8A8_GROUP) -> bool:
     """Every projection's input dimension divides into groups (else w8a8 falls back to one
     scale per output channel and per token)."""
@@ -160,6 +224,12 @@ def quantize_params(params: dict[str, Any], method: str, act_absmax: dict[str, n
         raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     if method == "none":
         return params
+    if method == "w4a16":
+        # Weight-only 4-bit, round to nearest per group of 32. The head goes to 8 bits (not 4,
+        # not float): at one row a float32 head is as many bytes as all 4-bit layers together.
+        layers = {k: (quantize_weight_int4(v) if k in LINEAR_WEIGHTS and not is_quantized(v) else v)
+                  for k, v in params["layers"].items()}
+        return {**params, "layers": layers, "head": params.get("head") or quantize_head_w8(params)}
     if method == "w8a16":  # weight-only: activations stay float, nothing to smooth
         layers = {k: ({"w8": (qw := quantize_weight(v))["q"], "s": qw["s"]} if k in LINEAR_WEIGHTS else v)
                   for k, v in params["layers"].items()}
@@ -268,7 +338,7 @@ def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any, lm_he
                          f"(serve it with --quantization {have} or auto, or convert the float source again)")
     if lm_head and method != "w8a8":
         raise ValueError(f"quantize_lm_head: needs --quantization w8a8 (got {method})")
-    if method in ("none", "w8a16"):
+    if method in ("none", "w8a16", "w4a16"):
         return quantize_params(params, method)
     return quantize_params(params, method,
                            activation_absmax(cfg, params, calibration_ids(tokenizer, cfg.max_position_embeddings)),

@@ -263,6 +263,11 @@ class ModelRunner:
             params = cpu_matmul.pack_params(params)
             if "head" not in params and cpu_matmul.f32_default(kernels):  # the head stays float: the float kernel's copy
                 params = cpu_matmul.with_float_head(params, cfg.tie_word_embeddings)
+        # w4a16: the weight-only kernel reads the 4-bit values (and the 8-bit head) as stored
+        self.wq_kernel = (quantization == "w4a16" and self.tp == 1 and jax.default_backend() == "cpu"
+                          and cpu_matmul.f32_vectorized(kernels))
+        if self.wq_kernel:
+            params = cpu_matmul.pack_wq_params(params)
         # float32 weights: the C++ float kernel (faster than XLA's dot at 1-512 rows on the
         # CPUs measured; cpu_matmul.f32_default says where it is the default)
         self.f32_kernel = (quantization == "none" and jnp.dtype(dtype) == jnp.float32 and self.tp == 1

@@ -47,6 +47,7 @@ XLA_FFI_Error* PagedjaxF32LayerTail(XLA_FFI_CallFrame*);
 XLA_FFI_Error* PagedjaxDecodeAttention(XLA_FFI_CallFrame*);
 XLA_FFI_Error* PagedjaxDecodeAttentionInt8(XLA_FFI_CallFrame*);
 XLA_FFI_Error* PagedjaxKvWrite(XLA_FFI_CallFrame*);
+XLA_FFI_Error* PagedjaxWqLinear(XLA_FFI_CallFrame*);
 const char* PagedjaxAttentionPath();
 const char* PagedjaxF32LinearPath();
 const char* PagedjaxInt8LinearPath();
@@ -144,7 +145,7 @@ struct Array {
   std::vector<int64_t> dims;
   std::vector<uint8_t> bytes;
 
-  static size_t elem(XLA_FFI_DataType t) { return t == XLA_FFI_DataType_S8 ? 1 : 4; }
+  static size_t elem(XLA_FFI_DataType t) { return t == XLA_FFI_DataType_S8 || t == XLA_FFI_DataType_U8 ? 1 : 4; }
   Array(XLA_FFI_DataType t, std::vector<int64_t> d) : dtype(t), dims(std::move(d)) {
     int64_t n = 1;
     for (int64_t x : dims) n *= x;
@@ -173,6 +174,12 @@ Array S8(Rng& rng, std::vector<int64_t> dims) {
   Array a(XLA_FFI_DataType_S8, std::move(dims));
   std::uniform_int_distribution<int> u(-127, 127);
   for (int64_t i = 0; i < a.count(); ++i) a.as<int8_t>()[i] = static_cast<int8_t>(u(rng));
+  return a;
+}
+Array U8(Rng& rng, std::vector<int64_t> dims) {
+  Array a(XLA_FFI_DataType_U8, std::move(dims));
+  std::uniform_int_distribution<int> u(0, 255);
+  for (int64_t i = 0; i < a.count(); ++i) a.as<uint8_t>()[i] = static_cast<uint8_t>(u(rng));
   return a;
 }
 Array S32(std::vector<int64_t> dims, std::vector<int32_t> values = {}) {
@@ -307,6 +314,19 @@ Case Int8LinearG32(Rng& rng, int64_t M, int64_t K, int64_t N) {
   return c;
 }
 
+// Weight-only quantized: 4-bit (scales and offsets) or 8-bit (scales) values, float rows.
+Case WqLinear(Rng& rng, int64_t M, int64_t K, int64_t N, int bits) {
+  const int64_t S = N / 16, G = K / 32, n = bits == 4 ? 2 : 1;
+  Case c{"wq_linear " + std::to_string(bits) + "-bit " + std::to_string(M) + "x" + std::to_string(K) + "x" +
+             std::to_string(N),
+         PagedjaxWqLinear, {}, {}, {Threads()}};
+  c.args.push_back(F32(rng, {M, K}));
+  c.args.push_back(U8(rng, {S, G, bits == 4 ? 256 : 512}));
+  c.args.push_back(Positive(rng, {S, G, n, 16}, 1e-3f, 1e-2f));
+  c.rets.emplace_back(XLA_FFI_DataType_F32, std::vector<int64_t>{M, N});
+  return c;
+}
+
 // y = [rms_norm](x) @ W [+ residual], or silu(gate) * up with `swiglu` (N columns of gate|up pairs).
 Case F32Linear(Rng& rng, int64_t M, int64_t K, int64_t N, bool residual, bool norm, bool swiglu) {
   const int64_t S = N / 16, out = swiglu ? N / 2 : N;
@@ -425,6 +445,8 @@ std::vector<Case> Cases(uint64_t seed) {
   add_short(F32LayerTail(rng, 1, 64, 48, 64, 96));
   add_short(Int8Linear(rng, 1, 64, 130, true));
   add_short(Int8LinearG32(rng, 2, 64, 70));
+  add_short(WqLinear(rng, 1, 96, 64, 4));
+  add_short(WqLinear(rng, 1, 64, 48, 8));
   add_short(Attention(rng, {40, 70}, 2, 3, 32, 0, 0, false, false));
   add_short(KvWrite(rng));
   // long: many rows, row tails, every phase of the chain, several row panels
@@ -438,6 +460,9 @@ std::vector<Case> Cases(uint64_t seed) {
   cs.push_back(Int8LinearG32(rng, 20, 320, 64));
   cs.push_back(Int8Linear(rng, 48, 2816, 64, false));  // (M * K > 2^17: the rows quantized in parallel too)
   cs.push_back(Int8LinearG32(rng, 48, 2816, 64));
+  cs.push_back(WqLinear(rng, 5, 320, 96, 4));   // tiles of rows
+  cs.push_back(WqLinear(rng, 20, 1536, 80, 4));  // dequantized strips, float tiles
+  cs.push_back(WqLinear(rng, 13, 128, 64, 8));
   cs.push_back(Attention(rng, {70, 52, 33, 61, 49, 80, 40}, 3, 3, 64, 5, 2, false, false));
   cs.push_back(Attention(rng, {70, 52, 33, 61, 49, 80, 40}, 3, 3, 64, 5, 2, false, true));
   cs.push_back(Attention(rng, {300}, 3, 3, 64, 0, 0, false, false));  // one sequence: split ranges

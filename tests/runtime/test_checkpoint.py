@@ -170,7 +170,8 @@ def test_inspect_a_gguf_file_states_how_each_type_loads(tmp_path, tiny, capsys):
     assert re.search(r"Q8_0 +int8 values and block scales kept as they are by --quantize w8a8", out)
     src = write_gguf(tmp_path / "m4.gguf", cfg, params, tok_json, qtype="Q4_0", chat_template=CHAT_TEMPLATE)
     assert main(["inspect", str(src)]) == 0
-    assert re.search(r"Q4_0 +blocks dequantized to float; --quantize w8a8 then requantizes", capsys.readouterr().out)
+    assert re.search(r"Q4_0 +4-bit values, block scales and offsets kept as they are by --quantize w4a16",
+                     capsys.readouterr().out)
 
 
 def test_convert_gguf_with_quantize_stores_int8(tmp_path, tiny):

@@ -1,5 +1,6 @@
 """Building, caching and loading the C++ CPU kernels (cpu_attention.cc, cpu_matmul.cc,
-cpu_linear_f32.cc with cpu_parallel.h and cpu_exp.h, in this package) as XLA FFI targets.
+cpu_linear_f32.cc, cpu_linear_wq.cc with cpu_parallel.h and cpu_exp.h, in this package) as
+XLA FFI targets.
 
 Built with the system C++ compiler against jaxlib's FFI headers into one shared library per
 instruction-set variant, cached under ~/.cache/pagedjax/kernels (PAGEDJAX_KERNEL_CACHE) by a
@@ -19,7 +20,7 @@ compiled and tested on one x86 machine (tests/runtime/test_cpu_kernel_variants.p
     scalar       x86-64 (SSE2)                        the plain C++ loops everywhere
 
 Each build reports what it was compiled with (`compiled_paths`): PagedjaxAttentionPath,
-PagedjaxF32LinearPath, PagedjaxInt8LinearPath, and the switches cpu_matmul.py reads
+PagedjaxF32LinearPath, PagedjaxInt8LinearPath, PagedjaxWqLinearPath, and the switches cpu_matmul.py reads
 (PagedjaxInt8LinearVectorized, PagedjaxF32LinearVectorized, PagedjaxInt8LinearAmx).
 
 Environment:
@@ -53,7 +54,7 @@ from runtime.config import KernelConfig
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_attention.cc", HERE / "cpu_matmul.cc", HERE / "cpu_linear_f32.cc")
+SOURCES = (HERE / "cpu_attention.cc", HERE / "cpu_matmul.cc", HERE / "cpu_linear_f32.cc", HERE / "cpu_linear_wq.cc")
 HEADERS = (HERE / "cpu_parallel.h", HERE / "cpu_exp.h")
 # FFI target name -> exported handler symbol
 TARGETS = {
@@ -63,6 +64,7 @@ TARGETS = {
     "pagedjax_int8_linear_g32": "PagedjaxInt8LinearG32",
     "pagedjax_f32_linear": "PagedjaxF32Linear",
     "pagedjax_f32_layer_tail": "PagedjaxF32LayerTail",
+    "pagedjax_wq_linear": "PagedjaxWqLinear",
     "pagedjax_kv_write": "PagedjaxKvWrite",
 }
 # Flags every variant shares (its -march/-m flags come after).
@@ -94,14 +96,16 @@ VARIANTS = {
     "avx512-amx": Variant("avx512-amx", ("-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-int8",
                                          "-mtune=sapphirerapids"),
                           (*_V4, "avx512_vnni", "amx_tile", "amx_int8"),
-                          {"attention": "avx512", "f32_linear": "avx512", "int8_linear": "amx"}),
+                          {"attention": "avx512", "f32_linear": "avx512", "int8_linear": "amx", "wq_linear": "avx512"}),
     "avx512-vnni": Variant("avx512-vnni", ("-march=x86-64-v4", "-mavx512vnni", "-mtune=icelake-server"),
                            (*_V4, "avx512_vnni"),
-                           {"attention": "avx512", "f32_linear": "avx512", "int8_linear": "avx512-vnni"}),
+                           {"attention": "avx512", "f32_linear": "avx512", "int8_linear": "avx512-vnni",
+                            "wq_linear": "avx512"}),
     "avx2": Variant("avx2", ("-march=x86-64-v3", "-mno-avx512f", "-mno-avxvnni", "-mtune=generic"), _V3,
-                    {"attention": "avx2", "f32_linear": "avx2", "int8_linear": "scalar"}),
+                    {"attention": "avx2", "f32_linear": "avx2", "int8_linear": "scalar", "wq_linear": "avx2"}),
     "scalar": Variant("scalar", ("-march=x86-64", "-mtune=generic"), (),
-                      {"attention": "scalar", "f32_linear": "scalar", "int8_linear": "scalar"}),
+                      {"attention": "scalar", "f32_linear": "scalar", "int8_linear": "scalar",
+                       "wq_linear": "scalar"}),
 }
 
 _lock = threading.Lock()
@@ -200,7 +204,7 @@ def compiled_paths(lib: ctypes.CDLL) -> dict[str, object]:
         return fn().decode()
 
     return {"attention": text("PagedjaxAttentionPath"), "f32_linear": text("PagedjaxF32LinearPath"),
-            "int8_linear": text("PagedjaxInt8LinearPath"),
+            "int8_linear": text("PagedjaxInt8LinearPath"), "wq_linear": text("PagedjaxWqLinearPath"),
             "int8_vectorized": bool(lib.PagedjaxInt8LinearVectorized()),
             "f32_vectorized": bool(lib.PagedjaxF32LinearVectorized()),
             "amx": bool(lib.PagedjaxInt8LinearAmx())}

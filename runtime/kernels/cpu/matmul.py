@@ -18,6 +18,12 @@ exact) packs the same values with {"gs": float32 [..., in/32, out], "gc": int32 
 out]} (128 * each group's column sums) in place of "s" / "c", and runs the kernel's grouped
 target (activations quantized per row and group of 32, as llama.cpp does).
 
+Weight-only quantized weights (w4a16: {"q4", "s4", "m4"}, its 8-bit head {"q8", "s8"}) go to
+their own kernel (cpu_linear_wq.cc, `linear_wq`): `pack_wq_params` repacks them into strips of
+16 columns, {"qp": uint8 [..., N/16, K/32, 256 | 512], "qps": float32 [..., N/16, K/32, 2 | 1,
+16]} (values; each group's scales, then offsets), q|k|v and gate|up fused; the kernel
+reads the 4- or 8-bit values as stored and multiplies float32 activations.
+
 Used for w8a8 on the CPU backend when the library was built with AVX512-VNNI
 (`vectorized()`); elsewhere XLA's int8 dot stays (same numbers up to float rounding).
 
@@ -45,6 +51,7 @@ TARGET = "pagedjax_int8_linear"
 GROUPED_TARGET = "pagedjax_int8_linear_g32"
 F32_TARGET = "pagedjax_f32_linear"
 TAIL_TARGET = "pagedjax_f32_layer_tail"
+WQ_TARGET = "pagedjax_wq_linear"
 STRIP = 64     # output columns per packed strip
 F32_STRIP = 16  # the float kernel's strip
 FUSED = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
@@ -84,7 +91,7 @@ def f32_default(kernels: KernelConfig | None = None) -> bool:
 def packed_array(w: Any) -> Any:
     """The main array of a weight packed for a C++ kernel ("p", "f" or "fg"), else None."""
     if isinstance(w, dict):
-        return next((w[k] for k in ("p", "f", "fg") if k in w), None)
+        return next((w[k] for k in ("p", "f", "fg", "qp") if k in w), None)
     return None
 
 
@@ -146,6 +153,51 @@ def pack_params(params: dict[str, Any]) -> dict[str, Any]:
     if "head" in params:
         out["head"] = _pack([params["head"]])
     return out
+
+
+def pack_wq(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A stored 4-bit ({"q4", "s4", "m4"}) or 8-bit ({"q8", "s8"}) weight [..., K, N] (N
+    divisible by 16) -> the weight-only kernel's {"qp", "qps"} (module docstring)."""
+    if "q4" in w:
+        q, scales = np.asarray(w["q4"], np.uint8), [w["s4"], w["m4"]]
+        *lead, H, N = q.shape
+        G, per = H // 16, 16      # 16 bytes per input pair (j, 16 + j) of a group
+    else:
+        q, scales = np.asarray(w["q8"]).view(np.uint8), [w["s8"]]
+        *lead, K, N = q.shape
+        G, per = K // 32, 32
+    if N % F32_STRIP:
+        raise ValueError(f"the quantized kernel packs {F32_STRIP}-column strips: {N} columns do not divide")
+    S, nd = N // F32_STRIP, len(lead)
+    # [.., G, per, S, 16] -> [.., S, G, per, 16]
+    v = q.reshape(*lead, G, per, S, F32_STRIP).transpose(*range(nd), nd + 2, nd, nd + 1, nd + 3)
+    sm = np.stack([np.asarray(a, np.float32).reshape(*lead, G, S, F32_STRIP) for a in scales], axis=-2)
+    sm = sm.transpose(*range(nd), nd + 1, nd, nd + 2, nd + 3)  # [.., G, S, n, 16] -> [.., S, G, n, 16]
+    return {"qp": np.ascontiguousarray(v.reshape(*lead, S, G, per * F32_STRIP)), "qps": np.ascontiguousarray(sm)}
+
+
+def pack_wq_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A w4a16 tree -> the same model with its projections (q|k|v and gate|up fused) and its
+    8-bit head packed for the weight-only kernel; unchanged when a width does not divide by 16."""
+    layers = dict(params["layers"])
+    if any(np.shape(layers[n]["q4"])[-1] % F32_STRIP for names in PACKED.values() for n in names):
+        return params
+    for name, names in PACKED.items():
+        ws = [layers.pop(n) for n in names]
+        layers[name] = pack_wq({k: np.concatenate([np.asarray(w[k]) for w in ws], axis=-1) for k in ("q4", "s4", "m4")})
+    out = {**params, "layers": layers}
+    if "head" in params and np.shape(params["head"]["q8"])[-1] % F32_STRIP == 0:
+        out["head"] = pack_wq(params["head"])
+    return out
+
+
+def linear_wq(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """x [T, K] @ a packed weight-only quantized weight -> [T, N] float32."""
+    if cpu_kernels.library() is None:  # (also registers the target in this process)
+        raise ValueError("a packed quantized weight needs the C++ CPU kernels, which are not available here")
+    n = w["qp"].shape[-3] * F32_STRIP
+    call = jax.ffi.ffi_call(WQ_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
+    return call(x.astype(jnp.float32), w["qp"], w["qps"], num_threads=np.int64(cpu_kernels.num_threads()))
 
 
 def pack_float(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -266,11 +318,14 @@ from runtime.model.linear import HeldPerLayer, Linear, Norm, PerLayer, pytree  #
 
 @_linear.register_reader
 def from_packed(w: dict) -> Linear | None:
-    """A stored dict packed here ("f", "fg": float kernel; "p": int8 kernel) as its Linear."""
+    """A stored dict packed here ("f", "fg": float kernel; "p": int8 kernel; "qp": weight-only
+    quantized kernel) as its Linear."""
     if "f" in w:
         return PackedF32(w["f"])
     if "fg" in w:
         return PackedSwiGLU(w["fg"])
+    if "qp" in w:
+        return PackedWq(w["qp"], w["qps"])
     if "p" not in w:
         return None
     if "gs" in w:
@@ -312,6 +367,21 @@ class PackedInt8Grouped(Linear):
     @property
     def out_features(self):
         return self.gs.shape[-1]
+
+
+@pytree
+class PackedWq(Linear):
+    """4-bit (or the head's 8-bit) weight-only values in the quantized kernel's strips."""
+    fast_at_one_row = True
+    qp: jax.Array   # [N/16, K/32, 256 | 512] uint8
+    qps: jax.Array  # [N/16, K/32, 2 | 1, 16] float32
+
+    def product(self, x):
+        return linear_wq(x, {"qp": self.qp, "qps": self.qps}).astype(x.dtype)
+
+    @property
+    def out_features(self):
+        return self.qp.shape[-3] * F32_STRIP
 
 
 @pytree

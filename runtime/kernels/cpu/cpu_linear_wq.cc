@@ -1,0 +1,323 @@
+// Weight-only quantized linear layer on CPU as an XLA FFI custom call: y = x @ W with W held as
+// 4-bit (GGUF Q4_0 / Q4_1 / Q4_K, or pagedjax's own int4) or 8-bit (GGUF Q8_0) integers, one
+// scale (and for 4-bit one offset) per 32 inputs of each output column, and x in float32.
+// Built with the other kernels by runtime/kernels/cpu/build.py; runtime/kernels/cpu/matmul.py
+// packs the weights (pack_wq) and calls it.
+//
+// Why: a decode step at a few rows streams every weight once and does little with it, so the
+// bytes read set its time. A 4-bit weight is ~1/6 of the float32 bytes (4 bits + 8 bytes of
+// scale and offset per 32 values): the kernel reads those bytes as they are stored and turns
+// them into floats in registers, never as a float copy in memory. The activations stay
+// float32 (weight-only: the only rounding is the weights' own, which the checkpoint has).
+//
+// Each output is  sum_g ( scale_g * sum_{k in g} q_k x_k  +  min_g * sum_{k in g} x_k ),
+// the dequantized weight (q * scale + min) times x regrouped: the same real number as
+// x @ dequantized(W), rounded differently (float32 sums).
+//
+// Layout (pack_wq): x [M, K] float32; w uint8 [S, G, B]: strip s holds columns 16s..16s+15,
+// group g inputs 32g..32g+31, B bytes per (strip, group):
+//   4-bit, B = 256: byte 16 j + c holds column c's values of inputs 32g + j (low nibble) and
+//     32g + 16 + j (high nibble), j < 16 (GGUF Q4_0 / Q4_1's own nibble order within a block);
+//   8-bit, B = 512: byte 16 k + c holds column c's int8 value of input 32g + k.
+// sm float32 [S, G, n, 16]: each (strip, group)'s 16 scales, then (n = 2) its 16 offsets.
+// Out [M, 16 S] float32.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "cpu_parallel.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kCols = 16;   // columns per strip
+constexpr int64_t kGroup = 32;  // inputs per scale
+
+// 16 float32 lanes: one zmm (AVX-512), two ymm (AVX2 + FMA), or an array.
+#if defined(__AVX512F__)
+constexpr const char* kPath = "avx512";
+constexpr int kMaxRows = 8;  // rows per tile (each weight decoded once per tile): 2 x 8 zmm
+struct V16 {
+  __m512 v;
+  static V16 zero() { return {_mm512_setzero_ps()}; }
+  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void fma(float a, const V16& b) { v = _mm512_fmadd_ps(_mm512_set1_ps(a), b.v, v); }
+  void fma(const V16& a, const V16& b) { v = _mm512_fmadd_ps(a.v, b.v, v); }
+  V16 operator+(const V16& o) const { return {_mm512_add_ps(v, o.v)}; }
+};
+// 16 bytes -> the 16 columns' values of two inputs (low and high nibbles)
+inline void nibbles(const uint8_t* p, V16& lo, V16& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0F);
+  lo.v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m)));
+  hi.v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)));
+}
+inline V16 bytes(const uint8_t* p) {  // 16 int8 -> float
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* kPath = "avx2";
+constexpr int kMaxRows = 3;  // 4 ymm per row (sums and outputs) + 4 for the weights: 16 registers
+struct V16 {
+  __m256 a, b;
+  static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, a);
+    _mm256_storeu_ps(p + 8, b);
+  }
+  void fma(float x, const V16& w) {
+    const __m256 xb = _mm256_set1_ps(x);
+    a = _mm256_fmadd_ps(xb, w.a, a);
+    b = _mm256_fmadd_ps(xb, w.b, b);
+  }
+  void fma(const V16& s, const V16& w) {
+    a = _mm256_fmadd_ps(s.a, w.a, a);
+    b = _mm256_fmadd_ps(s.b, w.b, b);
+  }
+  V16 operator+(const V16& o) const { return {_mm256_add_ps(a, o.a), _mm256_add_ps(b, o.b)}; }
+};
+inline V16 widen_u8(__m128i v) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
+}
+inline void nibbles(const uint8_t* p, V16& lo, V16& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0F);
+  lo = widen_u8(_mm_and_si128(b, m));
+  hi = widen_u8(_mm_and_si128(_mm_srli_epi16(b, 4), m));
+}
+inline V16 bytes(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
+#else
+constexpr const char* kPath = "scalar";
+constexpr int kMaxRows = 4;
+struct V16 {
+  float v[kCols];
+  static V16 zero() { return {}; }
+  static V16 load(const float* p) {
+    V16 r;
+    std::memcpy(r.v, p, sizeof r.v);
+    return r;
+  }
+  void store(float* p) const { std::memcpy(p, v, sizeof v); }
+  void fma(float x, const V16& w) {
+    for (int c = 0; c < kCols; ++c) v[c] += x * w.v[c];
+  }
+  void fma(const V16& s, const V16& w) {
+    for (int c = 0; c < kCols; ++c) v[c] += s.v[c] * w.v[c];
+  }
+  V16 operator+(const V16& o) const {
+    V16 r;
+    for (int c = 0; c < kCols; ++c) r.v[c] = v[c] + o.v[c];
+    return r;
+  }
+};
+inline void nibbles(const uint8_t* p, V16& lo, V16& hi) {
+  for (int c = 0; c < kCols; ++c) {
+    lo.v[c] = static_cast<float>(p[c] & 0x0F);
+    hi.v[c] = static_cast<float>(p[c] >> 4);
+  }
+}
+inline V16 bytes(const uint8_t* p) {
+  V16 r;
+  for (int c = 0; c < kCols; ++c) r.v[c] = static_cast<float>(static_cast<int8_t>(p[c]));
+  return r;
+}
+#endif
+
+// R rows of x (row stride K) by one strip: out[r, 0..15] over all G groups. `xsum` [M, G]
+// (null without offsets): each row's sum of x over each group. C sets of accumulators per
+// row, the group's inputs dealt round-robin over them: at one row a single set is one FMA
+// chain per register, which waits out each FMA's latency (4 cycles) instead of issuing two
+// per cycle (measured: 1 set at 1 row ran at half the speed of 4).
+template <int R, int Bits>
+inline void tile(const float* x, int64_t K, int64_t G, const uint8_t* w, const float* sm, int n, const float* xsum,
+                 float* out, int64_t N) {
+  constexpr int64_t B = Bits == 4 ? 256 : 512;
+  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+  V16 y[R];
+  for (int r = 0; r < R; ++r) y[r] = V16::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + g * B;
+    const float* xg = x + g * kGroup;
+    V16 acc[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) acc[c][r] = V16::zero();
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      V16 a, b;
+      if constexpr (Bits == 4) {
+        nibbles(wg + 16 * j, a, b);
+      } else {
+        a = bytes(wg + 16 * j);
+        b = bytes(wg + 16 * (16 + j));
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[j % C][r].fma(xg[r * K + j], a);
+        acc[j % C][r].fma(xg[r * K + 16 + j], b);
+      }
+    }
+    const V16 s = V16::load(sm + g * n * kCols);
+    for (int r = 0; r < R; ++r) {
+      V16 t = acc[0][r];
+      for (int c = 1; c < C; ++c) t = t + acc[c][r];
+      y[r].fma(s, t);
+    }
+    if (n == 2) {
+      const V16 m = V16::load(sm + g * n * kCols + kCols);
+      for (int r = 0; r < R; ++r) y[r].fma(xsum[r * G + g], m);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r].store(out + r * N);
+}
+
+template <int Bits, int R = kMaxRows>
+inline void tile_rows(int rows, const float* x, int64_t K, int64_t G, const uint8_t* w, const float* sm, int n,
+                      const float* xsum, float* out, int64_t N) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<Bits, R - 1>(rows, x, K, G, w, sm, n, xsum, out, N);
+  }
+  tile<R, Bits>(x, K, G, w, sm, n, xsum, out, N);
+}
+
+// From kDequantRows rows on, a strip's weights are dequantized once into float32 [K, 16] (in
+// L1/L2) and the rows go through a plain float tile: decoding per tile of kMaxRows rows cost
+// more than it saved once the rows, not the weight bytes, set the time (SmolLM2, 64 rows:
+// 279 ms a step decoding per tile against 206 ms for float32 weights).
+constexpr int64_t kDequantRows = 8;
+#if defined(__AVX512F__)
+constexpr int kFloatRows = 12;
+#else
+constexpr int kFloatRows = 6;
+#endif
+
+template <int Bits>
+void dequantize_strip(const uint8_t* w, const float* sm, int n, int64_t G, float* wf) {
+  constexpr int64_t B = Bits == 4 ? 256 : 512;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + g * B;
+    const V16 s = V16::load(sm + g * n * kCols);
+    const V16 m = n == 2 ? V16::load(sm + g * n * kCols + kCols) : V16::zero();
+    float* o = wf + g * kGroup * kCols;
+    for (int j = 0; j < 16; ++j) {
+      V16 a, b;
+      if constexpr (Bits == 4) {
+        nibbles(wg + 16 * j, a, b);
+      } else {
+        a = bytes(wg + 16 * j);
+        b = bytes(wg + 16 * (16 + j));
+      }
+      V16 da = m, db = m;
+      da.fma(s, a);
+      db.fma(s, b);
+      da.store(o + j * kCols);
+      db.store(o + (16 + j) * kCols);
+    }
+  }
+}
+
+template <int R>
+inline void float_tile(const float* x, int64_t K, const float* wf, float* out, int64_t N) {
+  V16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V16::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const V16 wk = V16::load(wf + k * kCols);
+    for (int r = 0; r < R; ++r) acc[r].fma(x[r * K + k], wk);
+  }
+  for (int r = 0; r < R; ++r) acc[r].store(out + r * N);
+}
+
+template <int R = kFloatRows>
+inline void float_rows(int rows, const float* x, int64_t K, const float* wf, float* out, int64_t N) {
+  if constexpr (R > 1) {
+    if (rows < R) return float_rows<R - 1>(rows, x, K, wf, out, N);
+  }
+  float_tile<R>(x, K, wf, out, N);
+}
+
+ffi::Error WqLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> sm,
+                    ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = sm.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 4 || od.size() != 2 || (wd[2] != 256 && wd[2] != 512) ||
+      xd[1] != wd[1] * kGroup || sd[0] != wd[0] || sd[1] != wd[1] || (sd[2] != 1 && sd[2] != 2) || sd[3] != kCols ||
+      od[0] != xd[0] || od[1] != wd[0] * kCols) {
+    return ffi::Error::InvalidArgument(
+        "quantized linear: x [M,K], w [N/16,K/32,256|512], scales [N/16,K/32,1|2,16], out [M,N] disagree");
+  }
+  const int64_t M = xd[0], K = xd[1], S = wd[0], G = wd[1], N = od[1];
+  const int bits = wd[2] == 256 ? 4 : 8, n = static_cast<int>(sd[2]);
+  if (M == 0 || S == 0) return ffi::Error::Success();
+  const float* xs = x.typed_data();
+  thread_local std::vector<float> sums;  // [M, G] (the items read it before this call returns)
+  if (n == 2 && M < kDequantRows) {
+    sums.resize(M * G);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        float t = 0.0f;
+        for (int64_t k = 0; k < kGroup; ++k) t += xs[r * K + g * kGroup + k];
+        sums[r * G + g] = t;
+      }
+  }
+  const float* xsum = n == 2 && M < kDequantRows ? sums.data() : nullptr;
+  // Items of a few strips: enough of them for the threads to share the work evenly.
+  const int64_t threads = std::max<int64_t>(num_threads, 1);
+  const int64_t per = std::max<int64_t>(1, S / (8 * threads));
+  const int64_t items = (S + per - 1) / per;
+  const uint8_t* wp = w.typed_data();
+  const float* sp = sm.typed_data();
+  float* o = out->typed_data();
+  const int64_t B = wd[2];
+  pagedjax::run_parallel(pool, threads, items, [=](int64_t i) {
+    thread_local std::vector<float> wf;  // one strip dequantized, [K, 16]
+    for (int64_t s = i * per; s < std::min(S, (i + 1) * per); ++s) {
+      const uint8_t* ws = wp + s * G * B;
+      const float* ss = sp + s * G * n * kCols;
+      if (M >= kDequantRows) {
+        wf.resize(K * kCols);
+        if (bits == 4) {
+          dequantize_strip<4>(ws, ss, n, G, wf.data());
+        } else {
+          dequantize_strip<8>(ws, ss, n, G, wf.data());
+        }
+        for (int64_t m = 0; m < M; m += kFloatRows)
+          float_rows(static_cast<int>(std::min<int64_t>(kFloatRows, M - m)), xs + m * K, K, wf.data(),
+                     o + m * N + s * kCols, N);
+        continue;
+      }
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
+        const float* xg = xsum ? xsum + m * G : nullptr;
+        float* om = o + m * N + s * kCols;
+        if (bits == 4) {
+          tile_rows<4>(rows, xs + m * K, K, G, ws, ss, n, xg, om, N);
+        } else {
+          tile_rows<8>(rows, xs + m * K, K, G, ws, ss, n, xg, om, N);
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The instruction-set path compiled into this build: "avx512", "avx2" (AVX2 + FMA) or "scalar".
+extern "C" const char* PagedjaxWqLinearPath() { return kPath; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxWqLinear, WqLinear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads"));
