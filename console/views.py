@@ -10,6 +10,7 @@ read only the engine's immutable config, envelope and tokenizer.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -182,6 +183,25 @@ def prefix_cache(engine: LLMEngine) -> dict[str, Any]:
             "enabled": engine.config.cache.enable_prefix_cache}
 
 
+def _quantization_text(cfg: Any, checkpoint: Any) -> str:
+    """What the weights are served as (runtime/model/quant.py describe): a checkpoint stored
+    quantized says its own group and GGUF origin; one quantized at start-up groups by 32 where
+    every projection's input width divides (quantize_params)."""
+    from runtime.model.quant import W8A8_GROUP, describe
+
+    m, meta = cfg.model, {}
+    if checkpoint and (Path(checkpoint) / "pagedjax.json").is_file():
+        from runtime.checkpoint.store import read_meta
+
+        meta = read_meta(Path(checkpoint))
+    group = meta.get("group_size") if meta.get("quantization") == cfg.quantization else None
+    if group is None and cfg.quantization in ("w8a8", "w4a16") and all(
+            d % W8A8_GROUP == 0 for d in (m.hidden_size, m.intermediate_size, m.num_heads * m.head_dim)):
+        group = W8A8_GROUP
+    exact = meta.get("quantization") == cfg.quantization and (meta.get("exact_gguf") or meta.get("exact_q8_0"))
+    return describe(cfg.quantization, cfg.quantize_lm_head, group, bool(exact))
+
+
 def _jax_device() -> str:
     try:
         import jax
@@ -216,7 +236,8 @@ def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
         "m": m, "cache": c, "env": env, "dtype": cfg.dtype, "backend": info.attention_backend
         + (" (decode rows: C++ kernel, runtime/kernels/cpu/cpu_attention.cc)" if info.attention_kernel else "")
         + ("; int8 products: C++ kernel, runtime/kernels/cpu/cpu_matmul.cc" if info.matmul_kernel else ""),
-        "quantization": cfg.quantization, "lm_head_int8": cfg.quantize_lm_head, "kv_quantized": c.kv_dtype in QUANTIZED_KV_DTYPES,
+        "quantization": _quantization_text(cfg, getattr(settings, "checkpoint", None)),
+        "kv_quantized": c.kv_dtype in QUANTIZED_KV_DTYPES,
         "kv_elem_bytes": DTYPE_BYTES[c.kv_dtype], "kv_scale_bytes": KV_SCALE_BYTES,
         "device": _jax_device(), "params": m.param_count(), "tensor_parallel": info.tensor_parallel,
         "mesh": info.mesh,

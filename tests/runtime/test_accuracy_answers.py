@@ -68,3 +68,22 @@ def test_quantized_settings_keep_float32_answers_on_smollm2(smollm2_ckpt, method
     a = r["answers"]
     assert a["kept_share"] >= 0.8, [(c["question"], c["float32"], c["answer"]) for c in a["changed"]]
     assert a["float32_correct"] >= 20  # the questions are within the model's reach (it answers most)
+
+
+@pytest.mark.real_model
+def test_w4a16_from_the_q4_1_gguf_keeps_float32_s_answers_and_tokens(smollm2_ckpt, tmp_path):
+    """SmolLM2's GGUF is Q4_1: served as its own 4-bit blocks (pull --quantize w4a16) it is the
+    float32 checkpoint's model (the same dequantized weights), so greedy tokens and answers
+    stay (BENCHMARKS.md: 140/140 answers, 32/32 continuations identical)."""
+    from runtime.bench.accuracy import compare_engines
+    from runtime.checkpoint.pull import pull
+    from runtime.checkpoint.store import load_checkpoint, read_meta
+
+    w4 = pull("smollm2", tmp_path / "w4", progress=False, quantize="w4a16")
+    assert read_meta(w4)["exact_gguf"]
+    _, _, tok = load_checkpoint(smollm2_ckpt)
+    prompts = [tok.encode("The warranty on tents covers"), tok.encode("Prefill and decode differ because")]
+    r = compare_engines(smollm2_ckpt, tok, "w4a16", "float32", False, prompts, 16, load_questions(35), served=w4)
+    assert r["greedy"]["identical"] == 2
+    assert r["answers"]["kept_share"] >= 0.97, [(c["question"], c["float32"], c["answer"])
+                                                for c in r["answers"]["changed"]]

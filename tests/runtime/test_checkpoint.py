@@ -214,6 +214,6 @@ def test_convert_q8_0_gguf_keeps_its_int8_values_and_block_scales(tmp_path, tiny
     np.testing.assert_array_equal(deq.reshape(cfg.hidden_size, -1), np.asarray(fp["embed"]).T)
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "q")]) == 0
-    assert "GGUF Q8_0 int8 values + one scale per 32 inputs, exact" in capsys.readouterr().out
+    assert "int8 decoder weights (a GGUF's Q8_0 blocks, exact), a float32 scale per 32 inputs" in capsys.readouterr().out
     assert main(["convert", "--from", "gguf", str(src), "--out", str(tmp_path / "b"), "--quantize", "w8a8",
                  "--dtype", "bfloat16"]) == 2

@@ -32,13 +32,21 @@ def test_nibbles_hold_a_group_s_two_halves_in_gguf_order():
     np.testing.assert_array_equal(quant.unpack_nibbles(p), q)
 
 
-def test_int4_quantization_error_is_within_half_a_step():
+def test_int4_grids_are_no_worse_than_round_to_nearest():
+    """Each group's searched grid has at most the squared error of plain round to nearest over
+    [min, max] (one of its candidates, before the refit), and a weight already on a 4-bit grid
+    (a Q4_1 block's) comes back exactly."""
     rng = np.random.default_rng(1)
     w = rng.standard_normal((2, 96, 40)).astype(np.float32)
     q = quant.quantize_weight_int4(w)
     assert q["q4"].dtype == np.uint8 and q["q4"].shape == (2, 48, 40) and q["s4"].shape == (2, 3, 40)
-    err = np.abs(quant.dequantize_int4(q) - w).reshape(2, 3, 32, 40).max(axis=2)
-    assert np.all(err <= q["s4"] * 0.5 + 1e-6)
+    wg = w.reshape(2, 3, 32, 40)
+    lo, hi = wg.min(2, keepdims=True), wg.max(2, keepdims=True)
+    rtn = np.clip(np.rint((wg - lo) / ((hi - lo) / 15)), 0, 15) * ((hi - lo) / 15) + lo
+    err = ((quant.dequantize_int4(q).reshape(wg.shape) - wg) ** 2).sum(2)
+    assert np.all(err <= ((rtn - wg) ** 2).sum(2) * (1 + 1e-5))
+    on_grid = quant.dequantize_int4(q)
+    np.testing.assert_allclose(quant.dequantize_int4(quant.quantize_weight_int4(on_grid)), on_grid, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="groups of 32"):
         quant.quantize_weight_int4(w[:, :40])
 
@@ -143,7 +151,7 @@ def test_a_q4_gguf_serves_its_own_4bit_values_with_the_float_engine_s_tokens(tmp
     assert main(["convert", "--from", "gguf", str(src), "--out", str(f32)]) == 0
     meta = read_meta(w4)
     assert meta["quantization"] == "w4a16" and meta["exact_gguf"] and meta["group_size"] == 32
-    assert "GGUF 4-bit values" in inspect_text(w4) and "LM head int8" in inspect_text(w4)
+    assert "(a GGUF's Q4_0/Q4_1/Q4_K blocks, exact)" in inspect_text(w4) and "LM head int8" in inspect_text(w4)
     stored, dense = load_checkpoint(w4)[1], load_checkpoint(f32)[1]
     for k in quant.LINEAR_WEIGHTS:
         np.testing.assert_array_equal(quant.dequantize_int4(jax.tree.map(np.asarray, stored["layers"][k])),

@@ -171,9 +171,20 @@ def pack_wq(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     S, nd = N // F32_STRIP, len(lead)
     # [.., G, per, S, 16] -> [.., S, G, per, 16]
     v = q.reshape(*lead, G, per, S, F32_STRIP).transpose(*range(nd), nd + 2, nd, nd + 1, nd + 3)
+    if wq_permuted():  # the AVX2 decode's column order within each 16 bytes (cpu_linear_wq.cc)
+        v = v[..., WQ_PERMUTATION]
     sm = np.stack([np.asarray(a, np.float32).reshape(*lead, G, S, F32_STRIP) for a in scales], axis=-2)
     sm = sm.transpose(*range(nd), nd + 1, nd, nd + 2, nd + 3)  # [.., G, S, n, 16] -> [.., S, G, n, 16]
     return {"qp": np.ascontiguousarray(v.reshape(*lead, S, G, per * F32_STRIP)), "qps": np.ascontiguousarray(sm)}
+
+
+WQ_PERMUTATION = np.array([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def wq_permuted() -> bool:
+    """The loaded kernel library decodes 16-byte rows with permuted columns (its AVX2 path)."""
+    lib = cpu_kernels.library()
+    return bool(lib is not None and lib.PagedjaxWqLinearPermuted())
 
 
 def pack_wq_params(params: dict[str, Any]) -> dict[str, Any]:
