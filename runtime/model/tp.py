@@ -56,6 +56,9 @@ def validate(cfg: ModelConfig, n: int, *, attention_backend: str = "auto", quant
         raise ValueError(f"tensor_parallel_size: must be at least 1, got {n}")
     if n == 1:
         return
+    if quantization == "w4a16":  # its packed nibbles and group scales have no sharding rule yet
+        raise ValueError("tensor_parallel_size: w4a16 weights are not sharded yet; serve w4a16 with "
+                         "--tensor-parallel-size 1, or shard float32 / w8a8 weights")
     k = jax.device_count() if num_devices is None else num_devices
     if n > k:
         raise ValueError(f"tensor_parallel_size: {n} needs {n} devices, only {k} "

@@ -12,7 +12,8 @@ from runtime.bench.report import _ms, _num, _pct
 from scripts.bench_render.engine_md import render_engine_sections, render_tp
 from scripts.bench_render.seam_md import render_seam_ab, render_yardstick
 from scripts.bench_render.md import load as _load, table as _table
-from scripts.bench_render.peers_md import render_disagg, render_fleet, render_gemma3, render_peers, render_sampler
+from scripts.bench_render.peers_md import (render_disagg, render_fleet, render_gemma3, render_peers, render_sampler,
+                                          render_w4a16)
 
 
 def _serve_rows(label: str, r: dict[str, Any]) -> list[Any]:
@@ -196,6 +197,7 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
     L.append("")
 
     L += render_peers(d)
+    L += render_w4a16(d)
     L += render_gemma3(d)
     L += render_sampler(d)
     L += render_fleet(d)

@@ -389,3 +389,73 @@ def render_sampler(results: str | Path) -> list[str]:
     L += table(r["rows"])
     L.append("")
     return L
+
+
+# --- 4-bit weights: the decode step and batch-1 serving against llama.cpp ------------------------
+def render_w4a16(results: str | Path) -> list[str]:
+    """w4a16 against float32 (decode steps, bench-results/w4a16/decode-<setting>-<n>.json from
+    `bench offline --part decode`, runs alternating) and against llama.cpp at batch 1
+    (bench-results/w4a16-batch1/peers-*.json from bench_peers.sh at concurrency 1), with the
+    answer gate beside each pagedjax setting (bench-results/accuracy-*.json)."""
+    d = Path(results)
+    L = ["## 4-bit weights (w4a16): the decode step and batch-1 serving", ""]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for p in sorted((d / "w4a16").glob("decode-*.json")):
+        r = _load(d / "w4a16", p.name)
+        if r and r.get("decode"):
+            runs.setdefault(p.stem.removeprefix("decode-").rsplit("-", 1)[0], []).append(r)
+    if "float32" in runs and "w4a16" in runs:
+        m = runs["w4a16"][0].get("machine") or {}
+        L += [f"`pagedjax bench offline --part decode` (SmolLM2, {runs['w4a16'][0]['decode']['context_len']}-token "
+              f"contexts, median of {runs['w4a16'][0]['decode']['iters']} steps), float32 and w4a16 (the Q4_1 GGUF's "
+              f"own 4-bit weights, `pull smollm2 --quantize w4a16`) alternating in one session on {m.get('cpu_model')}, "
+              f"{m.get('cores')} cores; "
+              "each pair is one float32 run and the w4a16 run after it.", ""]
+        head = ["pair", "batch", "float32 step ms", "w4a16 step ms", "w4a16 speed-up", "load avg 1m (float32 / w4a16)"]
+        L += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        for i, (f, w) in enumerate(zip(runs["float32"], runs["w4a16"]), 1):
+            for rf, rw in zip(f["decode"]["rows"], w["decode"]["rows"]):
+                L.append(f"| {i} | {rf['batch']} | {rf['full_ms']:.2f} | {rw['full_ms']:.2f} | "
+                         f"{rf['full_ms'] / rw['full_ms']:.2f}x | {f['decode'].get('loadavg_1m', 0):.2f} / "
+                         f"{w['decode'].get('loadavg_1m', 0):.2f} |")
+        L.append("")
+    else:
+        L += ["_decode steps not measured_ (`pagedjax bench offline --part decode --quantization none|w4a16 "
+              "--out bench-results/w4a16/decode-<setting>-<n>.json`).", ""]
+    peers = load_peers(d / "w4a16-batch1")
+    if peers:
+        first = next(iter(peers.values()))
+        c, m = first["config"], first.get("machine") or {}
+        gates = {}
+        for a in (_load(d, p.name) for p in sorted(d.glob("accuracy-*.json"))):
+            if a and a.get("answers") and a.get("checkpoint") == "smollm2-135m-instruct" and \
+                    a.get("kv_cache_dtype", "float32") == "float32" and not a.get("lm_head_int8"):
+                gates[a["method"]] = a
+        L += [f"Batch 1 (`bench_peers.sh`, concurrency 1): {first['num_requests']} chat requests one after another, "
+              f"max_tokens {c['max_tokens']}{', ignore_eos' if c.get('ignore_eos') else ''}, scenario {c['scenario']}; "
+              f"one server at a time on {m.get('cpu_model')}, {m.get('cores')} cores, measured "
+              f"{m.get('measured_at', '?')[:16]} UTC. Answer gate: the share of `bench accuracy`'s 140 questions "
+              "answered as float32 answers them (same normalised first line).", ""]
+        head = ["system", "ITL p50 ms", "ITL p90 ms", "TPOT mean ms", "TTFT p50 ms", "output tok/s",
+                "ITL vs llama.cpp", "answer gate", "load avg 1m at start", "warm-up reply"]
+        L += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        ref = (peers.get("llamacpp") or {}).get("itl_s", {}).get("p50")
+        for k, r in peers.items():
+            peer = r.get("peer") or {}
+            method = {"pagedjax": "none", "pagedjax-w8a8": "w8a8", "pagedjax-w4a16": "w4a16"}.get(k)
+            a = gates.get(method)
+            gate = ("reference" if method == "none" else
+                    f"{a['answers']['kept']}/{a['answers']['questions']} "
+                    f"({'pass' if a['gate']['answers_passed'] else 'FAIL'})" if a else
+                    ("-" if method is None else "not measured"))
+            itl = r["itl_s"]["p50"]
+            L.append(f"| {PEER_LABELS.get(k, k)} | {_ms(itl)} | {_ms(r['itl_s']['p90'])} | {_ms(r['tpot_s']['mean'])} | "
+                     f"{_ms(r['ttft_s']['p50'])} | {_num(r['output_throughput'])} | "
+                     f"{_x(_ratio(itl, ref)) if ref else '-'} | {gate} | "
+                     f"{(r.get('machine') or {}).get('loadavg_1m', '-')} | "
+                     f"{str(peer.get('warmup_reply', '-')).strip()[:50]!r} |")
+        L.append("")
+    else:
+        L += ["_batch 1 not run_ (`BENCH_RESULTS=bench-results/w4a16-batch1 BENCH_PEERS_CONCURRENCY=1 "
+              "BENCH_PEERS_N=8 PEERS=pagedjax,pagedjax-w8a8,pagedjax-w4a16,llamacpp bash scripts/bench_peers.sh`).", ""]
+    return L

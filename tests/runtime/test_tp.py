@@ -172,7 +172,8 @@ def test_validation_messages():
     cfg = tiny_config(268, num_heads=8, num_kv_heads=4)
     cases = [(0, {}, "must be at least 1"), (8, {"num_devices": 4}, "only 4 devices"),
              (3, {"num_devices": 4}, "does not divide the model's 8 query heads"),
-             (2, {"num_devices": 4, "attention_backend": "pallas"}, "Pallas")]
+             (2, {"num_devices": 4, "attention_backend": "pallas"}, "Pallas"),
+             (2, {"num_devices": 4, "quantization": "w4a16"}, "w4a16 weights are not sharded yet")]
     for n, kw, msg in cases:
         with pytest.raises(ValueError, match="tensor_parallel_size: .*" + msg):
             tp.validate(cfg, n, **kw)
