@@ -319,10 +319,12 @@ Case WqLinear(Rng& rng, int64_t M, int64_t K, int64_t N, int bits) {
   const int64_t S = N / 16, G = K / 32, n = bits == 4 ? 2 : 1;
   Case c{"wq_linear " + std::to_string(bits) + "-bit " + std::to_string(M) + "x" + std::to_string(K) + "x" +
              std::to_string(N),
-         PagedjaxWqLinear, {}, {}, {Threads()}};
+         PagedjaxWqLinear, {}, {}, {Threads(), F32Attr("eps", 1e-5f)}};
   c.args.push_back(F32(rng, {M, K}));
   c.args.push_back(U8(rng, {S, G, bits == 4 ? 256 : 512}));
   c.args.push_back(Positive(rng, {S, G, n, 16}, 1e-3f, 1e-2f));
+  c.args.push_back(M % 2 ? F32(rng, {M, N}) : Empty());    // residual on odd row counts
+  c.args.push_back(M > 1 ? Positive(rng, {K}, 0.5f, 1.5f) : Empty());  // norm from 2 rows
   c.rets.emplace_back(XLA_FFI_DataType_F32, std::vector<int64_t>{M, N});
   return c;
 }

@@ -113,6 +113,24 @@ def test_kernel_matches_the_dequantized_product(bits, M, K, N):
 
 
 @needs_kernel
+@pytest.mark.parametrize("M", [1, 3, 9])
+def test_kernel_applies_the_norm_and_adds_the_residual(M):
+    """rms_norm(x) @ W + residual in one call equals the separate ops (XLA's Int4Grouped)."""
+    from runtime.model.linear import rms_norm
+
+    rng = np.random.default_rng(M)
+    K, N = 96, 48
+    stored = quant.quantize_weight_int4(rng.standard_normal((K, N)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32) * 3)
+    res = jnp.asarray(rng.standard_normal((M, N)).astype(np.float32))
+    nw = jnp.asarray((rng.random(K) + 0.5).astype(np.float32))
+    packed = from_stored(jax.tree.map(jnp.asarray, cpu_matmul.pack_wq(stored)))
+    got = np.asarray(jax.jit(lambda x, r, w: packed.apply(x, r, (w, 1e-5)))(x, res, nw))
+    want = np.asarray(res + rms_norm(x, nw, 1e-5) @ quant.dequantize_int4(stored))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@needs_kernel
 def test_kernel_rejects_shapes_that_disagree():
     packed = jax.tree.map(jnp.asarray, cpu_matmul.pack_wq(quant.quantize_weight_int4(np.ones((64, 32), np.float32))))
     with pytest.raises(Exception, match="quantized linear"):

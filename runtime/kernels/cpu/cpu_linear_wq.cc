@@ -25,6 +25,7 @@
 // Out [M, 16 S] float32.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -192,11 +193,11 @@ inline V16 offset_of(const float* sm) {
 // per cycle (measured: 1 set at 1 row ran at half the speed of 4).
 template <int R, int Bits>
 inline void tile(const float* x, int64_t K, int64_t G, const uint8_t* w, const float* sm, int n, const float* xsum,
-                 float* out, int64_t N) {
+                 const float* res, float* out, int64_t N) {
   constexpr int64_t B = Bits == 4 ? 256 : 512;
   constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
   V16 y[R];
-  for (int r = 0; r < R; ++r) y[r] = V16::zero();
+  for (int r = 0; r < R; ++r) y[r] = res ? V16::load(res + r * N) : V16::zero();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + g * B;
     const float* xg = x + g * kGroup;
@@ -233,11 +234,11 @@ inline void tile(const float* x, int64_t K, int64_t G, const uint8_t* w, const f
 
 template <int Bits, int R = kMaxRows>
 inline void tile_rows(int rows, const float* x, int64_t K, int64_t G, const uint8_t* w, const float* sm, int n,
-                      const float* xsum, float* out, int64_t N) {
+                      const float* xsum, const float* res, float* out, int64_t N) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<Bits, R - 1>(rows, x, K, G, w, sm, n, xsum, out, N);
+    if (rows < R) return tile_rows<Bits, R - 1>(rows, x, K, G, w, sm, n, xsum, res, out, N);
   }
-  tile<R, Bits>(x, K, G, w, sm, n, xsum, out, N);
+  tile<R, Bits>(x, K, G, w, sm, n, xsum, res, out, N);
 }
 
 // From kDequantRows rows on, a strip's weights are dequantized once into float32 [K, 16] (in
@@ -286,9 +287,9 @@ void dequantize_strip(const uint8_t* w, const float* sm, int n, int64_t G, float
 }
 
 template <int R>
-inline void float_tile(const float* x, int64_t K, const float* wf, float* out, int64_t N) {
+inline void float_tile(const float* x, int64_t K, const float* wf, const float* res, float* out, int64_t N) {
   V16 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = V16::zero();
+  for (int r = 0; r < R; ++r) acc[r] = res ? V16::load(res + r * N) : V16::zero();
   for (int64_t k = 0; k < K; ++k) {
     const V16 wk = V16::load(wf + k * kCols);
     for (int r = 0; r < R; ++r) acc[r].fma(x[r * K + k], wk);
@@ -297,15 +298,35 @@ inline void float_tile(const float* x, int64_t K, const float* wf, float* out, i
 }
 
 template <int R = kFloatRows>
-inline void float_rows(int rows, const float* x, int64_t K, const float* wf, float* out, int64_t N) {
+inline void float_rows(int rows, const float* x, int64_t K, const float* wf, const float* res, float* out,
+                       int64_t N) {
   if constexpr (R > 1) {
-    if (rows < R) return float_rows<R - 1>(rows, x, K, wf, out, N);
+    if (rows < R) return float_rows<R - 1>(rows, x, K, wf, res, out, N);
   }
-  float_tile<R>(x, K, wf, out, N);
+  float_tile<R>(x, K, wf, res, out, N);
 }
 
+// x's rows RMS-normalized and scaled by `w` into `y` (cpu_linear_f32.cc's prologue: the same
+// formula as the families' rms_norm).
+void rms_norm(const float* x, const float* w, float eps, int64_t M, int64_t K, float* y) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * K;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < K; ++k) ss += xr[k] * xr[k];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+    float* yr = y + r * K;
+#pragma omp simd
+    for (int64_t k = 0; k < K; ++k) yr[k] = xr[k] * inv * w[k];
+  }
+}
+
+// out = [rms_norm](x) @ W [+ residual]: the norm (`norm` [K], or empty) before the product
+// and the residual ([M, N], or empty) added in the tile, as the float kernel does, so a
+// decode step runs no separate XLA ops for them.
 ffi::Error WqLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> sm,
-                    ffi::ResultBuffer<ffi::F32> out, int64_t num_threads) {
+                    ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32> norm, ffi::ResultBuffer<ffi::F32> out,
+                    int64_t num_threads, float eps) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = sm.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 4 || od.size() != 2 || (wd[2] != 256 && wd[2] != 512) ||
       xd[1] != wd[1] * kGroup || sd[0] != wd[0] || sd[1] != wd[1] || (sd[2] != 1 && sd[2] != 2) || sd[3] != kCols ||
@@ -314,9 +335,22 @@ ffi::Error WqLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
         "quantized linear: x [M,K], w [N/16,K/32,256|512], scales [N/16,K/32,1|2,16], out [M,N] disagree");
   }
   const int64_t M = xd[0], K = xd[1], S = wd[0], G = wd[1], N = od[1];
+  if (residual.element_count() != 0 && residual.element_count() != static_cast<size_t>(M * N)) {
+    return ffi::Error::InvalidArgument("quantized linear: the residual must be [M, N]");
+  }
+  if (norm.element_count() != 0 && norm.element_count() != static_cast<size_t>(K)) {
+    return ffi::Error::InvalidArgument("quantized linear: the norm weight must have K elements");
+  }
   const int bits = wd[2] == 256 ? 4 : 8, n = static_cast<int>(sd[2]);
   if (M == 0 || S == 0) return ffi::Error::Success();
   const float* xs = x.typed_data();
+  const float* res = residual.element_count() ? residual.typed_data() : nullptr;
+  thread_local std::vector<float> normed;  // (the items read it before this call returns)
+  if (norm.element_count() != 0) {
+    normed.resize(M * K);
+    rms_norm(xs, norm.typed_data(), eps, M, K, normed.data());
+    xs = normed.data();
+  }
   thread_local std::vector<float> sums;  // [M, G] (the items read it before this call returns)
   if (n == 2 && M < kDequantRows) {
     sums.resize(M * G);
@@ -350,17 +384,18 @@ ffi::Error WqLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
         }
         for (int64_t m = 0; m < M; m += kFloatRows)
           float_rows(static_cast<int>(std::min<int64_t>(kFloatRows, M - m)), xs + m * K, K, wf.data(),
-                     o + m * N + s * kCols, N);
+                     res ? res + m * N + s * kCols : nullptr, o + m * N + s * kCols, N);
         continue;
       }
       for (int64_t m = 0; m < M; m += kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
         const float* xg = xsum ? xsum + m * G : nullptr;
         float* om = o + m * N + s * kCols;
+        const float* rm = res ? res + m * N + s * kCols : nullptr;
         if (bits == 4) {
-          tile_rows<4>(rows, xs + m * K, K, G, ws, ss, n, xg, om, N);
+          tile_rows<4>(rows, xs + m * K, K, G, ws, ss, n, xg, rm, om, N);
         } else {
-          tile_rows<8>(rows, xs + m * K, K, G, ws, ss, n, xg, om, N);
+          tile_rows<8>(rows, xs + m * K, K, G, ws, ss, n, xg, rm, om, N);
         }
       }
     }
@@ -383,5 +418,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxWqLinear, WqLinear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("num_threads"));
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<float>("eps"));

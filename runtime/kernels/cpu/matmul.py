@@ -202,13 +202,19 @@ def pack_wq_params(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def linear_wq(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
-    """x [T, K] @ a packed weight-only quantized weight -> [T, N] float32."""
+def linear_wq(x: jax.Array, w: dict[str, jax.Array], residual: jax.Array | None = None,
+              norm: tuple | None = None) -> jax.Array:
+    """rms_norm(x) [T, K] (x itself without `norm` = (weight [K], eps)) @ a packed weight-only
+    quantized weight -> [T, N] float32, plus `residual` [T, N] if given (both in the kernel)."""
     if cpu_kernels.library() is None:  # (also registers the target in this process)
         raise ValueError("a packed quantized weight needs the C++ CPU kernels, which are not available here")
     n = w["qp"].shape[-3] * F32_STRIP
+    empty = jnp.zeros((0,), jnp.float32)
+    r = empty if residual is None else residual.astype(jnp.float32)
+    nw, eps = (empty, 0.0) if norm is None else (norm[0].astype(jnp.float32), float(norm[1]))
     call = jax.ffi.ffi_call(WQ_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
-    return call(x.astype(jnp.float32), w["qp"], w["qps"], num_threads=np.int64(cpu_kernels.num_threads()))
+    return call(x.astype(jnp.float32), w["qp"], w["qps"], r, nw, num_threads=np.int64(cpu_kernels.num_threads()),
+                eps=np.float32(eps))
 
 
 def pack_float(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -382,13 +388,14 @@ class PackedInt8Grouped(Linear):
 
 @pytree
 class PackedWq(Linear):
-    """4-bit (or the head's 8-bit) weight-only values in the quantized kernel's strips."""
+    """4-bit (or the head's 8-bit) weight-only values in the quantized kernel's strips: the norm
+    and the residual run inside its call."""
     fast_at_one_row = True
     qp: jax.Array   # [N/16, K/32, 256 | 512] uint8
     qps: jax.Array  # [N/16, K/32, 2 | 1, 16] float32
 
-    def product(self, x):
-        return linear_wq(x, {"qp": self.qp, "qps": self.qps}).astype(x.dtype)
+    def apply(self, x, residual=None, norm=None):
+        return linear_wq(x, {"qp": self.qp, "qps": self.qps}, residual, norm).astype(x.dtype)
 
     @property
     def out_features(self):
