@@ -107,8 +107,9 @@ def render_engine_sections(results: str | Path) -> list[str]:
               f"perplexity float32 {tf0['perplexity_float32']:.3f}) and greedy decoding through the engine; "
               f"{_machine(a0)}; the answer gate asks short chat questions with one clear answer "
               f"(runtime/bench/data/answer_questions.jsonl) and counts the answers whose first line equals "
-              f"float32's. Gates: w8a8 +2% and 95% of the answers, int8 KV +0.5% and 98%, "
-              f"the sum of the allowances for both.", "",
+              f"float32's. Gates: w8a8 +2% and 95% of the answers, w4a16 +5% and 90%, int8 KV +0.5% and 98%, "
+              f"the sum of the allowances for both. A row on another checkpoint names it (its float32 "
+              f"perplexity differs); a base model is asked as plain text.", "",
               "| setting | command flags | same answers as float32 | answer gate | correct answers (float32) "
               "| perplexity | vs float32 | perplexity gate | mean abs logprob diff | greedy: identical "
               "| greedy: tokens before first difference |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -123,7 +124,11 @@ def render_engine_sections(results: str | Path) -> list[str]:
                          f">= {gate['answers_kept_min']:.0%}: **{'pass' if gate['answers_passed'] else 'FAIL'}** | "
                          f"{ans['correct']} ({ans['float32_correct']})" if ans else "- | - | -")
             ppl_ok = gate.get("perplexity_passed", gate["passed"])
-            L.append(f"| {a.get('setting', a['method'])} | `{flags}` | {ans_cells} | {tf['perplexity']:.3f} | "
+            other = f" on **{a['checkpoint']}**" if a["checkpoint"] != a0["checkpoint"] else ""
+            cpu = (a.get("machine") or {}).get("cpu_model")
+            other += f" ({cpu})" if cpu != (a0.get("machine") or {}).get("cpu_model") else ""
+            served = " (the GGUF's own blocks: `--served`)" if a.get("served") else ""
+            L.append(f"| {a.get('setting', a['method'])}{served}{other} | `{flags}` | {ans_cells} | {tf['perplexity']:.3f} | "
                      f"{tf['perplexity_increase'] * 100:+.2f}% | +{gate['perplexity_increase_max'] * 100:.1f}%: "
                      f"**{'pass' if ppl_ok else 'FAIL'}** | {tf['mean_abs_logprob_diff']:.4f} nats | "
                      f"{g['identical']}/{g['prompts']} x {g['max_tokens']} tokens | "
