@@ -38,18 +38,10 @@ SETTINGS = {
 
 def decode_step_ms(engine, batch: int, params, steps: int) -> float:
     """Median wall time of one engine step while `batch` requests all decode."""
-    reqs = [engine.add_request([2] + [1000 + 17 * i + j for j in range(31)], params) for i in range(batch)]
-    while any(r.num_output_tokens < 2 for r in reqs):  # every prompt prefilled, decode under way
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    for r in reqs:
-        engine.abort(r.request_id)
-    engine.run_until_done()
-    return statistics.median(times) * 1e3
+    from runtime.bench.step_rows import timed_steps
+
+    prompts = [[2] + [1000 + 17 * i + j for j in range(31)] for i in range(batch)]
+    return statistics.median(timed_steps(engine, prompts, params, steps)) * 1e3
 
 
 def sampler_ms(vocab: int, batch: int, params, reps: int) -> float:

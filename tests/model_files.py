@@ -118,3 +118,20 @@ def write_hf_dir(out: Path, cfg: ModelConfig, params: dict, tokenizer_json: str,
     if chat_template:
         (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}))
     return out
+
+
+def write_hf_config_dir(d: Path, config: dict, tokenizer_json: str, **changes) -> Path:
+    """A Hugging Face model directory holding only `config` (plus `changes`; a key set to None
+    is dropped), an empty weights file and the tokenizer: what `convert` opens before it reads
+    any weight (the refusal tests' input)."""
+    c = dict(config)
+    for k, v in changes.items():
+        if v is None:
+            c.pop(k, None)
+        else:
+            c[k] = v
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(c))
+    (d / "model.safetensors").write_bytes(b"")
+    (d / "tokenizer.json").write_text(tokenizer_json)
+    return d

@@ -7,7 +7,6 @@ Used by scripts/gpu_check.py; `--dry-run` there runs it at a scaled-down shape o
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import numpy as np
@@ -95,6 +94,7 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
     import jax.numpy as jnp
 
     from runtime.bench.breakdown import _median_ms
+    from runtime.bench.step_rows import timed_steps
     from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig
     from runtime.core.engine import LLMEngine
     from runtime.core.engine_args import _default_kv_memory
@@ -130,21 +130,8 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
         res: dict[str, Any] = {"batch": B}
         for mode in (True, False):
             eng.set_async_scheduling(mode)
-            reqs = [eng.add_request(list(rng.integers(2, cfg.vocab_size, size=context_len)), sp) for _ in range(B)]
-            for _ in range(10_000):
-                eng.step()
-                if len(eng.scheduler.running) == B and all(r.num_output_tokens > 0 for r in reqs):
-                    break
-            eng.step()
-            eng.step()
-            walls = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                eng.step()
-                walls.append(time.perf_counter() - t0)
-            for r in reqs:
-                eng.abort(r.request_id)
-            eng.run_until_done()
+            prompts = [list(rng.integers(2, cfg.vocab_size, size=context_len)) for _ in range(B)]
+            walls = timed_steps(eng, prompts, sp, steps, warm_tokens=3)
             res["async_step_ms" if mode else "sync_step_ms"] = float(np.median(walls) * 1e3)
         # device time of the same decode step, alone
         from runtime.model.batch import build_step_input

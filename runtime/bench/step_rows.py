@@ -58,3 +58,25 @@ def decode_rows(runner: Any, batch: int, context_len: int, shared_len: int = 0) 
         req.state_row, req.num_computed_tokens = i, context_len - 1
         rows.append(step_row(req, 1))
     return rows
+
+
+def timed_steps(engine: Any, prompts: list[list[int]], params: Any, steps: int, warm_tokens: int = 2) -> list[float]:
+    """Seconds of each of `steps` engine steps while every prompt decodes: the requests are
+    added, stepped until each has `warm_tokens` output tokens (prefill done, decode under
+    way), timed, then aborted and drained (scripts/bench_sampler.py, gpu_engine.py)."""
+    import time
+
+    reqs = [engine.add_request(p, params) for p in prompts]
+    for _ in range(100_000):
+        if all(r.num_output_tokens >= warm_tokens for r in reqs):
+            break
+        engine.step()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    for r in reqs:
+        engine.abort(r.request_id)
+    engine.run_until_done()
+    return walls

@@ -12,40 +12,30 @@ what reading them back must (not) undo:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
-from runtime.checkpoint.mapping import Rule
+from runtime.checkpoint.mapping import GGUF_ARCH_KEYS, GGUF_RULES, Rule
 
-GEMMA3_RULES = (
-    Rule("token_embd.weight", "embed"),
-    Rule("output_norm.weight", "final_norm"),
-    Rule("output.weight", "lm_head", "t", optional=True),
-    Rule("blk.{i}.attn_norm.weight", "layers/attn_norm"),
-    Rule("blk.{i}.attn_q.weight", "layers/wq", "t"),
-    Rule("blk.{i}.attn_k.weight", "layers/wk", "t"),
-    Rule("blk.{i}.attn_v.weight", "layers/wv", "t"),
-    Rule("blk.{i}.attn_output.weight", "layers/wo", "t"),
+def _gemma_rule(r: Rule) -> Rule:
+    """Llama's GGUF rule as Gemma 3 reads it: q and k only transposed (see above)."""
+    return dataclasses.replace(r, transform="t") if r.transform.startswith("unpermute_") else r
+
+
+# Llama's tensors without the q/k/v biases, plus Gemma 3's q/k norms and post-norms.
+GEMMA3_RULES = tuple(_gemma_rule(r) for r in GGUF_RULES if not r.source.endswith(".bias")) + (
     Rule("blk.{i}.attn_q_norm.weight", "layers/q_norm"),
     Rule("blk.{i}.attn_k_norm.weight", "layers/k_norm"),
     Rule("blk.{i}.post_attention_norm.weight", "layers/post_attn_norm"),
-    Rule("blk.{i}.ffn_norm.weight", "layers/mlp_norm"),
-    Rule("blk.{i}.ffn_gate.weight", "layers/w_gate", "t"),
-    Rule("blk.{i}.ffn_up.weight", "layers/w_up", "t"),
-    Rule("blk.{i}.ffn_down.weight", "layers/w_down", "t"),
     Rule("blk.{i}.post_ffw_norm.weight", "layers/post_mlp_norm"),
 )
 
 # `gemma3.` metadata keys read (or checked) below or by GGUFSource.model_config; any other is
-# refused by name. attn_logit_softcapping is deliberately absent: llama.cpp ignores it for
-# Gemma 3, transformers would apply it, so a file carrying it is ambiguous.
-GEMMA3_KEYS = frozenset({
-    "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
-    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
-    "attention.key_length", "attention.value_length", "attention.sliding_window",
-    "rope.dimension_count", "rope.freq_base", "rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor",
-    "rope.scale_linear", "rope.scaling.attn_factor", "rope.scaling.original_context_length",
-    "rope.scaling.finetuned", "final_logit_softcapping",
-})
+# refused by name: llama's less the expert counts, plus the local RoPE base and the final
+# soft-cap. attn_logit_softcapping is deliberately absent: llama.cpp ignores it for Gemma 3,
+# transformers would apply it, so a file carrying it is ambiguous.
+GEMMA3_KEYS = (GGUF_ARCH_KEYS - {"expert_count", "expert_used_count"}) | {"rope.freq_base_swa",
+                                                                          "final_logit_softcapping"}
 
 SWA_PATTERN = 6             # llama.cpp set_swa_pattern(6): 5 sliding layers, then 1 global
 LOCAL_ROPE_BASE = 10000.0   # llama.cpp rope_freq_base_train_swa for Gemma 3 (no key in older files)

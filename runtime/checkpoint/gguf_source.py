@@ -8,24 +8,14 @@ from typing import Any, Iterator
 import numpy as np
 
 from runtime.checkpoint.gguf_gemma import GEMMA3_KEYS, GEMMA3_RULES, gemma3_fields
-from runtime.checkpoint.mapping import GGUF_RULES, CheckpointError, ParamAssembler, Rule
+from runtime.checkpoint.mapping import GGUF_ARCH_KEYS, GGUF_RULES, CheckpointError, ParamAssembler, Rule
 from runtime.config import ModelConfig, RopeScaling
 
 # Dequantized by the gguf package (gguf.quants), block for block as llama.cpp's ggml does.
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 CONTROL_TOKEN = 3
-# `{arch}.` metadata keys model_config reads or checks; any other one is refused by name, so
-# nothing that changes the math is skipped. rope.scaling.original_context_length and
-# .finetuned only inform YaRN (refused), rope.scaling.type "linear" ignores them.
-ARCH_KEYS = frozenset({
-    "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
-    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
-    "attention.key_length", "attention.value_length", "attention.sliding_window",
-    "rope.dimension_count", "rope.freq_base", "rope.scale_linear", "rope.scaling.type", "rope.scaling.factor",
-    "rope.scaling.attn_factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
-    "expert_count", "expert_used_count",
-})
+ARCH_KEYS = GGUF_ARCH_KEYS  # (runtime/checkpoint/mapping.py says which and why)
 
 
 # Architectures whose SentencePiece vocabulary ("llama" tokenizer model) is read the Gemma way

@@ -57,6 +57,19 @@ class Rule:
         return re.compile("^" + re.escape(self.source).replace(r"\{i\}", r"(\d+)") + "$")
 
 
+# `{arch}.` metadata keys a GGUF's model config reads or checks (runtime/checkpoint/gguf_source.py);
+# any other one is refused by name, so nothing that changes the math is skipped.
+# rope.scaling.original_context_length and .finetuned only inform YaRN (refused), rope.scaling.type
+# "linear" ignores them.
+GGUF_ARCH_KEYS = frozenset({
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "attention.key_length", "attention.value_length", "attention.sliding_window",
+    "rope.dimension_count", "rope.freq_base", "rope.scale_linear", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.attn_factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
+    "expert_count", "expert_used_count",
+})
+
 GGUF_RULES = (
     Rule("token_embd.weight", "embed"),
     Rule("output_norm.weight", "final_norm"),

@@ -16,6 +16,7 @@ from runtime.checkpoint.mapping import CheckpointError
 from runtime.checkpoint.store import load_config, write_checkpoint
 from runtime.cli import main
 from runtime.model.families import init_params
+from tests.model_files import write_hf_config_dir
 from tests.tiny import tiny_tokenizer_json
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install -e .[peer])")
@@ -39,13 +40,7 @@ def config_dir(tmp_path: Path, arch: str, **changes) -> Path:
     """config.json as transformers writes it for `arch` (tiny sizes) plus `changes`, and what
     the directory needs to open; no weights are read before the config is checked."""
     c = getattr(transformers, CONFIG_CLASSES[arch])(architectures=[arch], **SIZES).to_dict()
-    c.update(changes)
-    d = tmp_path / arch
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(c))
-    (d / "model.safetensors").write_bytes(b"")
-    (d / "tokenizer.json").write_text(TOK_JSON)
-    return d
+    return write_hf_config_dir(tmp_path / arch, {**c, **changes}, TOK_JSON)
 
 
 # (changes to config.json, what the refusal names)

@@ -27,6 +27,7 @@ from runtime.model.sampling import SamplingParams
 from runtime.model.xla_attention import xla_ragged_paged_attention
 from tests.attention_oracle import random_batch
 from tests.engine_util import make_engine
+from tests.model_files import write_hf_config_dir
 from tests.runtime.test_families_config import (PROMPT, SIZES, TOK_JSON, assert_engine_matches, hf_reference,
                                                  log_softmax)
 
@@ -282,18 +283,8 @@ def test_runner_skips_the_swiglu_tail_for_gemma():
 def gemma_config_dir(tmp_path, arch="gemma2", name=None, **changes):
     cls = {"gemma2": (transformers.Gemma2Config, "Gemma2ForCausalLM"),
            "gemma3": (transformers.Gemma3TextConfig, "Gemma3ForCausalLM")}[arch]
-    c = cls[0](architectures=[name or cls[1]], **GEMMA).to_dict()
-    for k, v in changes.items():
-        if v is None:
-            c.pop(k, None)
-        else:
-            c[k] = v
-    d = tmp_path / "hf"
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(c))
-    (d / "model.safetensors").write_bytes(b"")
-    (d / "tokenizer.json").write_text(TOK_JSON)
-    return d
+    return write_hf_config_dir(tmp_path / "hf", cls[0](architectures=[name or cls[1]], **GEMMA).to_dict(), TOK_JSON,
+                               **changes)
 
 
 REFUSED = [

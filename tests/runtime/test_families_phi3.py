@@ -4,7 +4,6 @@ LongRoPE within the original context; and the config.json forms Microsoft's repo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from runtime.checkpoint.hf_source import HFSource
 from runtime.checkpoint.mapping import CheckpointError
 from runtime.checkpoint.store import convert, load_checkpoint
 from runtime.config import RopeScaling
+from tests.model_files import write_hf_config_dir
 from tests.runtime.test_families_config import PROMPT, SIZES, TOK_JSON, assert_engine_matches
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install -e .[peer])")
@@ -46,18 +46,9 @@ def build_phi3(out: Path, seed: int = 0, **kw) -> Path:
 
 def phi3_config_dir(tmp_path: Path, **changes) -> Path:
     """A Phi3 config.json (tiny sizes; a key set to None is dropped), no weights."""
-    c = transformers.Phi3Config(architectures=["Phi3ForCausalLM"], **PHI3_SIZES).to_dict()
-    for k, v in changes.items():
-        if v is None:
-            c.pop(k, None)
-        else:
-            c[k] = v
-    d = tmp_path / "phi3-hf"
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(c))
-    (d / "model.safetensors").write_bytes(b"")
-    (d / "tokenizer.json").write_text(TOK_JSON)
-    return d
+    return write_hf_config_dir(tmp_path / "phi3-hf",
+                               transformers.Phi3Config(architectures=["Phi3ForCausalLM"], **PHI3_SIZES).to_dict(),
+                               TOK_JSON, **changes)
 
 
 def test_phi3_matches_transformers(tmp_path):

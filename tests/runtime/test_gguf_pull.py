@@ -139,7 +139,7 @@ def test_two_pulls_at_once_convert_once_and_both_get_the_checkpoint(tmp_path, mo
     started, second_arrived, release, calls, locks = (threading.Event(), threading.Event(), threading.Event(),
                                                       [], [])
 
-    def fake_convert(source, out, progress=True):
+    def fake_convert(source, out, progress=True, quantize="none"):
         calls.append(out)
         if len(calls) == 1:
             started.set()
