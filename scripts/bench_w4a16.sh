@@ -3,7 +3,8 @@
 #   1. the decode step, float32 and w4a16 alternating (two pairs), bench-results/w4a16/;
 #   2. the answer gate of the Q4_1 GGUF's own 4-bit weights against the float32 checkpoint
 #      converted from the same file, bench-results/accuracy-w4a16.json;
-#   3. batch-1 serving against llama.cpp (and float32, w8a8), bench-results/w4a16-batch1/.
+#   3. batch-1 serving against llama.cpp (and float32, w8a8), bench-results/w4a16-batch1/;
+#   4. the shared-prefix workload against llama.cpp, bench-results/w4a16-shared/.
 # Then `python scripts/render_benchmarks.py ...` (README) puts them in BENCHMARKS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,3 +25,6 @@ $PY -m runtime.cli bench accuracy --checkpoint "$CKPT" --quantization w4a16 --se
   --out "$OUT/accuracy-w4a16.json" --show-changed 3 || true  # (exit 1: a gate failed; the JSON says which)
 BENCH_RESULTS=$OUT/w4a16-batch1 BENCH_PEERS_CONCURRENCY=1 BENCH_PEERS_N=${BENCH_W4_N:-8} \
   PEERS=${BENCH_W4_PEERS:-pagedjax,pagedjax-w8a8,pagedjax-w4a16,llamacpp} bash scripts/bench_peers.sh
+# 4. the shared-prefix workload (64 requests, concurrency 64) against llama.cpp
+BENCH_RESULTS=$OUT/w4a16-shared PEERS=${BENCH_W4_SHARED_PEERS:-pagedjax,pagedjax-w4a16,llamacpp} \
+  bash scripts/bench_peers.sh

@@ -115,5 +115,8 @@ def test_installed_wheel_serves_the_console(tmp_path):
     assert MARKER in r["login"]  # rendered from the venv's copy of the template
     assert r["htmx_status"] == 200 and r["htmx_bytes"] == (REPO / "console/static/htmx.min.js").stat().st_size
     # the C++ kernels build from the installed copy's sources (runtime/kernels/cpu/build.py)
-    assert len(r["kernel_sources"]) == 5 and all(Path(p).resolve().is_relative_to(site.resolve())
-                                                  for p in r["kernel_sources"]), r["kernel_sources"]
+    from runtime.kernels.cpu import build as kernels
+
+    n_sources = len(kernels.SOURCES) + len(kernels.HEADERS)
+    assert len(r["kernel_sources"]) == n_sources and all(Path(p).resolve().is_relative_to(site.resolve())
+                                                         for p in r["kernel_sources"]), r["kernel_sources"]

@@ -422,24 +422,33 @@ def render_w4a16(results: str | Path) -> list[str]:
     else:
         L += ["_decode steps not measured_ (`pagedjax bench offline --part decode --quantization none|w4a16 "
               "--out bench-results/w4a16/decode-<setting>-<n>.json`).", ""]
-    peers = load_peers(d / "w4a16-batch1")
-    if peers:
+    gates = {}
+    for a in (_load(d, p.name) for p in sorted(d.glob("accuracy-*.json"))):
+        if a and a.get("answers") and a.get("checkpoint") == "smollm2-135m-instruct" and \
+                a.get("kv_cache_dtype", "float32") == "float32" and not a.get("lm_head_int8"):
+            gates[a["method"]] = a
+    for sub, title, missing in (
+            ("w4a16-batch1", "Batch 1 (`bench_peers.sh`, concurrency 1)",
+             "`BENCH_RESULTS=bench-results/w4a16-batch1 BENCH_PEERS_CONCURRENCY=1 BENCH_PEERS_N=8 "
+             "PEERS=pagedjax,pagedjax-w8a8,pagedjax-w4a16,llamacpp bash scripts/bench_peers.sh`"),
+            ("w4a16-shared", "The shared-prefix workload (`bench_peers.sh` defaults)",
+             "`BENCH_RESULTS=bench-results/w4a16-shared PEERS=pagedjax,pagedjax-w4a16,llamacpp "
+             "bash scripts/bench_peers.sh`")):
+        peers = load_peers(d / sub)
+        if not peers:
+            L += [f"_{title}: not run_ ({missing}).", ""]
+            continue
         first = next(iter(peers.values()))
         c, m = first["config"], first.get("machine") or {}
-        gates = {}
-        for a in (_load(d, p.name) for p in sorted(d.glob("accuracy-*.json"))):
-            if a and a.get("answers") and a.get("checkpoint") == "smollm2-135m-instruct" and \
-                    a.get("kv_cache_dtype", "float32") == "float32" and not a.get("lm_head_int8"):
-                gates[a["method"]] = a
-        L += [f"Batch 1 (`bench_peers.sh`, concurrency 1): {first['num_requests']} chat requests one after another, "
+        L += [f"{title}: {first['num_requests']} chat requests, concurrency {c.get('concurrency')}, "
               f"max_tokens {c['max_tokens']}{', ignore_eos' if c.get('ignore_eos') else ''}, scenario {c['scenario']}; "
               f"one server at a time on {m.get('cpu_model')}, {m.get('cores')} cores, measured "
               f"{m.get('measured_at', '?')[:16]} UTC. Answer gate: the share of `bench accuracy`'s 140 questions "
               "answered as float32 answers them (same normalised first line).", ""]
         head = ["system", "ITL p50 ms", "ITL p90 ms", "TPOT mean ms", "TTFT p50 ms", "output tok/s",
-                "ITL vs llama.cpp", "answer gate", "load avg 1m at start", "warm-up reply"]
+                "ITL vs llama.cpp", "tok/s vs llama.cpp", "answer gate", "load avg 1m at start", "warm-up reply"]
         L += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        ref = (peers.get("llamacpp") or {}).get("itl_s", {}).get("p50")
+        ref = peers.get("llamacpp") or {}
         for k, r in peers.items():
             peer = r.get("peer") or {}
             method = {"pagedjax": "none", "pagedjax-w8a8": "w8a8", "pagedjax-w4a16": "w4a16"}.get(k)
@@ -451,11 +460,9 @@ def render_w4a16(results: str | Path) -> list[str]:
             itl = r["itl_s"]["p50"]
             L.append(f"| {PEER_LABELS.get(k, k)} | {_ms(itl)} | {_ms(r['itl_s']['p90'])} | {_ms(r['tpot_s']['mean'])} | "
                      f"{_ms(r['ttft_s']['p50'])} | {_num(r['output_throughput'])} | "
-                     f"{_x(_ratio(itl, ref)) if ref else '-'} | {gate} | "
+                     f"{_x(_ratio(itl, (ref.get('itl_s') or {}).get('p50')))} | "
+                     f"{_x(_ratio(r['output_throughput'], ref.get('output_throughput')))} | {gate} | "
                      f"{(r.get('machine') or {}).get('loadavg_1m', '-')} | "
                      f"{str(peer.get('warmup_reply', '-')).strip()[:50]!r} |")
         L.append("")
-    else:
-        L += ["_batch 1 not run_ (`BENCH_RESULTS=bench-results/w4a16-batch1 BENCH_PEERS_CONCURRENCY=1 "
-              "BENCH_PEERS_N=8 PEERS=pagedjax,pagedjax-w8a8,pagedjax-w4a16,llamacpp bash scripts/bench_peers.sh`).", ""]
     return L
