@@ -33,6 +33,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "cpu_exp.h"
+#include "cpu_norm.h"
 #include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
@@ -40,6 +41,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using pagedjax::fast_exp;
+using pagedjax::rms_norm;
 
 constexpr int64_t kCols = 16;   // output columns per packed strip (one zmm, two ymm)
 constexpr int64_t kPanelBytes = 512 << 10;  // a work item's x rows (rows x K floats) stay in L2
@@ -266,20 +268,6 @@ void panel(const float* x, const float* w, float* out, int64_t K, int64_t N_out,
         for (int64_t c = 0; c < width; ++c) o[c] = buf[r * width + c] + res[c];
       }
     }
-  }
-}
-
-// x's rows RMS-normalized and scaled by `w` into `y` (as runtime/model/families/llama.py rms_norm).
-void rms_norm(const float* x, const float* w, float eps, int64_t M, int64_t K, float* y) {
-  for (int64_t r = 0; r < M; ++r) {
-    const float* xr = x + r * K;
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t k = 0; k < K; ++k) ss += xr[k] * xr[k];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
-    float* yr = y + r * K;
-#pragma omp simd
-    for (int64_t k = 0; k < K; ++k) yr[k] = xr[k] * inv * w[k];
   }
 }
 

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_norm.h"
 #include "cpu_parallel.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -40,6 +41,8 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+using pagedjax::rms_norm;
 
 constexpr int64_t kCols = 16;   // columns per strip
 constexpr int64_t kGroup = 32;  // inputs per scale
@@ -168,6 +171,17 @@ inline V16 bytes(const uint8_t* p) {
 }
 #endif
 
+// Row j of a group's values: its 16 columns at inputs j (a) and 16 + j (b), as decoded floats.
+template <int Bits>
+inline void decode(const uint8_t* wg, int j, V16& a, V16& b) {
+  if constexpr (Bits == 4) {
+    nibbles(wg + 16 * j, a, b);
+  } else {
+    a = bytes(wg + 16 * j);
+    b = bytes(wg + 16 * (16 + j));
+  }
+}
+
 // A group's 16 scales as they multiply the decoded values (kScale8 undone), and its offsets
 // with the decoded values' bias (kBias4) taken off: offset - kBias4 * scale.
 template <int Bits>
@@ -207,12 +221,7 @@ inline void tile(const float* x, int64_t K, int64_t G, const uint8_t* w, const f
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {
       V16 a, b;
-      if constexpr (Bits == 4) {
-        nibbles(wg + 16 * j, a, b);
-      } else {
-        a = bytes(wg + 16 * j);
-        b = bytes(wg + 16 * (16 + j));
-      }
+      decode<Bits>(wg, j, a, b);
       for (int r = 0; r < R; ++r) {
         acc[j % C][r].fma(xg[r * K + j], a);
         acc[j % C][r].fma(xg[r * K + 16 + j], b);
@@ -264,12 +273,7 @@ void dequantize_strip(const uint8_t* w, const float* sm, int n, int64_t G, float
     float* o = wf + g * kGroup * kCols;
     for (int j = 0; j < 16; ++j) {
       V16 a, b;
-      if constexpr (Bits == 4) {
-        nibbles(wg + 16 * j, a, b);
-      } else {
-        a = bytes(wg + 16 * j);
-        b = bytes(wg + 16 * (16 + j));
-      }
+      decode<Bits>(wg, j, a, b);
       if constexpr (Bits == 4 && kBias4 != 0.0f) {
         a = a + kBias4 * -1.0f;
         b = b + kBias4 * -1.0f;
@@ -304,21 +308,6 @@ inline void float_rows(int rows, const float* x, int64_t K, const float* wf, con
     if (rows < R) return float_rows<R - 1>(rows, x, K, wf, res, out, N);
   }
   float_tile<R>(x, K, wf, res, out, N);
-}
-
-// x's rows RMS-normalized and scaled by `w` into `y` (cpu_linear_f32.cc's prologue: the same
-// formula as the families' rms_norm).
-void rms_norm(const float* x, const float* w, float eps, int64_t M, int64_t K, float* y) {
-  for (int64_t r = 0; r < M; ++r) {
-    const float* xr = x + r * K;
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t k = 0; k < K; ++k) ss += xr[k] * xr[k];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
-    float* yr = y + r * K;
-#pragma omp simd
-    for (int64_t k = 0; k < K; ++k) yr[k] = xr[k] * inv * w[k];
-  }
 }
 
 // out = [rms_norm](x) @ W [+ residual]: the norm (`norm` [K], or empty) before the product
