@@ -17,7 +17,9 @@ Steps (GPU run):
      for the kernel and the plain-XLA path on the same inputs (the XLA path is
      skipped, with a note, when it would not fit the memory or time budget), and
      cross-checks the two outputs;
-  4. one mixed batch: 64 decodes + a 512-token prefill chunk;
+  4. one mixed batch: 64 decodes + a 512-token prefill chunk; then the w4a16 matmul
+     (scripts/gpu_w4a16.py): the Pallas 4-bit kernel against a bf16 dense matmul and
+     XLA's dequantizing path on Llama-3-8B's projection shapes at 1, 8 and 64 rows;
   5. optional (--engine-checkpoint DIR): two engines (attention_backend pallas and
      xla, bfloat16) generate greedily for 3 chat prompts; token ids are compared;
   6. a compact table on stdout and everything in JSON (rewritten after every step,
@@ -57,6 +59,7 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     ragged_paged_attention,
     ref_ragged_paged_attention,
 )
+import gpu_w4a16  # noqa: E402  (scripts/: the w4a16 matmul step)
 
 T_PROCESS_START = time.time()
 TIME_BUDGET_S = 7 * 60  # no new step starts after this (from process start)
@@ -770,6 +773,9 @@ def dry_run(args: argparse.Namespace) -> int:
           f" splits {planned[-1]['plan'].get('num_splits')}: lowered")
   results["planned"] = planned
   results["peak_cache_GB"] = max(p["cache_bytes"] for p in planned) / 1e9
+  rec.step = "w4a16"
+  results["w4a16"], w4_failed = gpu_w4a16.run(False, args.reps, time_left)
+  failed |= w4_failed
   rec.save()
   if args.engine_checkpoint is not None:
     # The Pallas engine would run in the (very slow) interpreter here: XLA only.
@@ -863,6 +869,15 @@ def run_gpu_checks(args: argparse.Namespace, rec: Recorder, xla_fn, xla_name: st
             + (f"{r['xla_s'] * 1e6:9.1f} us" if "xla_s" in r else r.get("xla_skipped", "-"))
             + ("" if r.get("kernel_vs_xla_ok", True)
                else f"  kernel != xla (max err {r['kernel_vs_xla_max_err']:.2e})"), flush=True)
+
+  if time_left() - reserve > 60:
+    def on_step(name: str) -> None:
+      rec.step = name
+    results["w4a16"], w4_failed = gpu_w4a16.run(True, args.reps, lambda: time_left() - reserve, on_step)
+    failed |= w4_failed
+    rec.save()
+  else:
+    results["notes"].append("w4a16: skipped (time budget)")
 
   if args.engine_checkpoint is not None:
     failed |= run_engine_step(args, rec, ("xla", "pallas"))

@@ -69,6 +69,7 @@ SLOW = (
     "tests/runtime/test_kv_quant.py",                # quantized KV: compiles its own step shapes
     "tests/runtime/test_quant.py",                   # w8a8 / w8a16 models: compiles, C++ kernels
     "tests/pallas_kernels/test_paged_attention.py",  # Pallas in interpret mode on CPU
+    "tests/pallas_kernels/test_w4a16_matmul.py",     # the same, for the 4-bit matmul
     "tests/runtime/test_engine_pallas.py",           # the engine on interpreted Pallas kernels (minutes)
     "tests/runtime/test_engine.py",                  # the engine end to end, many configurations
     "tests/runtime/test_engine_steady.py",           # a full warm-up, then a 200-request workload

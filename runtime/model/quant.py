@@ -106,7 +106,7 @@ def cast_params(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
     def place(path, a):
         key = jax.tree_util.keystr(path)
         keep = np.issubdtype(np.asarray(a).dtype, np.integer) or key.endswith(
-            ("['s']", "['g']", "['gs']", "['s4']", "['m4']", "['s8']", "['qps']"))
+            ("['s']", "['g']", "['gs']", "['s4']", "['m4']", "['s8']", "['qps']", "['sg']", "['mg']"))
         return jnp.asarray(a) if keep else jnp.asarray(a, dtype)
     return jax.tree_util.tree_map_with_path(place, params)
 

@@ -268,6 +268,12 @@ class ModelRunner:
                           and cpu_matmul.f32_vectorized(kernels))
         if self.wq_kernel:
             params = cpu_matmul.pack_wq_params(params)
+        # w4a16 on a Hopper GPU: the Mosaic GPU kernel reads the nibbles (runtime/model/mosaic_linear.py)
+        from runtime.model import mosaic_linear
+
+        self.w4_gpu_kernel = mosaic_linear.applies(quantization, dtype, self.tp)
+        if self.w4_gpu_kernel:
+            params = mosaic_linear.pack_params(params)
         # float32 weights: the C++ float kernel (faster than XLA's dot at 1-512 rows on the
         # CPUs measured; cpu_matmul.f32_default says where it is the default)
         self.f32_kernel = (quantization == "none" and jnp.dtype(dtype) == jnp.float32 and self.tp == 1
