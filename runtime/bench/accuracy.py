@@ -33,7 +33,10 @@ from runtime.model.quant import WEIGHT_GATES
 PPL_GATES = {**{m: g[0] for m, g in WEIGHT_GATES.items()}, "int8": 0.005, "fp8_e4m3": 0.01}
 # Allowed share of changed answers, per quantized part (summed like the perplexity gates).
 ANSWER_GATES = {**{m: g[1] for m, g in WEIGHT_GATES.items()}, "int8": 0.02, "fp8_e4m3": 0.02}
-KV_CHOICES = ("float32", "int8", "fp8_e4m3")
+# bfloat16 KV has no gate of its own: it is measured as the floor an 8-bit cache is judged
+# against (how many answers a 16-bit rounding of K/V alone changes), held to int8's gates.
+PPL_GATES["bfloat16"], ANSWER_GATES["bfloat16"] = PPL_GATES["int8"], ANSWER_GATES["int8"]
+KV_CHOICES = ("float32", "bfloat16", "int8", "fp8_e4m3")
 QUESTIONS = Path(__file__).parent / "data" / "answer_questions.jsonl"
 ANSWER_TOKENS = 24  # a one-line answer fits; the first line is what is compared
 # Asked before every question, so the first line is the answer rather than the start of an
@@ -96,6 +99,8 @@ def kv_roundtrip_logits(cfg: Any, params: Any, token_ids: Any, kv_dtype: str) ->
     mask = jnp.tril(jnp.ones((T, T), dtype=bool))
 
     def roundtrip(x):
+        if kv_dtype == "bfloat16":  # a plain cast, as the cache stores it
+            return x.astype(jnp.bfloat16).astype(jnp.float32)
         q, scale = quantize_rows(x, KV_DTYPES[kv_dtype])
         return q.astype(jnp.float32) * scale[..., None]
 
@@ -295,7 +300,8 @@ def add_accuracy_arguments(p: argparse.ArgumentParser) -> None:
                         "was converted from), served as stored and compared with --checkpoint's float32 weights")
     p.add_argument("--quantize-lm-head", action="store_true", help="with w8a8: the int8 LM head too")
     p.add_argument("--kv-cache-dtype", choices=KV_CHOICES, default="float32",
-                   help="KV cache storage to evaluate with the weights (gates add: w8a8 +2%%/95%%, int8 KV +0.5%%/98%%)")
+                   help="KV cache storage to evaluate with the weights (gates add: w8a8 +2%%/95%%, int8 KV +0.5%%/98%%; "
+                        "bfloat16: the 16-bit floor an 8-bit cache is judged against, held to int8's gates)")
     p.add_argument("--text", help="held-out English text (default: the two chapters in ../shared/seeds)")
     p.add_argument("--max-text-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512, help="teacher-forced window, tokens")

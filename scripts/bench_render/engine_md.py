@@ -108,7 +108,8 @@ def render_engine_sections(results: str | Path) -> list[str]:
               f"{_machine(a0)}; the answer gate asks short chat questions with one clear answer "
               f"(runtime/bench/data/answer_questions.jsonl) and counts the answers whose first line equals "
               f"float32's. Gates: w8a8 +2% and 95% of the answers, w4a16 +5% and 90%, int8 KV +0.5% and 98%, "
-              f"the sum of the allowances for both. A row on another checkpoint names it (its float32 "
+              f"the sum of the allowances for both; a bfloat16 KV cache (no gate of its own) is measured as "
+              f"the floor an 8-bit cache is judged against, held to int8's gates. A row on another checkpoint names it (its float32 "
               f"perplexity differs); a base model is asked as plain text.", "",
               "| setting | command flags | same answers as float32 | answer gate | correct answers (float32) "
               "| perplexity | vs float32 | perplexity gate | mean abs logprob diff | greedy: identical "

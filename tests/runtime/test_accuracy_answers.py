@@ -52,6 +52,27 @@ def test_answer_gates_add_up_per_quantized_part():
     assert answer_gate("w8a8", "int8") == pytest.approx(1 - ANSWER_GATES["w8a8"] - ANSWER_GATES["int8"])
 
 
+def test_a_bfloat16_cache_is_measured_as_the_floor_of_an_8_bit_one():
+    """bfloat16 KV (no gate of its own) is held to int8's gates and emulated as a plain cast:
+    close to float32, not equal to it, and closer than the int8 cache."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from runtime.bench.accuracy import KV_CHOICES, kv_roundtrip_logits, ppl_gate
+    from runtime.model.families import init_params
+    from tests.tiny import tiny_config
+
+    assert "bfloat16" in KV_CHOICES
+    assert answer_gate("none", "bfloat16") == answer_gate("none", "int8")
+    assert ppl_gate("none", "bfloat16") == ppl_gate("none", "int8")
+    cfg = tiny_config(64)
+    params = init_params(cfg, 0)
+    ids = jnp.asarray([1, 5, 9, 13, 2, 7, 30, 41], jnp.int32)
+    ref = np.asarray(kv_roundtrip_logits(cfg, params, ids, "float32"))
+    err = {kv: np.abs(np.asarray(kv_roundtrip_logits(cfg, params, ids, kv)) - ref).max() for kv in ("bfloat16", "int8")}
+    assert 0 < err["bfloat16"] < err["int8"] < 0.1 * np.abs(ref).max(), err
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("method,kv", [("w8a8", "float32"), ("none", "int8")])
 def test_quantized_settings_keep_float32_answers_on_smollm2(smollm2_ckpt, method, kv):
