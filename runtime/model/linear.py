@@ -11,7 +11,8 @@ product. A family multiplies by `w.apply(x)` and never asks how `w` is stored.
     LmHead         the vocabulary projection with its optional faster copies
 
 The C++ CPU kernels add their packed forms beside these (runtime/kernels/cpu/matmul.py: PackedInt8,
-PackedInt8Grouped, PackedF32, PackedSwiGLU, F32Tail, PackedWq), built once by the runner.
+PackedInt8Grouped, PackedF32, PackedSwiGLU, F32Tail, PackedWq, PackedWqSwiGLU, WqTail), built once by the
+runner; runtime/model/mosaic_linear.py adds Int4Mosaic, the Hopper GPU's w4a16.
 
 `apply(x, residual, norm)` computes rms_norm(x) @ w + residual; a kernel that folds the
 norm (prologue) and the residual (epilogue) into its call overrides `apply`, the others

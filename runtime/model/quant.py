@@ -85,7 +85,7 @@ def describe(method: str, lm_head: bool = False, group_size: int | None = None, 
 
 
 def is_quantized(w: Any) -> bool:
-    return isinstance(w, dict) and ("q" in w or "w8" in w or "p" in w or "q4" in w or "qp" in w)
+    return isinstance(w, dict) and any(k in w for k in ("q", "w8", "p", "q4", "qp", "qpg", "qg"))
 
 
 def quantization_of(params: dict[str, Any]) -> str:
@@ -95,7 +95,7 @@ def quantization_of(params: dict[str, Any]) -> str:
         w = w[0]
     if not is_quantized(w):
         return "none"
-    if "q4" in w or "qp" in w:
+    if "q4" in w or "qp" in w or "qg" in w:
         return "w4a16"
     return "w8a16" if "w8" in w else "w8a8"
 

@@ -267,7 +267,7 @@ class ModelRunner:
         self.wq_kernel = (quantization == "w4a16" and self.tp == 1 and jax.default_backend() == "cpu"
                           and cpu_matmul.f32_vectorized(kernels))
         if self.wq_kernel:
-            params = cpu_matmul.pack_wq_params(params)
+            params = cpu_matmul.pack_wq_params(params, swiglu_tail=getattr(family(cfg), "SWIGLU_TAIL", True))
         # w4a16 on a Hopper GPU: the Mosaic GPU kernel reads the nibbles (runtime/model/mosaic_linear.py)
         from runtime.model import mosaic_linear
 

@@ -48,6 +48,7 @@ XLA_FFI_Error* PagedjaxDecodeAttention(XLA_FFI_CallFrame*);
 XLA_FFI_Error* PagedjaxDecodeAttentionInt8(XLA_FFI_CallFrame*);
 XLA_FFI_Error* PagedjaxKvWrite(XLA_FFI_CallFrame*);
 XLA_FFI_Error* PagedjaxWqLinear(XLA_FFI_CallFrame*);
+XLA_FFI_Error* PagedjaxWqLayerTail(XLA_FFI_CallFrame*);
 const char* PagedjaxAttentionPath();
 const char* PagedjaxF32LinearPath();
 const char* PagedjaxInt8LinearPath();
@@ -360,6 +361,34 @@ Case F32LayerTail(Rng& rng, int64_t M, int64_t d, int64_t A, int64_t I, int64_t 
   return c;
 }
 
+// A Llama-style layer after attention, 4-bit weights (gate|up side by side), with or without
+// the next layer's qkv: the products as one chain of phases.
+Case WqLayerTail(Rng& rng, int64_t M, int64_t d, int64_t A, int64_t I, int64_t Nq) {
+  Case c{"wq_layer_tail " + std::to_string(M) + " rows" + (Nq ? " +next qkv" : ""), PagedjaxWqLayerTail,
+         {}, {}, {Threads(), F32Attr("eps", 1e-5f)}};
+  auto packed = [&](int64_t K, int64_t N) {
+    c.args.push_back(U8(rng, {N / 16, K / 32, 256}));
+    c.args.push_back(Positive(rng, {N / 16, K / 32, 2, 16}, 1e-3f, 1e-2f));
+  };
+  c.args.push_back(F32(rng, {M, A}));
+  c.args.push_back(F32(rng, {M, d}));
+  packed(A, d);
+  c.args.push_back(Positive(rng, {d}, 0.5f, 1.5f));
+  packed(d, 2 * I);
+  packed(I, d);
+  if (Nq) {
+    c.args.push_back(Positive(rng, {d}, 0.5f, 1.5f));
+    packed(d, Nq);
+  } else {
+    c.args.push_back(Empty());
+    c.args.push_back(Empty(XLA_FFI_DataType_U8));
+    c.args.push_back(Empty());
+  }
+  c.rets.emplace_back(XLA_FFI_DataType_F32, std::vector<int64_t>{M, d});
+  c.rets.emplace_back(XLA_FFI_DataType_F32, std::vector<int64_t>{M, Nq});
+  return c;
+}
+
 // Paged attention over random pages: `lens` context lengths (decode: one query per sequence;
 // prefill: `chunk` query tokens ending at each sequence's length), the first `members`
 // sequences sharing `shared_blocks` leading blocks (cascade), float32 or int8 pages.
@@ -449,6 +478,7 @@ std::vector<Case> Cases(uint64_t seed) {
   add_short(Int8LinearG32(rng, 2, 64, 70));
   add_short(WqLinear(rng, 1, 96, 64, 4));
   add_short(WqLinear(rng, 1, 64, 48, 8));
+  add_short(WqLayerTail(rng, 1, 64, 96, 64, 96));
   add_short(Attention(rng, {40, 70}, 2, 3, 32, 0, 0, false, false));
   add_short(KvWrite(rng));
   // long: many rows, row tails, every phase of the chain, several row panels
@@ -465,6 +495,8 @@ std::vector<Case> Cases(uint64_t seed) {
   cs.push_back(WqLinear(rng, 5, 320, 96, 4));   // tiles of rows
   cs.push_back(WqLinear(rng, 20, 1536, 80, 4));  // dequantized strips, float tiles
   cs.push_back(WqLinear(rng, 13, 128, 64, 8));
+  cs.push_back(WqLayerTail(rng, 9, 64, 64, 96, 160));  // dequantized strips in every phase
+  cs.push_back(WqLayerTail(rng, 3, 64, 64, 64, 0));
   cs.push_back(Attention(rng, {70, 52, 33, 61, 49, 80, 40}, 3, 3, 64, 5, 2, false, false));
   cs.push_back(Attention(rng, {70, 52, 33, 61, 49, 80, 40}, 3, 3, 64, 5, 2, false, true));
   cs.push_back(Attention(rng, {300}, 3, 3, 64, 0, 0, false, false));  // one sequence: split ranges

@@ -139,6 +139,66 @@ def test_kernel_rejects_shapes_that_disagree():
         cpu_matmul.pack_wq(quant.quantize_weight_int4(np.ones((64, 24), np.float32)))
 
 
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 3, 9])
+def test_layer_tail_is_the_separate_calls_in_one(M):
+    """One WqLayerTail call (wo + residual, norm, gate|up, SwiGLU, w_down + residual, then the
+    next layer's norm and qkv) equals the separate linear_wq calls with XLA's SwiGLU between
+    them (float32 rounding: its SiLU is the float kernel's formula), with and without the next
+    layer; the fused tree is what a Llama-style w4a16 model runs."""
+    from runtime.model.linear import rms_norm, typed
+
+    rng = np.random.default_rng(M)
+    d, A, ff, Nq = 64, 96, 128, 160
+
+    def packed(K, N):
+        return jax.tree.map(jnp.asarray, cpu_matmul.pack_wq(quant.quantize_weight_int4(
+            rng.standard_normal((K, N)).astype(np.float32))))
+
+    wo, gu, down, qkv = packed(A, d), packed(d, 2 * ff), packed(ff, d), packed(d, Nq)
+    nw, nn = (jnp.asarray((rng.random(d) + 0.5).astype(np.float32)) for _ in range(2))
+    a = jnp.asarray(rng.standard_normal((M, A)).astype(np.float32))
+    h = jnp.asarray(rng.standard_normal((M, d)).astype(np.float32))
+
+    @jax.jit
+    def separate(a, h):
+        h1 = cpu_matmul.linear_wq(a, wo, h)
+        g, u = jnp.split(cpu_matmul.linear_wq(h1, gu, norm=(nw, 1e-5)), 2, axis=-1)
+        out = cpu_matmul.linear_wq(jax.nn.silu(g) * u, down, h1)
+        return out, cpu_matmul.linear_wq(rms_norm(out, nn, 1e-5), qkv)
+
+    want_h, want_q = (np.asarray(t) for t in separate(a, h))
+    got_h, got_q = (np.asarray(t) for t in jax.jit(
+        lambda a, h: cpu_matmul.layer_tail_wq(a, h, wo, (nw, 1e-5), gu, down, qkv, nn))(a, h))
+    np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
+    np.testing.assert_allclose(got_q, want_q, rtol=1e-4, atol=1e-4 * np.abs(want_q).max())
+    alone, none = jax.jit(lambda a, h: cpu_matmul.layer_tail_wq(a, h, wo, (nw, 1e-5), gu, down))(a, h)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(alone), got_h)
+    stacked = {"q4": np.zeros((1, 32, 64), np.uint8), "s4": np.ones((1, 2, 64), np.float32),
+               "m4": np.zeros((1, 2, 64), np.float32)}
+    layers = {k: stacked for k in quant.LINEAR_WEIGHTS}
+    tree = cpu_matmul.pack_wq_params({"embed": np.zeros((8, 64), np.float32), "layers": {
+        **layers, "attn_norm": np.ones((1, 64), np.float32)}}, swiglu_tail=True)
+    assert isinstance(typed(tree)["layers"]["tail"], cpu_matmul.WqTail)
+    plain = cpu_matmul.pack_wq_params({"embed": np.zeros((8, 64), np.float32), "layers": layers})
+    assert "tail" not in typed(plain)["layers"]  # (Gemma: its own activation and norms)
+
+
+@needs_kernel
+def test_layer_tail_rejects_shapes_that_disagree():
+    rng = np.random.default_rng(0)
+    w = lambda K, N: jax.tree.map(jnp.asarray, cpu_matmul.pack_wq(quant.quantize_weight_int4(  # noqa: E731
+        rng.standard_normal((K, N)).astype(np.float32))))
+    wo, gu, down = w(64, 64), w(64, 128), w(64, 64)
+    a, h = jnp.ones((2, 64), jnp.float32), jnp.ones((2, 64), jnp.float32)
+    with pytest.raises(Exception, match="shapes disagree"):
+        jax.block_until_ready(cpu_matmul.layer_tail_wq(a, h, wo, (jnp.ones((63,), jnp.float32), 1e-5), gu, down))
+    with pytest.raises(Exception, match="next layer's qkv"):
+        jax.block_until_ready(cpu_matmul.layer_tail_wq(a, h, wo, (jnp.ones((64,), jnp.float32), 1e-5), gu, down,
+                                                       w(64, 96), jnp.ones((3,), jnp.float32)))
+
+
 def _tiny_gguf(tmp_path, qtype: str):
     from runtime.model.families.llama import init_params
     from tests.model_files import write_gguf

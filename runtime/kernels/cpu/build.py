@@ -65,6 +65,7 @@ TARGETS = {
     "pagedjax_f32_linear": "PagedjaxF32Linear",
     "pagedjax_f32_layer_tail": "PagedjaxF32LayerTail",
     "pagedjax_wq_linear": "PagedjaxWqLinear",
+    "pagedjax_wq_layer_tail": "PagedjaxWqLayerTail",
     "pagedjax_kv_write": "PagedjaxKvWrite",
 }
 # Flags every variant shares (its -march/-m flags come after).

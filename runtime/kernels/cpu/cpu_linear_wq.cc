@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_exp.h"
 #include "cpu_norm.h"
 #include "cpu_parallel.h"
 
@@ -310,30 +311,111 @@ inline void float_rows(int rows, const float* x, int64_t K, const float* wf, con
   float_tile<R>(x, K, wf, res, out, N);
 }
 
+// One packed weight's shape, checked: w [S, G, 256|512], sm [S, G, 1|2, 16] over K inputs.
+struct Packed {
+  const uint8_t* w;
+  const float* sm;
+  int64_t S, G, B;
+  int n;
+  bool ok;
+  Packed(ffi::Buffer<ffi::U8>& wb, ffi::Buffer<ffi::F32>& sb, int64_t K) {
+    const auto wd = wb.dimensions(), sd = sb.dimensions();
+    ok = wd.size() == 3 && sd.size() == 4 && (wd[2] == 256 || wd[2] == 512) && wd[1] * kGroup == K &&
+         sd[0] == wd[0] && sd[1] == wd[1] && (sd[2] == 1 || sd[2] == 2) && sd[3] == kCols;
+    w = wb.typed_data();
+    sm = sb.typed_data();
+    S = ok ? wd[0] : 0;
+    G = ok ? wd[1] : 0;
+    B = ok ? wd[2] : 0;
+    n = ok ? static_cast<int>(sd[2]) : 0;
+  }
+  int64_t N() const { return S * kCols; }
+};
+
+// Each row's sum of x over each group of 32 inputs, [M, K/32]: the offsets' term.
+void group_sums(const float* x, int64_t M, int64_t K, float* out) {
+  const int64_t G = K / kGroup;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float t = 0.0f;
+      for (int64_t k = 0; k < kGroup; ++k) t += x[r * K + g * kGroup + k];
+      out[r * G + g] = t;
+    }
+}
+
+// out [M, N] = x [M, K] @ W (+ res [M, N], or null) as work items of a few strips each.
+// `xsum`: group_sums(x), read below kDequantRows rows when W has offsets (needs_sums).
+struct Product {
+  const float* x;
+  int64_t M, K;
+  Packed w;
+  const float* xsum;
+  const float* res;
+  float* out;
+  int64_t per;  // strips per item: enough items for the threads to share the work evenly
+
+  Product(const float* x, int64_t M, int64_t K, const Packed& w, const float* xsum, const float* res, float* out,
+          int64_t threads)
+      : x(x), M(M), K(K), w(w), xsum(xsum), res(res), out(out),
+        per(std::max<int64_t>(1, w.S / (8 * std::max<int64_t>(threads, 1)))) {}
+  bool needs_sums() const { return w.n == 2 && M < kDequantRows; }
+  int64_t items() const { return (w.S + per - 1) / per; }
+
+  void run(int64_t i) const {
+    thread_local std::vector<float> wf;  // one strip dequantized, [K, 16]
+    const int64_t S = w.S, G = w.G, B = w.B, N = w.N();
+    const int n = w.n;
+    for (int64_t s = i * per; s < std::min(S, (i + 1) * per); ++s) {
+      const uint8_t* ws = w.w + s * G * B;
+      const float* ss = w.sm + s * G * n * kCols;
+      if (M >= kDequantRows) {
+        wf.resize(K * kCols);
+        if (B == 256) {
+          dequantize_strip<4>(ws, ss, n, G, wf.data());
+        } else {
+          dequantize_strip<8>(ws, ss, n, G, wf.data());
+        }
+        for (int64_t m = 0; m < M; m += kFloatRows)
+          float_rows(static_cast<int>(std::min<int64_t>(kFloatRows, M - m)), x + m * K, K, wf.data(),
+                     res ? res + m * N + s * kCols : nullptr, out + m * N + s * kCols, N);
+        continue;
+      }
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
+        const float* xg = needs_sums() ? xsum + m * G : nullptr;
+        float* om = out + m * N + s * kCols;
+        const float* rm = res ? res + m * N + s * kCols : nullptr;
+        if (B == 256) {
+          tile_rows<4>(rows, x + m * K, K, G, ws, ss, n, xg, rm, om, N);
+        } else {
+          tile_rows<8>(rows, x + m * K, K, G, ws, ss, n, xg, rm, om, N);
+        }
+      }
+    }
+  }
+};
+
 // out = [rms_norm](x) @ W [+ residual]: the norm (`norm` [K], or empty) before the product
 // and the residual ([M, N], or empty) added in the tile, as the float kernel does, so a
 // decode step runs no separate XLA ops for them.
 ffi::Error WqLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> sm,
                     ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32> norm, ffi::ResultBuffer<ffi::F32> out,
                     int64_t num_threads, float eps) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), sd = sm.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 4 || od.size() != 2 || (wd[2] != 256 && wd[2] != 512) ||
-      xd[1] != wd[1] * kGroup || sd[0] != wd[0] || sd[1] != wd[1] || (sd[2] != 1 && sd[2] != 2) || sd[3] != kCols ||
-      od[0] != xd[0] || od[1] != wd[0] * kCols) {
+  const auto xd = x.dimensions(), od = out->dimensions();
+  const Packed pw(w, sm, xd.size() == 2 ? xd[1] : -1);
+  if (xd.size() != 2 || od.size() != 2 || !pw.ok || od[0] != xd[0] || od[1] != pw.N()) {
     return ffi::Error::InvalidArgument(
         "quantized linear: x [M,K], w [N/16,K/32,256|512], scales [N/16,K/32,1|2,16], out [M,N] disagree");
   }
-  const int64_t M = xd[0], K = xd[1], S = wd[0], G = wd[1], N = od[1];
+  const int64_t M = xd[0], K = xd[1], N = od[1];
   if (residual.element_count() != 0 && residual.element_count() != static_cast<size_t>(M * N)) {
     return ffi::Error::InvalidArgument("quantized linear: the residual must be [M, N]");
   }
   if (norm.element_count() != 0 && norm.element_count() != static_cast<size_t>(K)) {
     return ffi::Error::InvalidArgument("quantized linear: the norm weight must have K elements");
   }
-  const int bits = wd[2] == 256 ? 4 : 8, n = static_cast<int>(sd[2]);
-  if (M == 0 || S == 0) return ffi::Error::Success();
+  if (M == 0 || pw.S == 0) return ffi::Error::Success();
   const float* xs = x.typed_data();
-  const float* res = residual.element_count() ? residual.typed_data() : nullptr;
   thread_local std::vector<float> normed;  // (the items read it before this call returns)
   if (norm.element_count() != 0) {
     normed.resize(M * K);
@@ -341,53 +423,96 @@ ffi::Error WqLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     xs = normed.data();
   }
   thread_local std::vector<float> sums;  // [M, G] (the items read it before this call returns)
-  if (n == 2 && M < kDequantRows) {
-    sums.resize(M * G);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t g = 0; g < G; ++g) {
-        float t = 0.0f;
-        for (int64_t k = 0; k < kGroup; ++k) t += xs[r * K + g * kGroup + k];
-        sums[r * G + g] = t;
-      }
+  Product prod(xs, M, K, pw, nullptr, residual.element_count() ? residual.typed_data() : nullptr,
+               out->typed_data(), num_threads);
+  if (prod.needs_sums()) {
+    sums.resize(M * pw.G);
+    group_sums(xs, M, K, sums.data());
+    prod.xsum = sums.data();
   }
-  const float* xsum = n == 2 && M < kDequantRows ? sums.data() : nullptr;
-  // Items of a few strips: enough of them for the threads to share the work evenly.
-  const int64_t threads = std::max<int64_t>(num_threads, 1);
-  const int64_t per = std::max<int64_t>(1, S / (8 * threads));
-  const int64_t items = (S + per - 1) / per;
-  const uint8_t* wp = w.typed_data();
-  const float* sp = sm.typed_data();
+  pagedjax::run_parallel(pool, num_threads, prod.items(), [prod](int64_t i) { prod.run(i); });
+  return ffi::Error::Success();
+}
+
+// A Llama-style decoder layer after attention as one call, weight-only quantized: h1 = h +
+// a wo; out = h1 + swiglu(rms_norm(h1) gate|up) w_down (gate|up: the gate's columns, then
+// the up's); and, given the next layer's norm and packed qkv, that layer's first product:
+// qkv = rms_norm(out) wq|wk|wv. Why one call: at one row a product is ~50 us, and each
+// separate call paid the custom call's dispatch, a helper's wake-up and the XLA ops between
+// (the SwiGLU, the splits): SmolLM2's batch-1 step spent a quarter of its time outside the
+// products. The products are WqLinear's; the SwiGLU is the float kernel's formula.
+ffi::Error WqLayerTail(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> h,
+                       ffi::Buffer<ffi::U8> wo, ffi::Buffer<ffi::F32> wo_sm, ffi::Buffer<ffi::F32> mlp_norm,
+                       ffi::Buffer<ffi::U8> gate_up, ffi::Buffer<ffi::F32> gate_up_sm, ffi::Buffer<ffi::U8> down,
+                       ffi::Buffer<ffi::F32> down_sm, ffi::Buffer<ffi::F32> next_norm, ffi::Buffer<ffi::U8> next_qkv,
+                       ffi::Buffer<ffi::F32> next_qkv_sm, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::ResultBuffer<ffi::F32> qkv_out, int64_t num_threads, float eps) {
+  const auto ad = a.dimensions(), hd = h.dimensions(), outd = out->dimensions(), qd = qkv_out->dimensions();
+  if (ad.size() != 2 || hd.size() != 2 || outd.size() != 2 || qd.size() != 2) {
+    return ffi::Error::InvalidArgument("quantized layer tail: a [M,A], h [M,d], out [M,d], qkv out [M,N]");
+  }
+  const int64_t M = ad[0], A = ad[1], d = hd[1];
+  const Packed po(wo, wo_sm, A), pg(gate_up, gate_up_sm, d);
+  const int64_t I = pg.N() / 2;
+  const Packed pd(down, down_sm, I);
+  if (hd[0] != M || outd[0] != M || outd[1] != d || !po.ok || po.N() != d || !pg.ok || pg.S % 2 || !pd.ok ||
+      pd.N() != d || mlp_norm.element_count() != static_cast<size_t>(d)) {
+    return ffi::Error::InvalidArgument("quantized layer tail: shapes disagree (wo [d/16,A/32,.], gate|up "
+                                       "[2I/16,d/32,.], w_down [d/16,I/32,.], mlp_norm [d])");
+  }
+  const bool next = next_qkv.element_count() != 0;
+  const Packed pn(next_qkv, next_qkv_sm, d);
+  if (next ? (!pn.ok || next_norm.element_count() != static_cast<size_t>(d) || qd[0] != M || qd[1] != pn.N())
+           : qd[1] != 0) {
+    return ffi::Error::InvalidArgument("quantized layer tail: the next layer's qkv [N/16,d/32,.], its norm [d] "
+                                       "and the qkv output [M,N] disagree (or: no next qkv, an [M,0] output)");
+  }
+  if (M == 0) return ffi::Error::Success();
+  // (pointers into these, not the vectors: items and `between` run on whichever thread)
+  thread_local std::vector<float> h1, n1, gu, act, sums;
+  h1.resize(M * d);
+  n1.resize(M * d);
+  gu.resize(M * 2 * I);
+  act.resize(M * I);
+  const int64_t G0 = A / kGroup, G1 = d / kGroup, G2 = I / kGroup;
+  sums.resize(M * (G0 + G1 + G2 + G1));
+  float *s0 = sums.data(), *s1 = s0 + M * G0, *s2 = s1 + M * G1, *s3 = s2 + M * G2;
   float* o = out->typed_data();
-  const int64_t B = wd[2];
-  pagedjax::run_parallel(pool, threads, items, [=](int64_t i) {
-    thread_local std::vector<float> wf;  // one strip dequantized, [K, 16]
-    for (int64_t s = i * per; s < std::min(S, (i + 1) * per); ++s) {
-      const uint8_t* ws = wp + s * G * B;
-      const float* ss = sp + s * G * n * kCols;
-      if (M >= kDequantRows) {
-        wf.resize(K * kCols);
-        if (bits == 4) {
-          dequantize_strip<4>(ws, ss, n, G, wf.data());
-        } else {
-          dequantize_strip<8>(ws, ss, n, G, wf.data());
-        }
-        for (int64_t m = 0; m < M; m += kFloatRows)
-          float_rows(static_cast<int>(std::min<int64_t>(kFloatRows, M - m)), xs + m * K, K, wf.data(),
-                     res ? res + m * N + s * kCols : nullptr, o + m * N + s * kCols, N);
-        continue;
-      }
-      for (int64_t m = 0; m < M; m += kMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
-        const float* xg = xsum ? xsum + m * G : nullptr;
-        float* om = o + m * N + s * kCols;
-        const float* rm = res ? res + m * N + s * kCols : nullptr;
-        if (bits == 4) {
-          tile_rows<4>(rows, xs + m * K, K, G, ws, ss, n, xg, rm, om, N);
-        } else {
-          tile_rows<8>(rows, xs + m * K, K, G, ws, ss, n, xg, rm, om, N);
-        }
+  const Product prods[4] = {
+      {a.typed_data(), M, A, po, s0, h.typed_data(), h1.data(), num_threads},
+      {n1.data(), M, d, pg, s1, nullptr, gu.data(), num_threads},
+      {act.data(), M, I, pd, s2, h1.data(), o, num_threads},
+      {n1.data(), M, d, pn, s3, nullptr, next ? qkv_out->typed_data() : nullptr, num_threads}};
+  // The products as one Chain (cpu_parallel.h): phase p + 1's items wait for phase p's and
+  // for `between(p)`, which makes p + 1's input (a norm, the SwiGLU) on the thread that ends
+  // p. (Separate run_parallel calls inside one call measured slower than separate calls: each
+  // ended waiting for the other thread, then woke it again.)
+  auto ch = std::make_shared<pagedjax::Chain>();
+  ch->phases = next ? 4 : 3;
+  for (int p = 0; p < ch->phases; ++p) ch->end[p] = ch->begin(p) + prods[p].items();
+  ch->count = ch->end[ch->phases - 1];
+  pagedjax::Chain* c = ch.get();  // (not the shared_ptr: the chain would own itself)
+  const Product* ps = prods;
+  ch->item = [c, ps](int64_t i, int64_t) {
+    const int p = c->phase_of(i);
+    ps[p].run(i - c->begin(p));
+  };
+  ch->between = [ps, h1 = h1.data(), n1 = n1.data(), gu = gu.data(), act = act.data(), o, eps, M, d, I,
+                 mw = mlp_norm.typed_data(), nw = next_norm.typed_data()](int p) {
+    if (p == 0) rms_norm(h1, mw, eps, M, d, n1);
+    if (p == 1) {
+      for (int64_t r = 0; r < M; ++r) {
+        const float* g = gu + r * 2 * I;
+        float* y = act + r * I;
+        for (int64_t j = 0; j < I; ++j) y[j] = g[j] * g[I + j] / (1.0f + pagedjax::fast_exp(std::min(-g[j], 87.0f)));
       }
     }
+    if (p == 2) rms_norm(o, nw, eps, M, d, n1);  // (n1 is free again: the next layer's normed input)
+    const Product& nxt = ps[p + 1];
+    if (nxt.needs_sums()) group_sums(nxt.x, M, nxt.K, const_cast<float*>(nxt.xsum));
+  };
+  pagedjax::run_phase(pool, num_threads, ch, [ps, M] {
+    if (ps[0].needs_sums()) group_sums(ps[0].x, M, ps[0].K, const_cast<float*>(ps[0].xsum));
   });
   return ffi::Error::Success();
 }
@@ -409,6 +534,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxWqLinear, WqLinear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxWqLayerTail, WqLayerTail,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads")
                                   .Attr<float>("eps"));

@@ -52,6 +52,7 @@ GROUPED_TARGET = "pagedjax_int8_linear_g32"
 F32_TARGET = "pagedjax_f32_linear"
 TAIL_TARGET = "pagedjax_f32_layer_tail"
 WQ_TARGET = "pagedjax_wq_linear"
+WQ_TAIL_TARGET = "pagedjax_wq_layer_tail"
 STRIP = 64     # output columns per packed strip
 F32_STRIP = 16  # the float kernel's strip
 FUSED = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
@@ -89,9 +90,9 @@ def f32_default(kernels: KernelConfig | None = None) -> bool:
 
 
 def packed_array(w: Any) -> Any:
-    """The main array of a weight packed for a C++ kernel ("p", "f" or "fg"), else None."""
+    """The main array of a weight packed for a C++ kernel ("p", "f", "fg", "qp" or "qpg"), else None."""
     if isinstance(w, dict):
-        return next((w[k] for k in ("p", "f", "fg", "qp") if k in w), None)
+        return next((w[k] for k in ("p", "f", "fg", "qp", "qpg") if k in w), None)
     return None
 
 
@@ -187,15 +188,20 @@ def wq_permuted() -> bool:
     return bool(lib is not None and lib.PagedjaxWqLinearPermuted())
 
 
-def pack_wq_params(params: dict[str, Any]) -> dict[str, Any]:
+def pack_wq_params(params: dict[str, Any], swiglu_tail: bool = False) -> dict[str, Any]:
     """A w4a16 tree -> the same model with its projections (q|k|v and gate|up fused) and its
-    8-bit head packed for the weight-only kernel; unchanged when a width does not divide by 16."""
+    8-bit head packed for the weight-only kernel; unchanged when a width does not divide by 16.
+    `swiglu_tail` (a Llama-style layer: SwiGLU, no post-norms): gate|up is stored as {"qpg",
+    "qps"}, which typed() reads as PackedWqSwiGLU, so the layer's products fuse into one
+    WqTail call; other families keep {"qp", "qps"} and apply their own activation."""
     layers = dict(params["layers"])
     if any(np.shape(layers[n]["q4"])[-1] % F32_STRIP for names in PACKED.values() for n in names):
         return params
     for name, names in PACKED.items():
         ws = [layers.pop(n) for n in names]
         layers[name] = pack_wq({k: np.concatenate([np.asarray(w[k]) for w in ws], axis=-1) for k in ("q4", "s4", "m4")})
+    if swiglu_tail:
+        layers["gate_up"] = {"qpg": layers["gate_up"]["qp"], "qps": layers["gate_up"]["qps"]}
     out = {**params, "layers": layers}
     if "head" in params and np.shape(params["head"]["q8"])[-1] % F32_STRIP == 0:
         out["head"] = pack_wq(params["head"])
@@ -215,6 +221,29 @@ def linear_wq(x: jax.Array, w: dict[str, jax.Array], residual: jax.Array | None 
     call = jax.ffi.ffi_call(WQ_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
     return call(x.astype(jnp.float32), w["qp"], w["qps"], r, nw, num_threads=np.int64(cpu_kernels.num_threads()),
                 eps=np.float32(eps))
+
+
+def layer_tail_wq(a: jax.Array, h: jax.Array, wo: dict[str, jax.Array], norm: tuple,
+                  gate_up: dict[str, jax.Array], w_down: dict[str, jax.Array],
+                  next_qkv: dict[str, jax.Array] | None = None,
+                  next_norm: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """`layer_tail_f32` for weight-only quantized layers ({"qp", "qps"} each; gate|up the gate's
+    columns then the up's): h1 = h + a @ wo, out = h1 + swiglu(rms_norm(h1, *norm) @ gate|up)
+    @ w_down, and given the next layer's, its qkv = rms_norm(out) @ wq|wk|wv, in one call
+    (cpu_linear_wq.cc WqLayerTail says why). Returns (out, qkv or None)."""
+    if cpu_kernels.library() is None:
+        raise ValueError("a packed quantized weight needs the C++ CPU kernels, which are not available here")
+    empty_f, empty_u = jnp.zeros((0,), jnp.float32), jnp.zeros((0, 0, 0), jnp.uint8)
+    n = 0 if next_qkv is None else next_qkv["qp"].shape[-3] * F32_STRIP
+    call = jax.ffi.ffi_call(WQ_TAIL_TARGET, (jax.ShapeDtypeStruct(h.shape, jnp.float32),
+                                             jax.ShapeDtypeStruct((h.shape[0], n), jnp.float32)),
+                            vmap_method="sequential")
+    nxt = (empty_f, empty_u, jnp.zeros((0, 0, 0, 0), jnp.float32)) if next_qkv is None else (
+        next_norm.astype(jnp.float32), next_qkv["qp"], next_qkv["qps"])
+    out, qkv = call(a.astype(jnp.float32), h.astype(jnp.float32), wo["qp"], wo["qps"], norm[0].astype(jnp.float32),
+                    gate_up["qp"], gate_up["qps"], w_down["qp"], w_down["qps"], *nxt,
+                    num_threads=np.int64(cpu_kernels.num_threads()), eps=np.float32(norm[1]))
+    return out, (None if next_qkv is None else qkv)
 
 
 def pack_float(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -343,6 +372,8 @@ def from_packed(w: dict) -> Linear | None:
         return PackedSwiGLU(w["fg"])
     if "qp" in w:
         return PackedWq(w["qp"], w["qps"])
+    if "qpg" in w:
+        return PackedWqSwiGLU(w["qpg"], w["qps"])
     if "p" not in w:
         return None
     if "gs" in w:
@@ -400,6 +431,12 @@ class PackedWq(Linear):
     @property
     def out_features(self):
         return self.qp.shape[-3] * F32_STRIP
+
+
+@pytree
+class PackedWqSwiGLU(PackedWq):
+    """A Llama-style layer's gate|up in PackedWq's layout (the gate's columns, then the up's):
+    its own type so the layer's products fuse into one WqTail call (pack_wq_params)."""
 
 
 @pytree
@@ -470,7 +507,7 @@ class F32Tail(HeldPerLayer):
         """(the layer's output, the next layer's q|k|v or None when not chained)."""
         if not isinstance(self.wo, PerLayer):
             wo, gu, down = (_at(w, self.index) for w in (self.wo, self.gate_up, self.w_down))
-            return layer_tail_f32(a, h, {"f": wo.f}, norm, {"fg": gu.fg}, {"f": down.f})[0].astype(h.dtype), None
+            return self.call(a, h, wo, norm, gu, down)[0].astype(h.dtype), None
         n = len(self.wo.layers)
         next_norm = None
         if self.chains:
@@ -479,14 +516,30 @@ class F32Tail(HeldPerLayer):
         def branch(i):
             def run(a, h, nw, nn):
                 nxt = self.qkv.layers[i + 1] if self.chains and i + 1 < n else None
-                out, q = layer_tail_f32(a, h, {"f": self.wo.layers[i].f}, (nw, norm[1]),
-                                        {"fg": self.gate_up.layers[i].fg}, {"f": self.w_down.layers[i].f},
-                                        None if nxt is None else {"f": nxt.f}, nn)
+                out, q = self.call(a, h, self.wo.layers[i], (nw, norm[1]), self.gate_up.layers[i],
+                                   self.w_down.layers[i], nxt, nn)
                 if self.chains and q is None:  # the last layer: no next qkv
                     q = jnp.zeros((a.shape[0], self.qkv.layers[0].out_features), jnp.float32)
                 return out.astype(h.dtype), (None if q is None else q.astype(h.dtype))
             return run
         return jax.lax.switch(self.index, [branch(i) for i in range(n)], a, h, norm[0], next_norm)
+
+    @staticmethod
+    def call(a, h, wo, norm, gu, down, nxt=None, nn=None):
+        """One layer's kernel call on its typed weights (the next layer's q|k|v too, given)."""
+        return layer_tail_f32(a, h, {"f": wo.f}, norm, {"fg": gu.fg}, {"f": down.f},
+                              None if nxt is None else {"f": nxt.f}, nn)
+
+
+@pytree
+class WqTail(F32Tail):
+    """F32Tail for weight-only quantized layers (PackedWq, gate|up a PackedWqSwiGLU): the
+    same one call per layer, in the quantized kernel (cpu_linear_wq.cc WqLayerTail)."""
+
+    @staticmethod
+    def call(a, h, wo, norm, gu, down, nxt=None, nn=None):
+        w = lambda lin: {"qp": lin.qp, "qps": lin.qps}  # noqa: E731
+        return layer_tail_wq(a, h, w(wo), norm, w(gu), w(down), None if nxt is None else w(nxt), nn)
 
 
 def _is(w: Any, cls: type) -> bool:
@@ -495,16 +548,20 @@ def _is(w: Any, cls: type) -> bool:
 
 @_linear.register_fuser
 def fuse_layer_tails(params: dict[str, Any]) -> dict[str, Any]:
-    """A typed tree whose wo, gate|up and w_down are all packed for the float kernel -> the
-    same tree with them as one F32Tail (chained to the next layer's q|k|v where the layers'
-    qkv is held per layer); any other tree unchanged."""
+    """A typed tree whose wo, gate|up and w_down are all packed for the float kernel (or all
+    for the weight-only quantized one, gate|up as a SwiGLU) -> the same tree with them as one
+    F32Tail (WqTail), chained to the next layer's q|k|v where the layers' qkv is held per
+    layer; any other tree unchanged."""
     layers = params["layers"]
-    if not (_is(layers.get("wo"), PackedF32) and _is(layers.get("gate_up"), PackedSwiGLU)
-            and _is(layers.get("w_down"), PackedF32)):
+    kinds = [(F32Tail, PackedF32, PackedSwiGLU), (WqTail, PackedWq, PackedWqSwiGLU)]
+    kind = next(((tail, plain) for tail, plain, glu in kinds if _is(layers.get("wo"), plain)
+                 and _is(layers.get("gate_up"), glu) and _is(layers.get("w_down"), plain)), None)
+    if kind is None:
         return params
+    cls, plain = kind
     qkv = layers.get("qkv")
-    chained = isinstance(qkv, PerLayer) and isinstance(layers["wo"], PerLayer) and _is(qkv, PackedF32)
+    chained = isinstance(qkv, PerLayer) and isinstance(layers["wo"], PerLayer) and _is(qkv, plain)
     rest = {k: v for k, v in layers.items() if k not in ("wo", "gate_up", "w_down")}
-    tail = F32Tail(layers["wo"], layers["gate_up"], layers["w_down"],
-                   attn_norms=layers["attn_norm"] if chained else None, qkv=qkv if chained else None)
+    tail = cls(layers["wo"], layers["gate_up"], layers["w_down"],
+               attn_norms=layers["attn_norm"] if chained else None, qkv=qkv if chained else None)
     return {**params, "layers": {**rest, "tail": tail}}
