@@ -18,7 +18,9 @@ Kernel design (one CTA = one warpgroup, grid = (M / 64, N / tn)):
   bfloat16 weights go to one SMEM buffer and a wgmma adds x_tile @ w_tile into the
   float32 accumulator.
 * Decode rows (M < 64) are padded to one 64-row tile: the tensor core's work is not what
-  bounds a weight read.
+  bounds a weight read. What does is how many CTAs stream weights at once: with fewer
+  output tiles than ~2 waves of SMs the K axis is split (grid axis ``split``), each CTA
+  writing a float32 partial sum that the wrapper adds.
 
 ``pack_for_gpu`` pads K to a multiple of 128 with zero weights (and the wrapper pads x
 with zero columns), so models whose hidden size is a multiple of 64 only (SmolLM2's 576)
@@ -44,6 +46,7 @@ TK = 128  # inputs per K step: one packed [64, tn] tile = two 64-input halves
 GROUP = 32  # inputs sharing a scale and an offset
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SMEM_BUDGET = 220 * 1024  # bytes; H100/H200 allow 227 KiB per CTA
+_TARGET_CTAS = 264  # ~2 waves on 132 SMs: below it the K axis is split (decode shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,7 @@ class _Plan:
   k: int  # K padded to whole 128-input tiles
   n: int
   tn: int  # output columns per CTA (64 or 128)
+  num_splits: int  # K ranges per output tile, each written as a float32 partial sum
   num_stages: int
   dtype: Any
   interpret: Any  # InterpretGPUParams or None
@@ -61,13 +65,18 @@ class _Plan:
   def k_steps(self) -> int:
     return self.k // TK
 
+  @property
+  def out_dtype(self) -> Any:
+    return self.dtype if self.num_splits == 1 else jnp.dtype(jnp.float32)
+
   def smem_bytes(self) -> int:
     isz = jnp.dtype(self.dtype).itemsize
     per_stage = ROWS * TK * isz + (TK // 2) * self.tn + 2 * (TK // GROUP) * self.tn * 4
-    return self.num_stages * per_stage + TK * self.tn * isz + ROWS * self.tn * isz
+    return (self.num_stages * per_stage + TK * self.tn * isz
+            + ROWS * self.tn * jnp.dtype(self.out_dtype).itemsize)
 
 
-def _make_plan(x, qg, s, m, *, interpret, block_n, num_stages) -> _Plan:
+def _make_plan(x, qg, s, m, *, interpret, block_n, num_stages, num_k_splits) -> _Plan:
   if x.ndim != 2:
     raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
   if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
@@ -90,8 +99,15 @@ def _make_plan(x, qg, s, m, *, interpret, block_n, num_stages) -> _Plan:
     raise ValueError(f"N = {N} must be a multiple of 64")
   if not isinstance(num_stages, int) or num_stages < 1:
     raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
-  plan = _Plan(rows=-(-M // ROWS) * ROWS, k=kp, n=N, tn=tn,
-               num_stages=min(num_stages, kp // TK), dtype=jnp.dtype(x.dtype),
+  if num_k_splits is not None and (not isinstance(num_k_splits, int) or num_k_splits < 1):
+    raise ValueError(f"num_k_splits must be None or a positive int, got {num_k_splits!r}")
+  rows, k_steps = -(-M // ROWS) * ROWS, kp // TK
+  if num_k_splits is None:  # a decode product has few output tiles: split K to fill the SMs
+    tiles = rows // ROWS * (N // tn)
+    num_k_splits = 1 if tiles >= _TARGET_CTAS // 2 else -(-_TARGET_CTAS // tiles)
+  splits = min(num_k_splits, k_steps)
+  plan = _Plan(rows=rows, k=kp, n=N, tn=tn, num_splits=splits,
+               num_stages=min(num_stages, -(-k_steps // splits)), dtype=jnp.dtype(x.dtype),
                interpret=_compat.resolve_interpret(interpret))
   while plan.smem_bytes() > _SMEM_BUDGET and plan.num_stages > 1:
     plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
@@ -105,20 +121,25 @@ def _kernel_body(plan: _Plan, x_ref, q_ref, s_ref, m_ref, o_ref,
   layout = plgpu.Layout.WGMMA
   mi = lax.axis_index("m")
   ni = lax.axis_index("n")
+  split = lax.axis_index("split")
   cols = pl.ds(ni * tn, tn)
+  # this CTA's K steps: [begin, begin + n_steps)
+  begin = lax.div(split * plan.k_steps, jnp.int32(plan.num_splits))
+  n_steps = lax.div((split + 1) * plan.k_steps, jnp.int32(plan.num_splits)) - begin
 
-  def issue(step):
+  def issue(step):  # (step: this CTA's own count from 0)
     slot = lax.rem(step, jnp.int32(stages))
-    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mi * ROWS, ROWS), pl.ds(step * TK, TK)],
+    k = begin + step
+    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mi * ROWS, ROWS), pl.ds(k * TK, TK)],
                             x_smem.at[slot], bar.at[slot])
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(step * (TK // 2), TK // 2), cols],
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(k * (TK // 2), TK // 2), cols],
                             q_smem.at[slot], bar.at[slot])
-    groups = pl.ds(step * (TK // GROUP), TK // GROUP)
+    groups = pl.ds(k * (TK // GROUP), TK // GROUP)
     plgpu.copy_gmem_to_smem(s_ref.at[groups, cols], s_smem.at[slot], bar.at[slot])
     plgpu.copy_gmem_to_smem(m_ref.at[groups, cols], m_smem.at[slot], bar.at[slot])
 
   for i in range(stages):
-    issue(jnp.int32(i))
+    pl.when(i < n_steps)(functools.partial(issue, jnp.int32(i)))
 
   def row_vector(ref):
     """[tn] from SMEM, broadcast over the 64 rows of a WGMMA-layout tile."""
@@ -148,14 +169,14 @@ def _kernel_body(plan: _Plan, x_ref, q_ref, s_ref, m_ref, o_ref,
 
     acc = acc + pl.run_scoped(mm, plgpu.ACC((ROWS, tn), jnp.float32))
     # The wgmma reading this slot has completed: refill it.
-    pl.when(step + stages < plan.k_steps)(functools.partial(issue, step + stages))
+    pl.when(step + stages < n_steps)(functools.partial(issue, step + stages))
     return acc
 
   init = _compat.layout_cast(jnp.zeros((ROWS, tn), jnp.float32), layout, interpreted=interpreted)
-  acc = lax.fori_loop(0, plan.k_steps, step_fn, init)
-  o_smem[...] = acc.astype(plan.dtype)
+  acc = lax.fori_loop(0, n_steps, step_fn, init)
+  o_smem[...] = acc.astype(plan.out_dtype)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(mi * ROWS, ROWS), cols])
+  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, pl.ds(mi * ROWS, ROWS), cols])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -170,15 +191,15 @@ def _run_kernel(plan: _Plan, x, qg, s, m):
       plgpu.SMEM((stages, TK // GROUP, tn), jnp.float32),  # scales
       plgpu.SMEM((stages, TK // GROUP, tn), jnp.float32),  # offsets
       plgpu.SMEM((TK, tn), dt, transforms=tiled),  # widened weights
-      plgpu.SMEM((ROWS, tn), dt),  # output tile
+      plgpu.SMEM((ROWS, tn), plan.out_dtype),  # output tile (a float32 partial sum when split)
       plgpu.Barrier(num_arrivals=4, num_barriers=stages),
   ]
   kernel = plgpu.kernel(
       functools.partial(_kernel_body, plan),
-      out_type=jax.ShapeDtypeStruct((plan.rows, plan.n), dt),
+      out_type=jax.ShapeDtypeStruct((plan.num_splits, plan.rows, plan.n), plan.out_dtype),
       scratch_types=scratch,
-      grid=(plan.rows // ROWS, plan.n // tn),
-      grid_names=("m", "n"),
+      grid=(plan.rows // ROWS, plan.n // tn, plan.num_splits),
+      grid_names=("m", "n", "split"),
       interpret=plan.interpret,
   )
   return kernel(x, qg, s, m)
@@ -188,15 +209,20 @@ def _run_kernel(plan: _Plan, x, qg, s, m):
 def _w4a16_jit(x, qg, s, m, *, plan: _Plan):
   M, K = x.shape
   xp = jnp.pad(x, ((0, plan.rows - M), (0, plan.k - K)))
-  return _run_kernel(plan, xp, qg, s, m)[:M]
+  parts = _run_kernel(plan, xp, qg, s, m)[:, :M]
+  return parts[0] if plan.num_splits == 1 else parts.sum(0).astype(plan.dtype)
 
 
 def w4a16_matmul(x: jax.Array, qg: jax.Array, s: jax.Array, m: jax.Array, *,
-                 interpret: Any = False, block_n: int = 128, num_stages: int = 3) -> jax.Array:
+                 interpret: Any = False, block_n: int = 128, num_stages: int = 3,
+                 num_k_splits: int | None = None) -> jax.Array:
   """x [M, K] bfloat16/float16 @ the 4-bit weight (``pack_for_gpu``'s qg [Kp/2, N] uint8,
   s and m [Kp/32, N] float32) -> [M, N] in x's dtype. interpret: False (hardware), True
-  (the Mosaic GPU interpreter on CPU, races detected), or an InterpretGPUParams."""
-  plan = _make_plan(x, qg, s, m, interpret=interpret, block_n=block_n, num_stages=num_stages)
+  (the Mosaic GPU interpreter on CPU, races detected), or an InterpretGPUParams.
+  num_k_splits: K ranges per output tile (float32 partial sums, added in the wrapper);
+  None picks enough for ~2 waves of CTAs."""
+  plan = _make_plan(x, qg, s, m, interpret=interpret, block_n=block_n, num_stages=num_stages,
+                    num_k_splits=num_k_splits)
   if plan.interpret is None and jax.default_backend() != "gpu":
     raise ValueError("the Mosaic GPU kernel needs a Hopper GPU (backend is "
                      f"{jax.default_backend()!r}); pass interpret=True to run it in the "
@@ -204,10 +230,12 @@ def w4a16_matmul(x: jax.Array, qg: jax.Array, s: jax.Array, m: jax.Array, *,
   return _w4a16_jit(x, qg, s, m, plan=plan)
 
 
-def lower_for_cuda(x, qg, s, m, *, block_n: int = 128, num_stages: int = 3) -> str:
+def lower_for_cuda(x, qg, s, m, *, block_n: int = 128, num_stages: int = 3,
+                   num_k_splits: int | None = None) -> str:
   """Lowers the hardware kernel for CUDA (no GPU needed) and returns the text (arguments
   may be jax.ShapeDtypeStruct): the whole Mosaic GPU lowering minus PTX compilation."""
-  plan = _make_plan(x, qg, s, m, interpret=False, block_n=block_n, num_stages=num_stages)
+  plan = _make_plan(x, qg, s, m, interpret=False, block_n=block_n, num_stages=num_stages,
+                    num_k_splits=num_k_splits)
   traced = jax.jit(functools.partial(_w4a16_jit, plan=plan)).trace(x, qg, s, m)
   return traced.lower(lowering_platforms=("cuda",)).as_text()
 

@@ -92,29 +92,47 @@ def test_kernel_matches_reference(interpreter, M, K, N, dtype):
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=2e-2 * scale, rtol=2e-2)
 
 
-def test_kernel_with_one_stage_matches(interpreter):
-    """num_stages 1: each K step waits for its own copies (no refill ahead)."""
+@pytest.mark.parametrize("stages,splits", [(1, 1), (3, 1), (2, 2), (3, 3)])
+def test_kernel_stages_and_k_splits_match(interpreter, stages, splits):
+    """One stage (each K step waits for its own copies), and K split in uneven ranges (3 steps
+    over 2 CTAs: float32 partial sums added in the wrapper) give the same product."""
     q4, s4, m4 = _weight(384, 128)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((5, 384)), jnp.bfloat16)
-    y = w4a16_matmul(x, *pack_for_gpu(q4, s4, m4), interpret=True, num_stages=1)
+    y = w4a16_matmul(x, *pack_for_gpu(q4, s4, m4), interpret=True, num_stages=stages, num_k_splits=splits)
     want = _expected(x, q4, s4, m4)
     np.testing.assert_allclose(np.asarray(y, np.float32), want, atol=1e-2 * np.abs(want).max(), rtol=1e-2)
+
+
+def test_decode_shapes_split_k_to_fill_the_gpu():
+    from pallas_kernels.w4a16_matmul import _make_plan
+
+    sds = jax.ShapeDtypeStruct
+
+    def plan(M, K, N):
+        return _make_plan(sds((M, K), jnp.bfloat16), sds((K // 2, N), jnp.uint8), sds((K // 32, N), jnp.float32),
+                          sds((K // 32, N), jnp.float32), interpret=False, block_n=128, num_stages=3,
+                          num_k_splits=None)
+    one = plan(1, 4096, 4096)  # 32 output tiles: split K 9 ways (~2 waves of 132 SMs)
+    assert one.num_splits == 9 and one.out_dtype == jnp.float32
+    assert plan(1, 4096, 14336).num_splits == 3
+    assert plan(512, 4096, 14336).num_splits == 1  # enough tiles already
 
 
 # ---------------------------------------------------------------------------
 # The hardware variant, lowered for CUDA on this CPU machine.
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("M,K,N,block_n,stages,dtype", [
-    (1, 4096, 4096, 128, 3, jnp.bfloat16),    # Llama-3-8B's wo at batch 1
-    (64, 4096, 14336, 128, 4, jnp.bfloat16),  # its gate at 64 rows
-    (8, 576, 1536, 128, 3, jnp.bfloat16),     # SmolLM2's gate (K padded)
-    (1, 1536, 576, 64, 2, jnp.float16),       # SmolLM2's down: 64-column tiles
+@pytest.mark.parametrize("M,K,N,block_n,stages,splits,dtype", [
+    (1, 4096, 4096, 128, 3, None, jnp.bfloat16),   # Llama-3-8B's wo at batch 1 (K split 9 ways)
+    (64, 4096, 14336, 128, 4, None, jnp.bfloat16),  # its gate at 64 rows
+    (512, 4096, 4096, 128, 3, 1, jnp.bfloat16),    # a prefill chunk: no split, bf16 tiles out
+    (8, 576, 1536, 128, 3, None, jnp.bfloat16),    # SmolLM2's gate (K padded)
+    (1, 1536, 576, 64, 2, 4, jnp.float16),         # SmolLM2's down: 64-column tiles
 ], ids=lambda v: str(v))
-def test_hardware_kernel_lowers_for_cuda(M, K, N, block_n, stages, dtype):
+def test_hardware_kernel_lowers_for_cuda(M, K, N, block_n, stages, splits, dtype):
     sds = jax.ShapeDtypeStruct
     kp = -(-K // 128) * 128
     text = lower_for_cuda(sds((M, K), dtype), sds((kp // 2, N), jnp.uint8), sds((kp // 32, N), jnp.float32),
-                          sds((kp // 32, N), jnp.float32), block_n=block_n, num_stages=stages)
+                          sds((kp // 32, N), jnp.float32), block_n=block_n, num_stages=stages, num_k_splits=splits)
     assert "mosaic_gpu" in text
 
 
@@ -135,6 +153,7 @@ def _args(M=2, K=128, N=64):
     (lambda a: (*a[:3], a[3].astype(jnp.bfloat16)), {}, "offsets must be"),
     (lambda a: a, {"block_n": 96}, "block_n"),
     (lambda a: a, {"num_stages": 0}, "num_stages"),
+    (lambda a: a, {"num_k_splits": 0}, "num_k_splits"),
     (lambda a: a, {"interpret": "yes"}, "interpret"),
 ])
 def test_argument_validation(mutate, kw, msg):
