@@ -5,7 +5,7 @@
 loads the variant the environment names (runtime/kernels/cpu/build.py), checks that the library
 reports that variant's instruction-set paths (so the branch that ran is the one meant), runs
 the int8 linear (per channel and grouped), the float32 linear (plain, residual, SwiGLU, norm,
-the layer tail), paged attention (decode, prefill, a shared prefix, an int8 cache) and the
+the layer tail), the weight-only quantized linear (4- and 8-bit, its layer tail), paged attention (decode, prefill, a shared prefix, an int8 cache) and the
 KV write on shapes with row, column and K tails, compares each with its numpy reference (the
 float64 attention oracle for attention), and saves the outputs to OUT.npz for the
 cross-variant comparison in tests/runtime/test_cpu_kernel_variants.py. Exit status 0 only
@@ -196,6 +196,40 @@ def check_attention(rng) -> None:
         close(f"kv_write_{len(OUT)}", np.asarray(got).reshape(24, 3, 16), want, 0, 0)
 
 
+def check_wq(rng) -> None:
+    """The weight-only kernel (4-bit values with scales and offsets, the 8-bit head's values
+    with scales): row tiles, the dequantized strips from 8 rows, and the layer tail."""
+    from runtime.model import quant
+
+    for bits, M, K, N in ((4, 1, 96, 48), (4, 5, 320, 96), (4, 9, 128, 32), (8, 1, 64, 48), (8, 13, 128, 64)):
+        w = rng.standard_normal((K, N)).astype(np.float32)
+        stored = quant.quantize_weight_int4(w) if bits == 4 else quant.quantize_head_w8({"embed": w.T})
+        deq = (quant.dequantize_int4(stored) if bits == 4 else
+               (stored["q8"].reshape(K // 32, 32, N).astype(np.float64) * stored["s8"][:, None, :]).reshape(K, N))
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        got = jax.jit(cpu_matmul.linear_wq)(jnp.asarray(x), jax.tree.map(jnp.asarray, cpu_matmul.pack_wq(stored)))
+        close(f"wq{bits}_{M}x{K}x{N}", got, x.astype(np.float64) @ deq, 1e-5, 1e-5 * np.sqrt(K) * np.abs(w).max())
+    for M in (1, 9):
+        d, A, inter, nq = 64, 96, 64, 96
+        ws = {k: (rng.standard_normal(shape) * 0.2).astype(np.float32) for k, shape in
+              (("wo", (A, d)), ("gu", (d, 2 * inter)), ("down", (inter, d)), ("qkv", (d, nq)))}
+        stored = {k: quant.quantize_weight_int4(v) for k, v in ws.items()}
+        deq = {k: quant.dequantize_int4(v) for k, v in stored.items()}
+        packed = {k: jax.tree.map(jnp.asarray, cpu_matmul.pack_wq(v)) for k, v in stored.items()}
+        a = rng.standard_normal((M, A)).astype(np.float32)
+        h = rng.standard_normal((M, d)).astype(np.float32)
+        n1, n2 = (rng.uniform(0.5, 1.5, d).astype(np.float32) for _ in range(2))
+        h1 = h + a.astype(np.float64) @ deq["wo"]
+        gu = norm(h1, n1) @ deq["gu"]
+        g, u = gu[:, :inter], gu[:, inter:]
+        out = h1 + (g / (1 + np.exp(-g)) * u) @ deq["down"]
+        got, got_qkv = jax.jit(lambda a, h, n1, n2: cpu_matmul.layer_tail_wq(
+            a, h, packed["wo"], (n1, 1e-5), packed["gu"], packed["down"], packed["qkv"], n2))(
+            jnp.asarray(a), jnp.asarray(h), jnp.asarray(n1), jnp.asarray(n2))
+        close(f"wq_tail_{M}", got, out, 1e-4, 1e-4)
+        close(f"wq_tail_qkv_{M}", got_qkv, norm(out, n2) @ deq["qkv"], 1e-4, 1e-4)
+
+
 def main(out: str) -> None:
     variant = build.selected_variant()
     lib = build.library()
@@ -212,6 +246,7 @@ def main(out: str) -> None:
     rng = np.random.default_rng(0)
     check_int8(rng)
     check_f32(rng)
+    check_wq(rng)
     check_attention(rng)
     np.savez(out, **OUT)
     print(json.dumps({"variant": variant, "paths": paths, "checks": len(OUT)}))
