@@ -302,6 +302,45 @@ inline void float_tile(const float* x, int64_t K, const float* wf, const float* 
   for (int r = 0; r < R; ++r) acc[r].store(out + r * N);
 }
 
+// Two strips' dequantized weights (wa, wb: [K, 16] each) at once: each broadcast of x feeds two
+// FMAs, where one strip's tile is bound by its loads (a broadcast per FMA). AVX-512 only: 2 x 12
+// accumulators fit its 32 registers; AVX2's 16 would spill.
+#if defined(__AVX512F__)
+constexpr int kPairRows = 12;
+template <int R>
+inline void float_tile2(const float* x, int64_t K, const float* wa, const float* wb, const float* res, float* out,
+                        int64_t N) {
+  V16 a[R], b[R];
+  for (int r = 0; r < R; ++r) {
+    a[r] = res ? V16::load(res + r * N) : V16::zero();
+    b[r] = res ? V16::load(res + r * N + kCols) : V16::zero();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const V16 wka = V16::load(wa + k * kCols), wkb = V16::load(wb + k * kCols);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * K + k];
+      a[r].fma(xv, wka);
+      b[r].fma(xv, wkb);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    a[r].store(out + r * N);
+    b[r].store(out + r * N + kCols);
+  }
+}
+
+template <int R = kPairRows>
+inline void float_rows2(int rows, const float* x, int64_t K, const float* wa, const float* wb, const float* res,
+                        float* out, int64_t N) {
+  if constexpr (R > 1) {
+    if (rows < R) return float_rows2<R - 1>(rows, x, K, wa, wb, res, out, N);
+  }
+  float_tile2<R>(x, K, wa, wb, res, out, N);
+}
+#else
+constexpr int kPairRows = 0;
+#endif
+
 template <int R = kFloatRows>
 inline void float_rows(int rows, const float* x, int64_t K, const float* wf, const float* res, float* out,
                        int64_t N) {
@@ -369,12 +408,24 @@ struct Product {
       const uint8_t* ws = w.w + s * G * B;
       const float* ss = w.sm + s * G * n * kCols;
       if (M >= kDequantRows) {
-        wf.resize(K * kCols);
-        if (B == 256) {
-          dequantize_strip<4>(ws, ss, n, G, wf.data());
-        } else {
-          dequantize_strip<8>(ws, ss, n, G, wf.data());
+        const bool pair = kPairRows > 0 && s + 1 < std::min(S, (i + 1) * per);
+        wf.resize(2 * K * kCols);
+        for (int64_t t = 0; t <= (pair ? 1 : 0); ++t) {
+          if (B == 256) {
+            dequantize_strip<4>(ws + t * G * B, ss + t * G * n * kCols, n, G, wf.data() + t * K * kCols);
+          } else {
+            dequantize_strip<8>(ws + t * G * B, ss + t * G * n * kCols, n, G, wf.data() + t * K * kCols);
+          }
         }
+#if defined(__AVX512F__)
+        if (pair) {
+          for (int64_t m = 0; m < M; m += kPairRows)
+            float_rows2(static_cast<int>(std::min<int64_t>(kPairRows, M - m)), x + m * K, K, wf.data(),
+                        wf.data() + K * kCols, res ? res + m * N + s * kCols : nullptr, out + m * N + s * kCols, N);
+          ++s;  // (both strips done)
+          continue;
+        }
+#endif
         for (int64_t m = 0; m < M; m += kFloatRows)
           float_rows(static_cast<int>(std::min<int64_t>(kFloatRows, M - m)), x + m * K, K, wf.data(),
                      res ? res + m * N + s * kCols : nullptr, out + m * N + s * kCols, N);
