@@ -101,8 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="engine decode TPS of a Llama-3-8B-shaped model with random bf16 weights made on"
                  " the device, at B in 1,16,64,B_max, against the planner, with exposed host time"
                  " (dry run: a scaled-down shape in float32 on CPU)")
-  p.add_argument("--engine-variants", default="bf16,w8a16,fp8kv,int8kv,llama31,gemma3",
-                 help="engine TPS runs: bf16 weights; w8a16 (int8 weights); fp8kv / int8kv (fp8_e4m3 / "
+  p.add_argument("--engine-variants", default="bf16,w8a16,w4a16,fp8kv,int8kv,llama31,gemma3",
+                 help="engine TPS runs: bf16 weights; w8a16 (int8 weights); w4a16 (4-bit weights, the Pallas "
+                      "w4a16 kernel); fp8kv / int8kv (fp8_e4m3 / "
                       "int8 KV cache, read by the Pallas kernel); llama31 (Llama 3.1 8B: llama3 RoPE); "
                       "gemma3 (a Gemma-3-1B shape: sliding-window KV groups, XLA attention)")
   args = p.parse_args(argv)
@@ -691,7 +692,8 @@ def run_engine_tps(args: argparse.Namespace, rec: Recorder) -> bool:
   # kernel reads their 1-byte values: half a bf16 cache's bytes per step).
   # Then the model-families issue's rows: Llama 3.1 8B (llama3 RoPE scaling) and a Gemma-3-1B
   # shape (sliding-window KV groups, 262k vocabulary; the XLA attention path).
-  variants = {"bf16": {}, "w8a16": {"quantization": "w8a16"}, "fp8kv": {"kv_dtype": "fp8_e4m3"},
+  variants = {"bf16": {}, "w8a16": {"quantization": "w8a16"}, "w4a16": {"quantization": "w4a16"},
+              "fp8kv": {"kv_dtype": "fp8_e4m3"},
               "int8kv": {"kv_dtype": "int8"}, "llama31": {"rope_scaling": LLAMA31_ROPE},
               "gemma3": {"model": "gemma3", "attention_backend": "xla"}}
   for name in args.engine_variants.split(","):

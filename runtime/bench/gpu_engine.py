@@ -47,7 +47,8 @@ def model_config(cfg_kw: dict[str, Any]) -> Any:
 def random_params_on_device(cfg: Any, dtype: Any, quantization: str = "none") -> Any:
     """Every leaf drawn by a jitted normal on the device (fan-in scaled; norms = 1). With a
     quantization, the decoder projections are random int8 values with fan-in scales, in the
-    tree runtime/model/quant.py serves (w8a16: {"w8", "s"}, w8a8: {"q", "s"})."""
+    tree runtime/model/quant.py serves (w8a16: {"w8", "s"}, w8a8: {"q", "s"}; w4a16: random
+    nibbles with a scale and an offset per 32 inputs, {"q4", "s4", "m4"}, centred on zero)."""
     import jax
     import jax.numpy as jnp
 
@@ -62,6 +63,13 @@ def random_params_on_device(cfg: Any, dtype: Any, quantization: str = "none") ->
             out.append(jnp.ones(shape, dtype))
             continue
         fan_in = shape[-1] if "embed" in name else shape[-2]
+        if quantization == "w4a16" and any(f"['{w}']" in name for w in LINEAR_WEIGHTS):
+            *lead, K, N = shape
+            q4 = jax.jit(lambda k, shp=(*lead, K // 2, N): jax.random.randint(k, shp, 0, 256, jnp.int32)
+                         .astype(jnp.uint8))(jax.random.key(i))
+            s4 = jnp.full((*lead, K // 32, N), 1.7 / (7.5 * math.sqrt(fan_in)), jnp.float32)
+            out.append({"q4": q4, "s4": s4, "m4": -7.5 * s4})
+            continue
         if quantization != "none" and any(f"['{w}']" in name for w in LINEAR_WEIGHTS):
             ints = jax.jit(lambda k, shape=shape: jax.random.randint(k, shape, -127, 128, jnp.int8))(jax.random.key(i))
             scale = jnp.full(shape[:-2] + shape[-1:], 1.7 / (127 * math.sqrt(fan_in)), jnp.float32)
@@ -88,8 +96,8 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
                       steps: int = 8, dtype: str = "bfloat16", kv_memory: int | None = None,
                       device_name: str = "h200", attention_backend: str = "auto", quantization: str = "none",
                       kv_dtype: str | None = None) -> dict[str, Any]:
-    """`quantization` (w8a16 / w8a8: int8 weights) and `kv_dtype` (int8 / fp8_e4m3: a quantized
-    cache on the XLA attention path) give the quantization issue's GPU rows."""
+    """`quantization` (w8a16 / w8a8: int8 weights; w4a16: 4-bit, through the Pallas kernel on a
+    GPU) and `kv_dtype` (int8 / fp8_e4m3: a quantized cache) give the quantization issue's GPU rows."""
     import jax
     import jax.numpy as jnp
 

@@ -91,3 +91,6 @@ def test_llama3_shaped_engine_run_with_int8_weights_and_fp8_cache():
     assert q["weight_bytes"] < base["weight_bytes"] and q["rows"][0]["tokens_per_s"] > 0
     assert q["kv_blocks"] > base["kv_blocks"]  # the same memory holds more fp8 blocks
     assert "w8a16 weights, KV fp8_e4m3 (xla attention)" in format_engine_tps(q)
+    w4 = engine_decode_tps(cfg, (2,), quantization="w4a16", **kw)  # (on a GPU: the Pallas w4a16 kernel)
+    assert w4["quantization"] == "w4a16" and w4["rows"][0]["tokens_per_s"] > 0
+    assert w4["weight_bytes"] < q["weight_bytes"]
