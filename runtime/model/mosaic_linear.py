@@ -19,20 +19,32 @@ from runtime.model.linear import Linear, pytree
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def hopper() -> bool:
+    """The first device is an NVIDIA Hopper GPU (compute capability 9.x: wgmma and TMA)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
 def applies(quantization: str, dtype: Any, tp: int) -> bool:
-    """The rule for serving w4a16 through the kernel: a GPU, one device, 16-bit activations
-    (the wgmma operands); elsewhere the XLA path dequantizes in the graph."""
-    return (quantization == "w4a16" and tp == 1 and jax.default_backend() == "gpu"
-            and jnp.dtype(dtype) in KERNEL_DTYPES)
+    """The rule for serving w4a16 through the kernel: a Hopper GPU, one device, 16-bit
+    activations (the wgmma operands); elsewhere (another GPU included) the XLA path
+    dequantizes in the graph."""
+    return quantization == "w4a16" and tp == 1 and jnp.dtype(dtype) in KERNEL_DTYPES and hopper()
 
 
 def pack_params(params: dict[str, Any]) -> dict[str, Any]:
-    """A w4a16 tree -> the same model with every 4-bit projection in the kernel's layout
-    ({"qg", "sg", "mg"}, the layer axis kept); the 8-bit head and float leaves unchanged."""
+    """A w4a16 tree -> the same model with every 4-bit projection whose width the kernel tiles
+    (a multiple of 64 columns) in the kernel's layout ({"qg", "sg", "mg"}, the layer axis
+    kept); other projections, the 8-bit head and float leaves unchanged (the XLA path).
+    (The layers stay stacked: whether XLA copies a scanned slice before the kernel, as XLA:CPU
+    does, is for scripts/gpu_check.py's w4a16 engine row to show on a GPU.)"""
     from pallas_kernels.w4a16_matmul import pack_for_gpu
 
     def pack(w: Any) -> Any:
-        if not (isinstance(w, dict) and "q4" in w):
+        if not (isinstance(w, dict) and "q4" in w) or w["q4"].shape[-1] % 64:
             return w
         qg, sg, mg = pack_for_gpu(jnp.asarray(w["q4"]), jnp.asarray(w["s4"]), jnp.asarray(w["m4"]))
         return {"qg": qg, "sg": sg, "mg": mg}

@@ -105,7 +105,8 @@ def cast_params(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
     compensations) and float32 scales."""
     def place(path, a):
         key = jax.tree_util.keystr(path)
-        keep = np.issubdtype(np.asarray(a).dtype, np.integer) or key.endswith(
+        dt = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype  # (a device array stays put)
+        keep = np.issubdtype(dt, np.integer) or key.endswith(
             ("['s']", "['g']", "['gs']", "['s4']", "['m4']", "['s8']", "['qps']", "['sg']", "['mg']"))
         return jnp.asarray(a) if keep else jnp.asarray(a, dtype)
     return jax.tree_util.tree_map_with_path(place, params)

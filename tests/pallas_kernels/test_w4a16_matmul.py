@@ -198,13 +198,23 @@ def test_model_through_the_kernel_matches_the_xla_path(interpreter):
 
 
 def test_the_kernel_applies_only_to_16_bit_w4a16_on_one_gpu():
-    from runtime.model.mosaic_linear import applies
+    from runtime.model.mosaic_linear import applies, hopper
 
-    on_gpu = jax.default_backend() == "gpu"
-    assert applies("w4a16", jnp.bfloat16, 1) is on_gpu
+    if jax.default_backend() != "gpu":
+        assert not hopper()  # (a CPU, or a GPU before Hopper: the XLA path)
+    assert applies("w4a16", jnp.bfloat16, 1) is hopper()
     assert not applies("w4a16", jnp.float32, 1)
     assert not applies("w4a16", jnp.bfloat16, 2)
     assert not applies("w8a8", jnp.bfloat16, 1)
+
+
+def test_a_width_the_kernel_does_not_tile_stays_on_the_xla_path():
+    from runtime.model.mosaic_linear import pack_params
+
+    wide, narrow = (dict(zip(("q4", "s4", "m4"), _weight(128, n))) for n in (128, 80))
+    packed = pack_params({"layers": {"wq": wide, "wk": narrow, "attn_norm": np.ones(128, np.float32)}})["layers"]
+    assert set(packed["wq"]) == {"qg", "sg", "mg"} and packed["wk"] is narrow
+    assert packed["attn_norm"].shape == (128,)
 
 
 def test_gpu_check_step_dry_run(interpreter, monkeypatch):

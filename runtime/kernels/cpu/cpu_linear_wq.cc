@@ -359,8 +359,10 @@ struct Packed {
   bool ok;
   Packed(ffi::Buffer<ffi::U8>& wb, ffi::Buffer<ffi::F32>& sb, int64_t K) {
     const auto wd = wb.dimensions(), sd = sb.dimensions();
+    // 4-bit values come with offsets (n = 2), 8-bit ones without (n = 1): the decode's bias
+    // (kBias4) is taken off through the offsets
     ok = wd.size() == 3 && sd.size() == 4 && (wd[2] == 256 || wd[2] == 512) && wd[1] * kGroup == K &&
-         sd[0] == wd[0] && sd[1] == wd[1] && (sd[2] == 1 || sd[2] == 2) && sd[3] == kCols;
+         sd[0] == wd[0] && sd[1] == wd[1] && sd[2] == (wd[2] == 256 ? 2 : 1) && sd[3] == kCols;
     w = wb.typed_data();
     sm = sb.typed_data();
     S = ok ? wd[0] : 0;
@@ -456,7 +458,8 @@ ffi::Error WqLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const Packed pw(w, sm, xd.size() == 2 ? xd[1] : -1);
   if (xd.size() != 2 || od.size() != 2 || !pw.ok || od[0] != xd[0] || od[1] != pw.N()) {
     return ffi::Error::InvalidArgument(
-        "quantized linear: x [M,K], w [N/16,K/32,256|512], scales [N/16,K/32,1|2,16], out [M,N] disagree");
+        "quantized linear: x [M,K], w [N/16,K/32,256|512], scales [N/16,K/32,2|1,16] (4-bit: scales and "
+        "offsets, 8-bit: scales), out [M,N] disagree");
   }
   const int64_t M = xd[0], K = xd[1], N = od[1];
   if (residual.element_count() != 0 && residual.element_count() != static_cast<size_t>(M * N)) {
