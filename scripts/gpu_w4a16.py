@@ -56,13 +56,12 @@ def _rotated(product: Callable[..., jax.Array], arity: int) -> Callable[..., Any
     return jax.jit(run)
 
 
-def _dequantized(x, qg, sg, mg):
-    """XLA's path on the kernel's layout: the weight made in the graph, then a bf16 dot."""
-    kp2, N = qg.shape
-    t = qg.reshape(kp2 // 64, 64, N)
-    q = jnp.concatenate([t & 15, t >> 4], axis=1).reshape(2 * kp2, N).astype(jnp.float32)
-    w = q * jnp.repeat(sg, 32, 0) + jnp.repeat(mg, 32, 0)
-    return x @ w[:x.shape[1]].astype(x.dtype)
+def _dequantized(x, q4, s4, m4):
+    """The path without the kernel: runtime/model/linear.py's Int4Grouped on the stored layout
+    (the weight dequantized in the graph, then a dot in x's dtype)."""
+    from runtime.model.linear import Int4Grouped
+
+    return Int4Grouped(q4, s4, m4).product(x)
 
 
 def run(on_gpu: bool, reps: int, time_left: Callable[[], float],
@@ -108,7 +107,7 @@ def run(on_gpu: bool, reps: int, time_left: Callable[[], float],
                 row["ok"] = row["rel_err"] <= 2e-2
                 kernel = _time(_rotated(lambda x, q, s, m: w4a16_matmul(x, q, s, m), 3), (x, *flat), reps)
                 bf16 = _time(_rotated(lambda x, w: x @ w, 1), (x, *[d for w in dense for d in w]), reps)
-                xla = _time(_rotated(_dequantized, 3), (x, *flat), reps)
+                xla = _time(_rotated(_dequantized, 3), (x, *[a for w in stored for a in w]), reps)
                 row.update(kernel_us=kernel * 1e6, bf16_dense_us=bf16 * 1e6, xla_dequant_us=xla * 1e6,
                            kernel_weight_GBps=K * N * 0.75 / kernel / 1e9, bf16_weight_GBps=K * N * 2 / bf16 / 1e9,
                            speedup_vs_bf16=bf16 / kernel, speedup_vs_xla_dequant=xla / kernel)

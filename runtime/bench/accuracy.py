@@ -30,12 +30,11 @@ from runtime.model.quant import WEIGHT_GATES
 
 # Allowed relative perplexity increase, per quantized part (the quantization issue's gates);
 # a setting that quantizes both weights and KV is held to the sum.
-PPL_GATES = {**{m: g[0] for m, g in WEIGHT_GATES.items()}, "int8": 0.005, "fp8_e4m3": 0.01}
-# Allowed share of changed answers, per quantized part (summed like the perplexity gates).
-ANSWER_GATES = {**{m: g[1] for m, g in WEIGHT_GATES.items()}, "int8": 0.02, "fp8_e4m3": 0.02}
 # bfloat16 KV has no gate of its own: it is measured as the floor an 8-bit cache is judged
 # against (how many answers a 16-bit rounding of K/V alone changes), held to int8's gates.
-PPL_GATES["bfloat16"], ANSWER_GATES["bfloat16"] = PPL_GATES["int8"], ANSWER_GATES["int8"]
+PPL_GATES = {**{m: g[0] for m, g in WEIGHT_GATES.items()}, "int8": 0.005, "bfloat16": 0.005, "fp8_e4m3": 0.01}
+# Allowed share of changed answers, per quantized part (summed like the perplexity gates).
+ANSWER_GATES = {**{m: g[1] for m, g in WEIGHT_GATES.items()}, "int8": 0.02, "bfloat16": 0.02, "fp8_e4m3": 0.02}
 KV_CHOICES = ("float32", "bfloat16", "int8", "fp8_e4m3")
 QUESTIONS = Path(__file__).parent / "data" / "answer_questions.jsonl"
 ANSWER_TOKENS = 24  # a one-line answer fits; the first line is what is compared
