@@ -16,9 +16,25 @@ from typing import Any, ClassVar, Literal
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
-# A quantized KV cache keeps one float32 scale per token, per KV head, for K and for V.
 QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
-KV_SCALE_BYTES = 4
+# Channels per int8 KV scale and zero, for K and for V (why: runtime/model/kv_pages.py).
+INT8_KV_GROUP = {"k": 8, "v": 32}
+
+
+def kv_scale_groups(kv_dtype: str, head_dim: int, part: str) -> int:
+    """Scale groups per token and KV head of a quantized cache's K or V (`part` "k" / "v"):
+    int8 one per INT8_KV_GROUP[part] channels (one per head where head_dim does not divide),
+    fp8 one per head; 0 unquantized."""
+    if kv_dtype == "int8":
+        g = INT8_KV_GROUP[part]
+        return head_dim // g if head_dim % g == 0 else 1
+    return 1 if kv_dtype in QUANTIZED_KV_DTYPES else 0
+
+
+def kv_scale_bytes(kv_dtype: str, head_dim: int) -> int:
+    """Bytes beside one token's head of K and V together: int8 a float16 scale and zero per
+    group, fp8 one float32 scale each, 0 unquantized."""
+    return sum(kv_scale_groups(kv_dtype, head_dim, part) for part in "kv") * 4
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -202,10 +218,10 @@ class ModelConfig:
         return L * per_layer + emb + d
 
     def kv_bytes_per_token(self, kv_dtype: str = "bfloat16") -> int:
-        """2 (K and V) x layers x KV heads x (head dim x bytes per element, plus the
-        per-token-per-head scale of a quantized cache)."""
-        scale = KV_SCALE_BYTES if kv_dtype in QUANTIZED_KV_DTYPES else 0
-        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * DTYPE_BYTES[kv_dtype] + scale)
+        """Layers x KV heads x (2 (K and V) x head dim x bytes per element, plus a quantized
+        cache's scales and zeros: kv_scale_bytes)."""
+        scale = kv_scale_bytes(kv_dtype, self.head_dim)
+        return self.num_layers * self.num_kv_heads * (2 * self.head_dim * DTYPE_BYTES[kv_dtype] + scale)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

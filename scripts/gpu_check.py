@@ -103,8 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  " (dry run: a scaled-down shape in float32 on CPU)")
   p.add_argument("--engine-variants", default="bf16,w8a16,w4a16,fp8kv,int8kv,llama31,gemma3",
                  help="engine TPS runs: bf16 weights; w8a16 (int8 weights); w4a16 (4-bit weights, the Pallas "
-                      "w4a16 kernel); fp8kv / int8kv (fp8_e4m3 / "
-                      "int8 KV cache, read by the Pallas kernel); llama31 (Llama 3.1 8B: llama3 RoPE); "
+                      "w4a16 kernel); fp8kv (fp8_e4m3 KV cache, read by the Pallas kernel); int8kv "
+                      "(int8 KV cache with a scale and zero per 8 (K) or 32 (V) channels: the XLA attention path); llama31 (Llama 3.1 8B: llama3 RoPE); "
                       "gemma3 (a Gemma-3-1B shape: sliding-window KV groups, XLA attention)")
   args = p.parse_args(argv)
   if args.reps < 1:
@@ -688,8 +688,9 @@ def run_engine_tps(args: argparse.Namespace, rec: Recorder) -> bool:
   rec.step = "engine_tps"
   failed = False
   # bf16 first (the engine-speed issue's table), then the quantization issue's rows:
-  # int8 weights dequantized in the graph (w8a16), and fp8 / int8 KV caches (the Pallas
-  # kernel reads their 1-byte values: half a bf16 cache's bytes per step).
+  # int8 weights dequantized in the graph (w8a16), an fp8 KV cache (the Pallas kernel reads its
+  # 1-byte values: half a bf16 cache's bytes per step) and an int8 one (its per-16-channel
+  # scales and zeros: the XLA attention path, which the Pallas kernel does not read yet).
   # Then the model-families issue's rows: Llama 3.1 8B (llama3 RoPE scaling) and a Gemma-3-1B
   # shape (sliding-window KV groups, 262k vocabulary; the XLA attention path).
   variants = {"bf16": {}, "w8a16": {"quantization": "w8a16"}, "w4a16": {"quantization": "w4a16"},

@@ -82,11 +82,12 @@ DEFAULT_TEXTS = ("../shared/seeds/serving-stack-and-capacity.txt", "../shared/se
 
 def kv_roundtrip_logits(cfg: Any, params: Any, token_ids: Any, kv_dtype: str) -> Any:
     """dense_logits with every K/V row quantized and dequantized as the paged cache stores it
-    (per token and KV head, written before it is read): the same numbers the engine's
+    (runtime/model/kv_pages.py's layout, written before it is read): the same numbers the engine's
     attention sees, without a cache (tests check the two agree)."""
     import jax.numpy as jnp
 
-    from runtime.model.kv_pages import quantize_rows
+    from runtime.config import kv_scale_groups
+    from runtime.model.kv_pages import dequantize, quantize_rows
     from runtime.model.runner import KV_DTYPES
     from runtime.model.families import family
     from runtime.model.families.llama import dense_causal_attention
@@ -97,14 +98,13 @@ def kv_roundtrip_logits(cfg: Any, params: Any, token_ids: Any, kv_dtype: str) ->
     T = token_ids.shape[0]
     mask = jnp.tril(jnp.ones((T, T), dtype=bool))
 
-    def roundtrip(x):
+    def roundtrip(x, part):
         if kv_dtype == "bfloat16":  # a plain cast, as the cache stores it
             return x.astype(jnp.bfloat16).astype(jnp.float32)
-        q, scale = quantize_rows(x, KV_DTYPES[kv_dtype])
-        return q.astype(jnp.float32) * scale[..., None]
+        return dequantize(*quantize_rows(x, KV_DTYPES[kv_dtype], kv_scale_groups(kv_dtype, x.shape[-1], part)))
 
     def attention(q, k, v, layer, cache):
-        return dense_causal_attention(q, roundtrip(k), roundtrip(v), mask), cache
+        return dense_causal_attention(q, roundtrip(k, "k"), roundtrip(v, "v"), mask), cache
 
     hidden, _ = fam.forward_hidden(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
     return fam.lm_head(cfg, params, hidden)

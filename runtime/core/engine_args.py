@@ -36,9 +36,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                    help="with w8a8: an int8 LM head as well (a scale per 32 inputs; faster steps of 2+ rows "
                         "on CPU; its accuracy: `pagedjax bench accuracy --quantize-lm-head`)")
     g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "int8", "fp8_e4m3"), default="auto",
-                   help="auto: the compute dtype. int8 / fp8_e4m3 store one scale per token and KV head "
-                        "(3.8x the tokens of a float32 cache for SmolLM2) and dequantize on read (the XLA path, "
-                        "the C++ kernel and the Pallas kernel alike). Accuracy: `pagedjax bench accuracy --kv-cache-dtype int8`")
+                   help="auto: the compute dtype. int8: a float16 scale and zero per 8 (K) / 32 (V) channels of each "
+                        "token's head (3.0x the tokens of a float32 cache for SmolLM2; the XLA path and the C++ kernel). "
+                        "fp8_e4m3: one scale per token and head (3.8x; also the Pallas kernel). Both dequantize on "
+                        "read. Accuracy: `pagedjax bench accuracy --kv-cache-dtype int8`")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before planning the next (for comparison; slower)")
     g.add_argument("--attention-backend", choices=("auto", "xla", "pallas"), default="auto")

@@ -50,8 +50,8 @@ class KVBlocks:
     first_block: int                   # index in the prompt of the first block carried
     block_hashes: list[bytes]          # chained prefix hashes of the carried blocks
     token_ids: list[int]               # the prompt up to the end of the last carried block
-    # Cache leaves in the engine's pytree order: [K, V] or [K values, K scales, V values, V
-    # scales]; each [num_layers, n, block_size, kv_heads(, head_dim)].
+    # Cache leaves in the engine's pytree order: [K, V] or [K values, K scales(, K zeros), V
+    # values, V scales(, V zeros)]; each [num_layers, n, block_size, kv_heads, head_dim or groups].
     arrays: list[np.ndarray] = field(default_factory=list)
 
     @property

@@ -70,8 +70,8 @@ class XlaAttention(AttentionBackend):
 
 @dataclass(frozen=True)
 class PallasAttention(AttentionBackend):
-    """The Mosaic GPU paged attention kernel: per-sequence reads (no cascade); a quantized
-    cache's 1-byte values and their scales go in apart. `kernel`: another function with the
+    """The Mosaic GPU paged attention kernel: per-sequence reads (no cascade); an fp8 cache's
+    1-byte values and their per-token scales go in apart. `kernel`: another function with the
     kernel's signature (tests lower the hardware kernel for CUDA on a CPU machine)."""
     interpret: bool = False
     kernel: Callable[..., jax.Array] | None = None
@@ -87,8 +87,8 @@ class PallasAttention(AttentionBackend):
         kernel = self.kernel or ragged_paged_attention
         k_cache, v_cache = cache
         kw: dict[str, Any] = {"interpret": True} if self.interpret else {}
-        if isinstance(k_cache, QuantizedPages):
-            kw.update(k_scale=k_cache.scales, v_scale=v_cache.scales)
+        if isinstance(k_cache, QuantizedPages):  # fp8: one scale per token and head (make_backend)
+            kw.update(k_scale=k_cache.scales[..., 0], v_scale=v_cache.scales[..., 0])
             k_cache, v_cache = k_cache.values, v_cache.values
         return kernel(q, k_cache, v_cache, inp.kv_lens, inp.block_tables + base, inp.query_start_loc, inp.num_seqs,
                       sm_scale=sm_scale, **kw)
@@ -109,12 +109,18 @@ def make_backend(name: str, kv_dtype: str, cpu_kernels: bool, windowed: bool = F
     serve the XLA path (the runner says no under tensor parallelism); they do where they are
     built and enabled and the cache is float32 or int8. `windowed` / `soft_cap`: the model has
     sliding-window layers / an attention logit soft-cap (the Pallas kernel has neither; the
-    C++ CPU kernel has no soft-cap); `head_dim`: the C++ CPU kernel serves only its HEAD_DIMS."""
-    name = resolve(name)
-    if name == "pallas" and (windowed or soft_cap is not None):
-        raise ValueError("attention_backend: pallas does not implement "
-                         f"{'sliding-window attention' if windowed else 'attention logit soft-capping'} "
-                         "(use --attention-backend xla)")
+    C++ CPU kernel has no soft-cap); `head_dim`: the C++ CPU kernel serves only its HEAD_DIMS.
+    What the Pallas kernel lacks: asked for by name, refused in one line; under `auto` on a
+    GPU, the XLA path, said in the log."""
+    asked, name = name, resolve(name)
+    missing = ("sliding-window attention" if windowed else "attention logit soft-capping" if soft_cap is not None
+               else "the int8 cache's scales and zeros per group of channels (it reads fp8_e4m3's per-token scales)"
+               if kv_dtype == "int8" else None)
+    if name == "pallas" and missing:
+        if asked == "pallas":
+            raise ValueError(f"attention_backend: pallas does not implement {missing} (use --attention-backend xla)")
+        log.info("attention: the XLA path, not the Pallas kernel: it does not implement %s", missing)
+        name = "xla"
     if name == "xla":
         from runtime.kernels.cpu import attention as cpu_attention
 

@@ -5,7 +5,8 @@ The KV cache of all layers is one array pair [L * num_blocks, block_size, Hkv, D
 layer l's block b lives at row l * num_blocks + b, so the attention kernel sees a plain
 paged cache and the layer scan carries the whole cache without slicing (no copies).
 A quantized cache (--kv-cache-dtype int8|fp8_e4m3) is the same pair of QuantizedPages:
-values of that shape plus one float32 scale per slot and head (runtime/model/xla_attention.py).
+values of that shape plus their scales (and zeros) per slot, head and group of channels
+(runtime/model/kv_pages.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from runtime.model.kv_pages import QuantizedPages
 from runtime.model.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
-from runtime.config import QUANTIZED_KV_DTYPES, CacheConfig, KernelConfig, ModelConfig, SchedulerConfig
+from runtime.config import QUANTIZED_KV_DTYPES, CacheConfig, KernelConfig, ModelConfig, SchedulerConfig, kv_scale_groups
 from runtime.model.attention_backend import AttentionBackend, make_backend, paged_attention
 from runtime.model.families import family
 from runtime.model.families.llama import Params, attention_scale
@@ -39,10 +40,10 @@ KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
 
 def allocate_kv(shape: tuple[int, ...], kv_dtype: str) -> tuple[Any, Any]:
     """Empty K and V caches [L*NB, BS, Hkv, D]: plain arrays, or QuantizedPages (values plus
-    one float32 scale per slot and head) for int8 / fp8_e4m3."""
+    their scales, and zeros for int8: runtime/model/kv_pages.py) for int8 / fp8_e4m3."""
     dtype = KV_DTYPES[kv_dtype]
     if kv_dtype in QUANTIZED_KV_DTYPES:
-        return tuple(QuantizedPages(jnp.zeros(shape, dtype), jnp.ones(shape[:-1], jnp.float32)) for _ in "kv")
+        return tuple(QuantizedPages.empty(shape, dtype, kv_scale_groups(kv_dtype, shape[-1], part)) for part in "kv")
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 _compile_lock = threading.Lock()
@@ -452,8 +453,8 @@ def _scatter_blocks(kv: tuple, num_layers: int, block_ids: jax.Array, data: tupl
 
 
 def read_blocks(runner: ModelRunner, block_ids: list[int]) -> list[np.ndarray]:
-    """Host copies of the blocks' KV: the leaves of runner.kv (K, V; values and scales for a
-    quantized cache), each [L, n, BS, Hkv(, D)]. Padding reads block 0 and is cut off."""
+    """Host copies of the blocks' KV: the leaves of runner.kv (K, V; values, scales and zeros for
+    a quantized cache), each [L, n, BS, Hkv, D or groups]. Padding reads block 0 and is cut off."""
     n = len(block_ids)
     ids = np.zeros(transfer_bucket(n), np.int32)
     ids[:n] = block_ids

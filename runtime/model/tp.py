@@ -210,9 +210,9 @@ def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> dict[s
 
 
 def kv_spec(leaf: Any) -> P:
-    """The KV cache's leaves [L*NB, BS, Hkv, D] (and a quantized cache's scales [L*NB, BS, Hkv])
-    by KV head."""
-    return P(None, None, AXIS, None) if leaf.ndim == 4 else P(None, None, AXIS)
+    """The KV cache's leaves [L*NB, BS, Hkv, D] (and a quantized cache's scales and zeros
+    [L*NB, BS, Hkv, G]) by KV head."""
+    return P(None, None, AXIS, None)
 
 
 def kv_sharding(mesh: Mesh, kv: Any) -> Any:

@@ -17,8 +17,9 @@ and in a 512-token prefill step 1.6x (16 chats of 32 tokens after a 352-token sh
 260 -> 159 ms of attention) to 2.3x (one fresh 512-token prompt: 282 -> 122 ms) on a 2-core
 EPYC.
 
-A quantized cache (QuantizedPages: int8 / fp8 values and one float32 scale per token and
-KV head) is read through the same loops: indexing it dequantizes just the gathered chunk.
+A quantized cache (QuantizedPages: int8 values with a scale and zero per group of 8 (K) or
+32 (V) channels, or fp8 values with one scale per token and KV head) is read through the
+same loops: indexing it dequantizes just the gathered chunk.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def write_kv(k_cache: Any, v_cache: Any, k: jax.Array, v: jax.Array, slot_mappin
 
     def put(cache, x):
         if isinstance(cache, QuantizedPages):
-            q, scale = quantize_rows(x, cache.values.dtype)
-            return QuantizedPages(_scatter(cache.values, q, idx), _scatter(cache.scales, scale, idx))
+            q, scale, zero = quantize_rows(x, cache.values.dtype, cache.scales.shape[-1])
+            return QuantizedPages(_scatter(cache.values, q, idx), _scatter(cache.scales, scale, idx),
+                                  None if zero is None else _scatter(cache.zeros, zero, idx))
         return _scatter(cache, x, idx)
 
     return put(k_cache, k), put(v_cache, v)

@@ -24,7 +24,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=200, help="mean output tokens per request")
     parser.add_argument("--rps", type=float, default=None, help="target requests/s (sizes a fleet)")
     parser.add_argument("--weight-dtype", default="bfloat16", help="bfloat16|float16|float32|int8|fp8_e4m3|int4")
-    parser.add_argument("--kv-dtype", default="bfloat16", help="bf16|bfloat16|int8|fp8_e4m3|float32 (int8/fp8 add a float32 scale per token and head)")
+    parser.add_argument("--kv-dtype", default="bfloat16", help="bf16|bfloat16|int8|fp8_e4m3|float32 (int8 adds a float16 scale and zero per 8 channels of K and 32 of V; fp8 a float32 scale per token and head)")
     parser.add_argument("--overhead", type=float, default=None,
                         help="GB (1e9 B) held back besides weights; default 3 for GPUs, 1 for cpu")
     parser.add_argument("--headroom", type=float, default=0.2, help="fleet burst headroom (0.2 = 20%%)")

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.config import DTYPE_BYTES, KV_SCALE_BYTES, QUANTIZED_KV_DTYPES, GiB, ModelConfig
+from runtime.config import DTYPE_BYTES, QUANTIZED_KV_DTYPES, GiB, ModelConfig, kv_scale_bytes
 from runtime.kv_groups import KVGroups
 
 GB = 10**9
@@ -294,7 +294,8 @@ def format_plan(p: CapacityPlan) -> str:
     attn = "MHA" if group == 1 else f"GQA {group}:1"
     kv_note = (f"MHA ({p.num_heads} KV heads) would be {_bin(p.kv_bytes_per_token_mha)}, {group}x more"
                if group > 1 else "no GQA: every query head has its own K/V")
-    scale_note = f" + {KV_SCALE_BYTES} B scale" if p.kv_dtype in QUANTIZED_KV_DTYPES else ""
+    scale_note = (f" + {kv_scale_bytes(p.kv_dtype, p.head_dim) / 2:g} B scales" if p.kv_dtype in QUANTIZED_KV_DTYPES
+                  else "")
     lines = [
         f"Capacity plan: {p.model} on {d.name}, weights {p.weight_dtype}, KV {p.kv_dtype}, "
         f"context {p.context_len} tokens",

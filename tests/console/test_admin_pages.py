@@ -192,9 +192,10 @@ def test_model_page_shows_quantized_weights_and_kv_cache(tiny_ckpt):
         logged_in(c)
         page = c.get("/admin/model").text
     m = eng.config.model
-    assert text_of(page, "kv-dtype").startswith("int8 (one float32 scale per token and KV head")
-    assert f"({m.head_dim} · 1 B + 4 B scale)" in text_of(page, "kv-per-token")
+    assert text_of(page, "kv-dtype").startswith("int8 (a float16 scale and zero per 8 channels of K and 32 of V")
+    groups = m.head_dim // 8 + (m.head_dim // 32 if m.head_dim % 32 == 0 else 1)
+    assert f"(2 · {m.head_dim} · 1 B + {4 * groups} B scales)" in text_of(page, "kv-per-token")
     assert text_of(page, "quantization").startswith("w8a8: int8 decoder weights")
     per_block = eng.config.cache.bytes_per_block(m)
-    assert per_block == 16 * 2 * m.num_layers * m.num_kv_heads * (m.head_dim + 4)
+    assert per_block == 16 * m.num_layers * m.num_kv_heads * (2 * m.head_dim + 4 * groups)
     assert f"({per_block:,} B)" in text_of(page, "bytes-per-block")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from runtime.kernels.cpu import matmul as cpu_matmul
-from runtime.model.xla_attention import QuantizedPages, quantize_rows
+from runtime.model.xla_attention import QuantizedPages
 from runtime.model.batch import choose_shared_prefix
 from runtime.kernels.cpu import build
 from tests.attention_oracle import oracle, random_batch
@@ -178,11 +178,11 @@ def check_attention(rng) -> None:
     shared = choose_shared_prefix(tables, np.array([5, 4, 3, 4, 4, 5, 3, 0]), kvl, 7, 16)
     assert int(shared.length[0]) == 32
 
-    def paged(c):
-        v, s = quantize_rows(jnp.asarray(c), jnp.int8)
-        return QuantizedPages(v, s), np.asarray(v.astype(jnp.float32) * s[..., None])
+    def paged(c, groups):  # the engine's int8 layout: 8 (K) and 32 (V) channels per scale and zero
+        p = QuantizedPages.of(jnp.asarray(c) + 0.5, jnp.int8, groups)
+        return p, np.asarray(p.dequantized())
 
-    (kp, kvals), (vp, vvals) = paged(kc), paged(vc)
+    (kp, kvals), (vp, vvals) = paged(kc, 8), paged(vc, 2)
     run("shared_f32", (q, kc, vc, kvl, tables, qsl, ns), 0.125, shared)
     run("shared_int8", (q, kvals, vvals, kvl, tables, qsl, ns), 0.125, shared, (kp, vp))
     # the KV write: rows at flat slots, padding (-1) and past-the-end slots dropped

@@ -146,7 +146,9 @@ struct Array {
   std::vector<int64_t> dims;
   std::vector<uint8_t> bytes;
 
-  static size_t elem(XLA_FFI_DataType t) { return t == XLA_FFI_DataType_S8 || t == XLA_FFI_DataType_U8 ? 1 : 4; }
+  static size_t elem(XLA_FFI_DataType t) {
+    return t == XLA_FFI_DataType_S8 || t == XLA_FFI_DataType_U8 ? 1 : t == XLA_FFI_DataType_F16 ? 2 : 4;
+  }
   Array(XLA_FFI_DataType t, std::vector<int64_t> d) : dtype(t), dims(std::move(d)) {
     int64_t n = 1;
     for (int64_t x : dims) n *= x;
@@ -169,6 +171,21 @@ Array Positive(Rng& rng, std::vector<int64_t> dims, float lo, float hi) {
   Array a(XLA_FFI_DataType_F32, std::move(dims));
   std::uniform_real_distribution<float> u(lo, hi);
   for (int64_t i = 0; i < a.count(); ++i) a.as<float>()[i] = u(rng);
+  return a;
+}
+// Uniform floats in [lo, hi) as float16 bits (truncated; magnitudes below float16's normal
+// range flush to zero).
+Array F16(Rng& rng, std::vector<int64_t> dims, float lo, float hi) {
+  Array a(XLA_FFI_DataType_F16, std::move(dims));
+  std::uniform_real_distribution<float> u(lo, hi);
+  for (int64_t i = 0; i < a.count(); ++i) {
+    const float f = u(rng);
+    uint32_t b;
+    std::memcpy(&b, &f, sizeof b);
+    const int32_t e = static_cast<int32_t>((b >> 23) & 0xff) - 112;
+    a.as<uint16_t>()[i] = static_cast<uint16_t>(((b >> 16) & 0x8000u) |
+                                                (e <= 0 ? 0u : (static_cast<uint32_t>(e) << 10) | ((b >> 13) & 0x3ffu)));
+  }
   return a;
 }
 Array S8(Rng& rng, std::vector<int64_t> dims) {
@@ -432,8 +449,11 @@ Case Attention(Rng& rng, std::vector<int32_t> lens, int64_t H, int64_t G, int64_
   if (int8) {
     c.args.push_back(S8(rng, {NB, BS, H, D}));
     c.args.push_back(S8(rng, {NB, BS, H, D}));
-    c.args.push_back(Positive(rng, {NB, BS, H}, 0.005f, 0.02f));
-    c.args.push_back(Positive(rng, {NB, BS, H}, 0.005f, 0.02f));
+    const int64_t kg = D / 8, vg = D % 32 == 0 ? D / 32 : 1;  // the engine's groups: 8 channels for K, 32 for V
+    c.args.push_back(F16(rng, {NB, BS, H, kg}, 0.005f, 0.02f));  // scales
+    c.args.push_back(F16(rng, {NB, BS, H, vg}, 0.005f, 0.02f));
+    c.args.push_back(F16(rng, {NB, BS, H, kg}, -0.5f, 0.5f));  // zeros
+    c.args.push_back(F16(rng, {NB, BS, H, vg}, -0.5f, 0.5f));
   } else {
     c.args.push_back(F32(rng, {NB, BS, H, D}));
     c.args.push_back(F32(rng, {NB, BS, H, D}));

@@ -113,9 +113,9 @@ def test_kernel_is_the_default_for_float32_and_int8_caches_only():
     assert cpu_attention.TARGET in text
     lower = lambda pages: jax.jit(lambda *a: xla_ragged_paged_attention(*a, sm_scale=0.25)).lower(
         args[0], pages, pages, *args[3:]).as_text()
-    i8 = lower(QuantizedPages(jnp.zeros(kc.shape, jnp.int8), jnp.ones(kc.shape[:-1], jnp.float32)))
+    i8 = lower(QuantizedPages.empty(kc.shape, jnp.int8, 4))
     assert cpu_attention.TARGET_INT8 in i8
-    f8 = lower(QuantizedPages(jnp.zeros(kc.shape, jnp.float8_e4m3fn), jnp.ones(kc.shape[:-1], jnp.float32)))
+    f8 = lower(QuantizedPages.empty(kc.shape, jnp.float8_e4m3fn))
     assert cpu_attention.TARGET not in f8 and cpu_attention.TARGET_INT8 not in f8  # fp8: the XLA loops
 
 
@@ -166,7 +166,7 @@ def test_cpu_kernel_cascade_matches_oracle(members):
 def test_cpu_kernel_over_an_int8_cache_equals_attention_over_its_values():
     """int8 pages (with a cascade): the kernel dequantizes block by block exactly as the XLA
     loops do, so both equal the oracle over the dequantized cache."""
-    from runtime.model.xla_attention import quantize_rows
+    from runtime.config import kv_scale_groups
     from runtime.model.batch import choose_shared_prefix
 
     rng = np.random.default_rng(8)
@@ -177,11 +177,12 @@ def test_cpu_kernel_over_an_int8_cache_equals_attention_over_its_values():
     shared = choose_shared_prefix(tables, np.array([5, 4, 3, 4, 4, 5, 3, 0]), kvl, 7, 16)
     assert int(shared.length[0]) == 32
 
-    def pages(c):
-        v, s = quantize_rows(jnp.asarray(c), jnp.int8)
-        return QuantizedPages(v, s), np.asarray(v.astype(jnp.float32) * s[..., None])
+    def pages(c, part):  # the engine's layout: a scale and zero per 8 (K) / 32 (V) channels
+        p = QuantizedPages.of(jnp.asarray(c) + 0.5, jnp.int8, kv_scale_groups("int8", 64, part))  # off-centre
+        return p, np.asarray(p.dequantized())
 
-    (kp, kvals), (vp, vvals) = pages(kc), pages(vc)
+    (kp, kvals), (vp, vvals) = pages(kc, "k"), pages(vc, "v")
+    assert kp.scales.shape[-1] == 8 and vp.scales.shape[-1] == 2
     want = oracle(q, kvals, vvals, kvl, tables, qsl, ns, 0.125)
     sh = jax.tree_util.tree_map(jnp.asarray, shared)
     rest = tuple(map(jnp.asarray, (kvl, tables, qsl, ns)))

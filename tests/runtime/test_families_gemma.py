@@ -217,12 +217,12 @@ def test_window_on_an_int8_cache_kernel_against_xla():
     """The C++ kernel's int8 target (blocks dequantized inside it) with a window: the numbers
     of the XLA path reading the same quantized cache."""
     from runtime.kernels.cpu import attention as cpu_attention
-    from runtime.model.kv_pages import QuantizedPages, quantize_rows
+    from runtime.model.kv_pages import QuantizedPages
 
     if not cpu_attention.available():
         pytest.skip("the C++ CPU kernels are not built here")
     (q, kc, vc, *rest), sh = shared_batch(np.random.default_rng(5), 12)
-    kp, vp = (QuantizedPages(*quantize_rows(jnp.asarray(c), jnp.int8)) for c in (kc, vc))
+    kp, vp = (QuantizedPages.of(jnp.asarray(c), jnp.int8, kc.shape[-1] // n) for c, n in ((kc, 8), (vc, 32)))
     got = [np.asarray(xla_ragged_paged_attention(jnp.asarray(q), kp, vp, *map(jnp.asarray, rest), sm_scale=0.2,
                                                  cpu_kernel=kernel, window=12, shared=sh)) for kernel in (False, True)]
     np.testing.assert_allclose(got[1], got[0], atol=2e-5)

@@ -1,5 +1,5 @@
-"""The quantized KV cache (int8 / fp8_e4m3, one float32 scale per token and KV head):
-write quantizes, attention dequantizes on read, sizes follow the real element size, and
+"""The quantized KV cache (int8 with a float16 scale and zero per 8 channels of K and 32 of V; fp8_e4m3 with
+one float32 scale per token and KV head): write quantizes, attention dequantizes on read, sizes follow the real element size, and
 start-up rejects what cannot run."""
 
 import jax
@@ -20,37 +20,62 @@ QUANT = ("int8", "fp8_e4m3")
 
 def _quantized(cache: np.ndarray, kv_dtype: str) -> tuple[QuantizedPages, np.ndarray]:
     """A float cache stored quantized, and the float values it now represents."""
-    vals, scales = quantize_rows(jnp.asarray(cache), KV_DTYPES[kv_dtype])
-    pages = QuantizedPages(vals, scales)
-    return pages, np.asarray(vals.astype(jnp.float32) * scales[..., None])
+    pages = QuantizedPages.of(jnp.asarray(cache), KV_DTYPES[kv_dtype], 4 if kv_dtype == "int8" else 1)
+    return pages, np.asarray(pages.dequantized())
 
 
 @pytest.mark.parametrize("kv_dtype", QUANT)
-def test_quantize_rows_error_is_bounded_per_token_and_head(kv_dtype):
+def test_quantize_rows_error_is_bounded_per_group(kv_dtype):
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((50, 3, 64)).astype(np.float32)
-    x[7, 1] *= 100.0  # an outlier head of one token must not coarsen the others
-    vals, scales = quantize_rows(jnp.asarray(x), KV_DTYPES[kv_dtype])
-    assert vals.dtype == KV_DTYPES[kv_dtype] and scales.shape == (50, 3)
-    back = np.asarray(vals.astype(jnp.float32) * scales[..., None])
-    rel = np.abs(back - x).max(-1) / np.abs(x).max(-1)
-    assert rel.max() < (0.5 / 127 + 1e-6 if kv_dtype == "int8" else 0.07)
-    assert float(scales[7, 0]) < float(scales[7, 1]) / 20  # its neighbours keep their own scale
-    zeros, s0 = quantize_rows(jnp.zeros((2, 1, 4)), KV_DTYPES[kv_dtype])
-    assert not np.asarray(zeros.astype(jnp.float32)).any() and np.isfinite(np.asarray(s0)).all()
+    x = rng.standard_normal((50, 3, 64)).astype(np.float32) + 3.0  # off-centre: the zero earns its keep
+    x[7, 1, :16] *= 100.0  # an outlier group must not coarsen the other heads (nor, for int8, groups)
+    groups = 4 if kv_dtype == "int8" else 1
+    vals, scales, zeros = quantize_rows(jnp.asarray(x), KV_DTYPES[kv_dtype], groups)
+    assert vals.dtype == KV_DTYPES[kv_dtype] and scales.shape == (50, 3, groups)
+    assert (zeros is None) == (kv_dtype != "int8")
+    back = np.asarray(QuantizedPages(vals, scales, zeros).dequantized())
+    if kv_dtype == "int8":  # half a step of each group's own range (plus float16's rounding of its pair)
+        xg = x.reshape(50, 3, 4, 16)
+        step = (xg.max(-1) - xg.min(-1)) / 255
+        err = np.abs(back - x).reshape(50, 3, 4, 16).max(-1)
+        assert (err <= 0.5 * step * 1.01 + np.abs(xg).max(-1) * 2 ** -10).all()
+        assert float(scales[7, 1, 1]) < float(scales[7, 1, 0]) / 20
+    else:
+        rel = np.abs(back - x).max(-1) / np.abs(x).max(-1)
+        assert rel.max() < 0.07
+    assert float(scales[7, 0, 0]) < float(scales[7, 1, 0]) / 20  # its neighbours keep their own scale
+    p = QuantizedPages.of(jnp.zeros((2, 1, 32)), KV_DTYPES[kv_dtype], groups)  # all zeros: exact, finite
+    assert not np.asarray(p.dequantized()).any() and np.isfinite(np.asarray(p.scales, np.float32)).all()
+    const = QuantizedPages.of(jnp.full((1, 1, 32), 0.3), KV_DTYPES[kv_dtype], groups)  # a constant group
+    np.testing.assert_allclose(np.asarray(const.dequantized()), 0.3, rtol=2e-3)
+
+
+def test_the_engines_int8_cache_holds_a_float16_scale_and_zero_per_8_k_and_32_v_channels():
+    from runtime.model.runner import allocate_kv
+
+    k, v = allocate_kv((4, 16, 2, 64), "int8")
+    assert k.scales.shape == k.zeros.shape == (4, 16, 2, 8) and k.scales.dtype == jnp.float16
+    assert v.scales.shape == v.zeros.shape == (4, 16, 2, 2) and v.zeros.dtype == jnp.float16
+    nbytes = [sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(c)) for c in (k, v)]
+    assert nbytes == [4 * 16 * 2 * 64 * 1.5, 4 * 16 * 2 * 64 * 1.125]
+    k, v = allocate_kv((4, 16, 2, 12), "int8")  # a head size the groups do not divide: one per head
+    assert k.scales.shape[-1] == v.scales.shape[-1] == 1
+    with pytest.raises(ValueError, match="one scale per row"):
+        quantize_rows(jnp.ones((2, 8)), jnp.float8_e4m3fn, 2)
 
 
 @pytest.mark.parametrize("kv_dtype", QUANT)
 def test_write_kv_quantizes_into_pages_and_drops_padding(kv_dtype):
     dt = KV_DTYPES[kv_dtype]
-    pages = QuantizedPages(jnp.zeros((4, 2, 1, 3), dt), jnp.ones((4, 2, 1), jnp.float32))
+    pages = QuantizedPages.empty((4, 2, 1, 3), dt)
     k = jnp.arange(9, dtype=jnp.float32).reshape(3, 1, 3) + 1
     kc, vc = write_kv(pages, pages, k, -k, jnp.array([5, -1, 0]))
     assert isinstance(kc, QuantizedPages) and kc.values.dtype == dt
     got = np.asarray(kc[jnp.array([2, 0])])  # dequantized blocks 2 and 0
     np.testing.assert_allclose(got[0, 1, 0], [1, 2, 3], rtol=0.07)
     np.testing.assert_allclose(got[1, 0, 0], [7, 8, 9], rtol=0.07)
-    assert np.count_nonzero(np.asarray(kc.values.astype(jnp.float32))) == 6  # the -1 row went nowhere
+    written = np.abs(np.asarray(kc.dequantized())).reshape(8, 3).sum(-1) > 0
+    assert written.nonzero()[0].tolist() == [0, 5]  # the -1 row went nowhere
     np.testing.assert_allclose(np.asarray(vc[jnp.array([2])])[0, 1, 0], [-1, -2, -3], rtol=0.07)
 
 
@@ -80,8 +105,9 @@ def test_block_bytes_count_the_scales(tiny_ckpt):
 
     m = load_config(tiny_ckpt)
     f32, i8 = CacheConfig(16, 64, "float32"), CacheConfig(16, 64, "int8")
-    per_head = m.head_dim * 1 + 4  # int8 elements + one float32 scale
-    assert i8.bytes_per_block(m) == 2 * m.num_layers * m.num_kv_heads * per_head * 16
+    groups = [m.head_dim // n if m.head_dim % n == 0 else 1 for n in (8, 32)]  # K, V
+    per_head = 2 * m.head_dim * 1 + 4 * sum(groups)  # K and V: int8 elements + a float16 scale and zero per group
+    assert i8.bytes_per_block(m) == m.num_layers * m.num_kv_heads * per_head * 16
     assert f32.bytes_per_block(m) > i8.bytes_per_block(m)
     budget = 8 << 20
     assert CacheConfig.from_memory(m, budget, kv_dtype="int8").num_blocks == budget // i8.bytes_per_block(m)
@@ -96,7 +122,7 @@ def test_engine_with_quantized_cache_allocates_it_and_generates(tiny_ckpt, kv_dt
     k, v = eng.runner.kv
     assert isinstance(k, QuantizedPages) and k.values.dtype == KV_DTYPES[kv_dtype]
     assert eng.runner.kv_cache_bytes() == 64 * eng.config.cache.bytes_per_block(eng.config.model)
-    assert eng.runner.kv_cache_bytes() < ref.runner.kv_cache_bytes() / 3
+    assert eng.runner.kv_cache_bytes() < ref.runner.kv_cache_bytes() / 2.5  # (the scales count: head_dim 16 here)
     prompts = [[5, 9, 2, 7] * 10, [3, 1, 4, 1, 5, 9, 2, 6]]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = [r.output_ids for r in eng.generate(prompts, sp)]
@@ -109,8 +135,9 @@ def test_engine_with_quantized_cache_allocates_it_and_generates(tiny_ckpt, kv_dt
 
 
 def test_attention_backend_for_a_quantized_cache():
-    """The Pallas kernel reads int8 / fp8 caches (tests/runtime/test_engine_pallas.py runs
-    it); auto stays XLA without a GPU."""
+    """The Pallas kernel reads fp8 caches (tests/runtime/test_engine_pallas.py runs it), not
+    int8's per-16-channel scales and zeros; auto stays XLA without a GPU, and on a GPU serves
+    an int8 cache on the XLA path."""
     assert resolve("pallas") == "pallas"
     assert resolve("auto") == "xla"
     assert resolve("xla") == "xla"
@@ -119,6 +146,18 @@ def test_attention_backend_for_a_quantized_cache():
     # the C++ kernels read float32 and int8 caches only; fp8 stays on plain XLA
     assert not make_backend("xla", "fp8_e4m3", cpu_kernels=True).cpu_kernel
     assert not make_backend("xla", "int8", cpu_kernels=False).cpu_kernel
+    with pytest.raises(ValueError, match="pallas does not implement the int8 cache"):
+        make_backend("pallas", "int8", cpu_kernels=False)
+
+
+def test_auto_on_a_gpu_serves_an_int8_cache_on_the_xla_path(monkeypatch, caplog):
+    from runtime.model.attention_backend import XlaAttention
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with caplog.at_level("INFO", logger="runtime.model.attention_backend"):
+        assert make_backend("auto", "int8", cpu_kernels=False) == XlaAttention(cpu_kernel=False)
+    assert "does not implement the int8 cache" in caplog.text
+    assert make_backend("auto", "fp8_e4m3", cpu_kernels=False).name == "pallas"
 
 
 @pytest.mark.real_model

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from runtime.config import kv_scale_groups
 from runtime.core.disagg import NoRoom, prefill_then_decode
 from runtime.core.kv_transfer import (InProcessConnector, RayHandle, SharedMemoryConnector, TransferError,
                                  TransferTimeout)
@@ -176,8 +177,9 @@ def test_int8_cache_over_shared_memory(tiny_ckpt, f32):
         assert same_output(prefill_then_decode(pre, dec, SharedMemoryConnector(), ids, params), want)
     blocks = pre.export_kv(ids, 1)
     m = dec.config.model
-    assert [a.dtype.name for a in blocks.arrays] == ["int8", "float32", "int8", "float32"]  # the scales travel
-    assert blocks.arrays[1].shape == (m.num_layers, 2, BS, m.num_kv_heads)
+    # the scales and zeros travel: K's values, scales, zeros, then V's
+    assert [a.dtype.name for a in blocks.arrays] == ["int8", "float16", "float16"] * 2
+    assert blocks.arrays[1].shape == (m.num_layers, 2, BS, m.num_kv_heads, kv_scale_groups("int8", m.head_dim, "k"))
     # a record for another cache layout is refused with a clear error, before anything is written
     res = f32[1].reserve(ids, GREEDY)
     res.skip_blocks, res.num_transfer = 1, 2

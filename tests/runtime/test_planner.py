@@ -87,14 +87,17 @@ def test_fleet_size_seed_example():
     assert _13b().fleet is None
 
 
-def test_int8_kv_nearly_halves_and_b_max_grows():
-    bf, i8 = _13b(), _13b(kv_dtype="int8")
-    # int8 elements plus one float32 scale per token, KV head and K/V: the real footprint
+def test_int8_kv_counts_its_scales_and_b_max_grows():
+    bf, i8, f8 = _13b(), _13b(kv_dtype="int8"), _13b(kv_dtype="fp8_e4m3")
+    # int8 elements plus a float16 scale and zero per 8 channels of K and 32 of V (head_dim 128:
+    # 16 + 4 groups of 4 bytes), per token and KV head: the real footprint
     m = bf.num_layers * bf.num_kv_heads
-    assert i8.kv_bytes_per_token == bf.kv_bytes_per_token // 2 + 2 * m * 4
+    assert i8.kv_bytes_per_token == bf.kv_bytes_per_token // 2 + m * 20 * 4
     assert i8.kv_bytes_per_seq == i8.kv_bytes_per_token * bf.context_len
-    assert "+ 4 B scale" in format_plan(i8)
-    assert 1.9 * bf.b_max <= i8.b_max <= 2 * bf.b_max + 1 and i8.tps_ceiling > bf.tps_ceiling
+    assert "+ 40 B scales" in format_plan(i8)
+    assert 1.4 * bf.b_max <= i8.b_max <= 1.6 * bf.b_max and i8.tps_ceiling > bf.tps_ceiling
+    assert f8.kv_bytes_per_token == bf.kv_bytes_per_token // 2 + 2 * m * 4  # one float32 scale each
+    assert 1.9 * bf.b_max <= f8.b_max <= 2 * bf.b_max + 1
     assert _13b(kv_dtype="bf16").kv_bytes_per_token == bf.kv_bytes_per_token  # alias
     with pytest.raises(ValueError, match="kv_dtype"):
         _13b(kv_dtype="int3")
@@ -162,7 +165,7 @@ def test_cli_table_and_options(capsys):
     assert run_plan(_args("--model", "llama-3-8b", "--kv-dtype", "int8", "--overhead", "0",
                           "--device", "a100", "--context-len", "2000")) == 0
     out = capsys.readouterr().out
-    assert "llama-3-8b on a100" in out and "64.00 KiB" in out and "B_max" in out
+    assert "llama-3-8b on a100" in out and "KV / token    84.00 KiB" in out and "B_max" in out
 
 
 def test_cli_checkpoint(tmp_path, capsys):

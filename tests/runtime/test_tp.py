@@ -107,12 +107,12 @@ def test_w8a8_checkpoint_with_int8_head_matches_tp1(ckpts, tmp_path):
     assert res[1]["lm_head_int8"] and res[4]["lm_head_int8"]
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
 def test_pallas_step_under_tp_lowers_for_two_gpus(tmp_path, kv_dtype):
     """The TP 2 engine step with the Pallas kernel (tests/runtime/tp_pallas_lower.py), lowered
     for CUDA: one Mosaic GPU kernel per layer inside the step's shard_map, each reading its
-    device's KV head of the cache (1 of 2) and that head's query rows; a quantized cache's
-    int8 values and scales go to the kernel as such."""
+    device's KV head of the cache (1 of 2) and that head's query rows; an fp8 cache's 1-byte
+    values and per-token scales go to the kernel as such."""
     ckpt = make_tiny_checkpoint(tmp_path / "tiny64", head_dim=64, num_heads=6, num_kv_heads=2)
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "runtime" / "tp_pallas_lower.py"), str(ckpt), kv_dtype],
                          env=_env(2), capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -122,10 +122,10 @@ def test_pallas_step_under_tp_lowers_for_two_gpus(tmp_path, kv_dtype):
     assert len(r["kernel_operands"]) == 1  # in the layer scan's body: one call per layer
     ops = r["kernel_operands"][0]
     cache_rows = r["num_layers"] * r["num_blocks"]
-    elem = "i8" if kv_dtype == "int8" else "bf16"
+    elem = "f8E4M3FN" if kv_dtype == "fp8_e4m3" else "bf16"
     assert ops[3] == ops[4] == f"tensor<{cache_rows}x16x1x64x{elem}>"  # this device's 1 of 2 KV heads
     assert ops[2].startswith("tensor<1x") and ops[2].endswith("x64xbf16>")  # its 3 query heads' rows
-    if kv_dtype == "int8":
+    if kv_dtype == "fp8_e4m3":
         assert len(ops) == 7 and ops[5] == ops[6] and ops[5].startswith("tensor<4x1x")  # [S, 1 head, tokens] scales
     else:
         assert len(ops) == 5

@@ -38,7 +38,7 @@ def supports(cache: object) -> bool:
     from runtime.model.kv_pages import QuantizedPages
 
     if isinstance(cache, QuantizedPages):
-        return cache.values.dtype == jnp.int8 and cache.values.shape[-1] in HEAD_DIMS
+        return cache.values.dtype == jnp.int8 and cache.zeros is not None and cache.values.shape[-1] in HEAD_DIMS
     return getattr(cache, "dtype", None) == jnp.float32 and getattr(cache, "shape", (0,))[-1] in HEAD_DIMS
 
 
@@ -56,7 +56,7 @@ def decode_attention(q: jax.Array, k_cache: object, v_cache: object, kv_lens: ja
                      block_tables: jax.Array, shared: "SharedPrefix | None" = None,
                      window: jax.Array | int = 0) -> jax.Array:
     """q [S, Hkv, G, D] (scaled) against caches [NB, BS, Hkv, D] (float32, or int8
-    QuantizedPages: dequantized block by block inside the kernel) through block_tables [S, MB]
+    QuantizedPages with float16 scales and zeros: dequantized block by block inside the kernel) through block_tables [S, MB]
     up to kv_lens [S] -> normalized [S, Hkv, G, D] float32 (zeros where kv_lens is 0). With
     `shared` (runtime.model.xla_attention.SharedPrefix, tables padded alike), the members' common
     leading blocks are read once for all of them (cascade) before each sequence's own.
@@ -91,7 +91,7 @@ def _call(q, k_cache, v_cache, kv_lens, block_tables, shared, seq_of, pos, windo
             i32(jnp.asarray(window).reshape(1)))
     if isinstance(k_cache, QuantizedPages):
         call = jax.ffi.ffi_call(TARGET_INT8, out, vmap_method="sequential")
-        return call(q.astype(jnp.float32), k_cache.values, v_cache.values, k_cache.scales, v_cache.scales, *tail,
-                    num_threads=np.int64(num_threads()))
+        return call(q.astype(jnp.float32), k_cache.values, v_cache.values, k_cache.scales, v_cache.scales,
+                    k_cache.zeros, v_cache.zeros, *tail, num_threads=np.int64(num_threads()))
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
     return call(q.astype(jnp.float32), k_cache, v_cache, *tail, num_threads=np.int64(num_threads()))
