@@ -132,7 +132,7 @@ class RopeScaling:
         return cls(**d)
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # runtime/model/families FAMILIES
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe")  # runtime/model/families FAMILIES
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU (tanh GELU)
 
@@ -168,6 +168,13 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (global: rope_theta)
     hidden_activation: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
+    # Mixture of experts (mixtral, qwen3_moe; runtime/model/families/moe.py): every layer's MLP is
+    # num_experts SwiGLU experts of width moe_intermediate_size, num_experts_per_tok per token
+    # picked by a softmax router, their weights renormalised to sum 1 when norm_topk_prob.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -185,6 +192,12 @@ class ModelConfig:
         _check(not bad, "layer_types", f"{bad[:1]} not supported (supported: {', '.join(LAYER_TYPES)})")
         _check(self.sliding_window is not None or "sliding_attention" not in self.layer_types, "layer_types",
                "has sliding_attention layers but sliding_window is not set")
+        moe = self.architecture in ("mixtral", "qwen3_moe")
+        _check(not moe or self.num_experts > 0, "num_experts", f"{self.architecture} needs experts")
+        _check(not moe or 0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+               f"must be 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}")
+        _check(not moe or self.moe_intermediate_size > 0, "moe_intermediate_size", "must be positive")
+        _check(moe or self.num_experts == 0, "num_experts", f"{self.architecture} has no experts")
         _check(self.hidden_activation in ACTIVATIONS, "hidden_activation",
                f"{self.hidden_activation!r} not supported (supported: {', '.join(ACTIVATIONS)})")
         for f in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
@@ -212,8 +225,10 @@ class ModelConfig:
         kv = self.num_kv_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.attention_bias else 0)
         norms = 4 if self.architecture in ("gemma2", "gemma3") else 2  # Gemma: post-attention and post-MLP norms too
-        qk_norms = 2 * self.head_dim if self.architecture in ("qwen3", "gemma3") else 0
-        per_layer = attn + 3 * d * f + norms * d + qk_norms
+        qk_norms = 2 * self.head_dim if self.architecture in ("qwen3", "gemma3", "qwen3_moe") else 0
+        mlp = (self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts if self.num_experts
+               else 3 * d * f)
+        per_layer = attn + mlp + norms * d + qk_norms
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         return L * per_layer + emb + d
 

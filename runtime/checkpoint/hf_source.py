@@ -16,7 +16,8 @@ from runtime.config import ModelConfig, RopeScaling
 # architecture -> (our model's architecture, the transformers family whose config.json keys apply)
 ARCHS = {"LlamaForCausalLM": ("llama", "llama"), "MistralForCausalLM": ("llama", "mistral"),
          "Qwen2ForCausalLM": ("qwen2", "qwen2"), "Qwen3ForCausalLM": ("qwen3", "qwen3"),
-         "Phi3ForCausalLM": ("phi3", "phi3")}
+         "Phi3ForCausalLM": ("phi3", "phi3"), "MixtralForCausalLM": ("mixtral", "mixtral"),
+         "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe")}
 
 # config.json keys that never change the model's outputs: bookkeeping, training-only knobs
 # (dropout is off at inference, pretraining_tp only split the matmuls), generation defaults
@@ -56,9 +57,18 @@ FAMILY_KEYS = {  # each family's own keys, implemented or checked (transformers'
     "qwen3": frozenset({"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
                         "layer_types"}),
     "phi3": frozenset({"attention_bias", "sliding_window"}),
+    # mixture of experts (runtime/model/families/moe.py); output_router_logits, router_aux_loss_coef
+    # and router_jitter_noise act in training only (checked below)
+    "mixtral": frozenset({"sliding_window", "num_local_experts", "num_experts_per_tok", "output_router_logits",
+                          "router_aux_loss_coef", "router_jitter_noise"}),
+    "qwen3_moe": frozenset({"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+                            "layer_types", "num_experts", "num_local_experts", "num_experts_per_tok",
+                            "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                            "output_router_logits", "router_aux_loss_coef"}),
 }
 # Defaults of transformers' config classes where a key is absent and the default matters.
-MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
+MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "phi3": 4096,
+                 "mixtral": 4096 * 32, "qwen3_moe": 32768}
 MISTRAL_SLIDING_WINDOW = 4096  # MistralConfig's default: a config.json without the key slides
 # Gemma 2 / 3: their keys are read and checked in runtime/checkpoint/hf_gemma.py
 ARCHS.update(GEMMA_ARCHS)
@@ -135,6 +145,12 @@ class HFSource:
             ("quantization_config", c.get("quantization_config") is not None,
              "pre-quantized weights are not supported; convert an unquantized checkpoint"),
             ("pruned_heads", bool(c.get("pruned_heads")), "pruned attention heads are not supported"),
+            ("decoder_sparse_step", c.get("decoder_sparse_step", 1) != 1,
+             "dense MLP layers among the expert layers are not implemented"),
+            ("mlp_only_layers", bool(c.get("mlp_only_layers")),
+             "dense MLP layers among the expert layers are not implemented"),
+            ("router_jitter_noise", not isinstance(c.get("router_jitter_noise", 0.0), (int, float)),
+             "expected a number (it acts in training only)"),
             ("auto_map", any(k.startswith("AutoModel") and v != UPSTREAMED_CODE.get(fam)
                              for k, v in (c.get("auto_map") or {}).items()),
              "custom modelling code is not supported"),
@@ -176,7 +192,7 @@ class HFSource:
                 key, v = windowed[0]
                 raise self._refuse(f"{key} {v!r} is not supported (LlamaForCausalLM has no sliding window)")
             return None, ()
-        if fam in ("mistral", "phi3"):  # every layer slides; an absent key is the config class's default
+        if fam in ("mistral", "phi3", "mixtral"):  # every layer slides; an absent key is the config class's default
             window = c.get("sliding_window", MISTRAL_SLIDING_WINDOW if fam == "mistral" else None)
         else:  # qwen2: layers from max_window_layers on slide, when use_sliding_window
             window = c.get("sliding_window", 4096) if c.get("use_sliding_window", False) else None
@@ -240,6 +256,7 @@ class HFSource:
                 name=self.path.name,
                 sliding_window=window,
                 layer_types=types,
+                **self._experts(),
                 **gemma,
             )
         except KeyError as exc:
@@ -248,6 +265,18 @@ class HFSource:
             raise
         except ValueError as exc:  # ModelConfig's own checks name the field
             raise self._refuse(str(exc)) from None
+
+    def _experts(self) -> dict:
+        """The ModelConfig fields of a mixture of experts (none for a dense family)."""
+        c, fam = self.hf, self.family
+        if fam not in ("mixtral", "qwen3_moe"):
+            return {}
+        moe3 = fam == "qwen3_moe"  # absent keys: the config classes' defaults
+        n = c.get("num_local_experts", c.get("num_experts", 128 if moe3 else 8))
+        return {"num_experts": int(n), "num_experts_per_tok": int(c.get("num_experts_per_tok", 8 if moe3 else 2)),
+                "moe_intermediate_size": int(c["moe_intermediate_size"] if fam == "qwen3_moe"
+                                             else c["intermediate_size"]),
+                "norm_topk_prob": fam == "mixtral" or bool(c.get("norm_topk_prob", False))}
 
     def _tokenizer_config(self) -> dict:
         p = self.path / "tokenizer_config.json"

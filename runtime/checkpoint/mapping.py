@@ -44,7 +44,7 @@ TRANSFORMS: dict[str, Transform] = {
 
 @dataclass(frozen=True)
 class Rule:
-    source: str          # e.g. "blk.{i}.attn_q.weight"
+    source: str          # e.g. "blk.{i}.attn_q.weight" ({e}: one expert's, stacked [L, E, ...])
     path: str            # e.g. "layers/wq" (layered) or "embed"
     transform: str = "copy"
     optional: bool = False
@@ -53,8 +53,12 @@ class Rule:
     def layered(self) -> bool:
         return "{i}" in self.source
 
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.source
+
     def regex(self) -> re.Pattern[str]:
-        return re.compile("^" + re.escape(self.source).replace(r"\{i\}", r"(\d+)") + "$")
+        return re.compile("^" + re.escape(self.source).replace(r"\{i\}", r"(\d+)").replace(r"\{e\}", r"(\d+)") + "$")
 
 
 # `{arch}.` metadata keys a GGUF's model config reads or checks (runtime/checkpoint/gguf_source.py);
@@ -128,7 +132,26 @@ HF_GEMMA_RULES = (
     Rule("model.layers.{i}.mlp.up_proj.weight", "layers/w_up", "t"),
     Rule("model.layers.{i}.mlp.down_proj.weight", "layers/w_down", "t"),
 )
-HF_RULES_BY_ARCH = {"gemma2": HF_GEMMA_RULES, "gemma3": HF_GEMMA_RULES}
+# Mixtral / Qwen3-MoE: Llama's (Qwen3's) attention rules, the MLP as a router and experts
+# (runtime/model/families/moe.py), one tensor per expert in the files.
+_DENSE_MLP = ("layers/w_gate", "layers/w_up", "layers/w_down")
+_ATTENTION_RULES = tuple(r for r in HF_RULES if r.path not in _DENSE_MLP)
+HF_MIXTRAL_RULES = (
+    *_ATTENTION_RULES,
+    Rule("model.layers.{i}.block_sparse_moe.gate.weight", "layers/router", "t"),
+    Rule("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", "layers/experts_gate", "t"),
+    Rule("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", "layers/experts_up", "t"),
+    Rule("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", "layers/experts_down", "t"),
+)
+HF_QWEN3_MOE_RULES = (
+    *_ATTENTION_RULES,
+    Rule("model.layers.{i}.mlp.gate.weight", "layers/router", "t"),
+    Rule("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "layers/experts_gate", "t"),
+    Rule("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers/experts_up", "t"),
+    Rule("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "layers/experts_down", "t"),
+)
+HF_RULES_BY_ARCH = {"gemma2": HF_GEMMA_RULES, "gemma3": HF_GEMMA_RULES, "mixtral": HF_MIXTRAL_RULES,
+                    "qwen3_moe": HF_QWEN3_MOE_RULES}
 
 
 def hf_rules(architecture: str) -> tuple[Rule, ...]:
@@ -151,10 +174,13 @@ class ParamAssembler:
         self.flat: dict[str, np.ndarray] = {}
         self.layered: dict[str, dict[int, np.ndarray]] = {}
 
-    def match(self, name: str) -> tuple[Rule, int | None] | None:
+    def match(self, name: str) -> tuple[Rule, int | tuple[int, int] | None] | None:
+        """The rule a tensor name follows, with its layer (and expert: (layer, expert))."""
         for rule, rx in self._compiled:
             m = rx.match(name)
             if m:
+                if rule.per_expert:
+                    return rule, (int(m.group(1)), int(m.group(2)))
                 return rule, (int(m.group(1)) if rule.layered else None)
         return None
 
@@ -166,7 +192,13 @@ class ParamAssembler:
             raise CheckpointError(f"unexpected tensor {name!r}: not part of a {self.cfg.architecture} model")
         rule, layer = hit
         w = TRANSFORMS[rule.transform](np.asarray(array, dtype=np.float32), self.cfg).astype(self.dtype)
-        if layer is None:
+        if isinstance(layer, tuple):  # one expert's: kept by (layer, expert) until finish_layers stacks them
+            layer, expert = layer
+            if layer >= self.cfg.num_layers or expert >= self.cfg.num_experts:
+                raise CheckpointError(f"tensor {name!r} names layer {layer}, expert {expert}; the model has "
+                                      f"{self.cfg.num_layers} layers of {self.cfg.num_experts} experts")
+            self.layered.setdefault(rule.path, {})[layer * self.cfg.num_experts + expert] = np.ascontiguousarray(w)
+        elif layer is None:
             self.flat[rule.path] = w
         else:
             if layer >= self.cfg.num_layers:
@@ -181,10 +213,18 @@ class ParamAssembler:
                 got = self.layered.get(rule.path, {})
                 if not got and rule.optional:
                     continue
-                missing = sorted(set(range(self.cfg.num_layers)) - set(got))
+                L, E = self.cfg.num_layers, self.cfg.num_experts
+                if rule.per_expert:  # [L, E, ...], experts of a layer side by side
+                    missing = sorted(set(range(L * E)) - set(got))
+                    if missing:
+                        raise CheckpointError(f"missing tensor {rule.source.format(i=missing[0] // E, e=missing[0] % E)!r}")
+                    layers[rule.path.split("/")[1]] = np.stack([got[i] for i in range(L * E)]).reshape(
+                        L, E, *got[0].shape)
+                    continue
+                missing = sorted(set(range(L)) - set(got))
                 if missing:
                     raise CheckpointError(f"missing tensor {rule.source.format(i=missing[0])!r}")
-                layers[rule.path.split("/")[1]] = np.stack([got[i] for i in range(self.cfg.num_layers)])
+                layers[rule.path.split("/")[1]] = np.stack([got[i] for i in range(L)])
         return layers
 
     def finish(self, expected_shapes: dict) -> dict:

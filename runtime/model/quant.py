@@ -385,6 +385,9 @@ def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any, lm_he
     `lm_head` adds the int8 head). A tree that is already quantized by `method` (a `convert
     --quantize` checkpoint) is returned as it is: start-up never requantizes; one quantized
     otherwise is an error."""
+    if method != "none" and cfg.num_experts:
+        raise ValueError(f"quantization: {method} of a mixture of experts: its expert weights are not quantized "
+                         "yet (serve it with --quantization none)")
     have = quantization_of(params)
     if have == method:
         if lm_head and "head" not in params:

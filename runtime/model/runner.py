@@ -72,13 +72,14 @@ def pack_float_for(cfg: ModelConfig, params: Params) -> Params:
     a Llama-style layer (SWIGLU_TAIL) gets the SwiGLU gate|up pair and with it the fused layer
     tail (runtime/kernels/cpu/matmul.py); any other (Gemma: post-norms, GeGLU) gets each
     projection packed on its own (q|k|v still one product), so typed() builds no tail and
-    the family applies its own activation and norms."""
+    the family applies its own activation and norms; a mixture of experts gets its attention
+    projections packed (its experts stay the family's grouped products)."""
     from runtime.kernels.cpu import matmul as cpu_matmul
 
     if getattr(family(cfg), "SWIGLU_TAIL", True):
         return cpu_matmul.pack_float_params(params, cfg.tie_word_embeddings)
     layers = dict(params["layers"])
-    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    names = tuple(n for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down") if n in layers)
     if any(np.shape(layers[n])[-1] % cpu_matmul.F32_STRIP for n in names):
         return params
     layers["qkv"] = cpu_matmul.pack_float(np.concatenate([np.asarray(layers.pop(n), np.float32)

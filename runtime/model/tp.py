@@ -56,6 +56,9 @@ def validate(cfg: ModelConfig, n: int, *, attention_backend: str = "auto", quant
         raise ValueError(f"tensor_parallel_size: must be at least 1, got {n}")
     if n == 1:
         return
+    if cfg.num_experts:  # expert weights have no sharding rule (nor expert parallelism) yet
+        raise ValueError("tensor_parallel_size: a mixture of experts is not sharded yet (no expert parallelism); "
+                         "serve it with --tensor-parallel-size 1")
     if quantization == "w4a16":  # its packed nibbles and group scales have no sharding rule yet
         raise ValueError("tensor_parallel_size: w4a16 weights are not sharded yet; serve w4a16 with "
                          "--tensor-parallel-size 1, or shard float32 / w8a8 weights")

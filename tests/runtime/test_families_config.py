@@ -51,7 +51,9 @@ def build_hf(out: Path, arch: str = "llama", seed: int = 0, **kw) -> Path:
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[arch]
     sizes = dict(SIZES)
     if arch == "qwen2":
         sizes.pop("head_dim")  # Qwen2Config derives it

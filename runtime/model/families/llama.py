@@ -174,12 +174,13 @@ def post_attention(lp: Params, a: jax.Array, h: jax.Array, norm: Norm) -> tuple[
 
 
 def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, positions: jax.Array,
-                   attention: AttentionFn, cache: Any, attention_inputs: Callable = qkv_projection
-                   ) -> tuple[jax.Array, Any]:
+                   attention: AttentionFn, cache: Any, attention_inputs: Callable = qkv_projection,
+                   after_attention: Callable | None = None) -> tuple[jax.Array, Any]:
     """Run the decoder over flattened tokens [T]; returns final-normed hidden [T, d] and the
     cache as threaded through `attention(q, k, v, layer, cache) -> (out, cache)`. A family
     that differs only in how q, k, v are made passes its own `attention_inputs` (the
-    signature of qkv_projection)."""
+    signature of qkv_projection), one that differs after attention its own
+    `after_attention(cfg, lp, a, h, norm)` (post_attention's, with the config first)."""
     params = typed(params)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][token_ids]
@@ -192,7 +193,10 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
         lp, layer = scanned
         q, k, v = attention_inputs(cfg, lp, h, positions, inv_freq, norm=(lp["attn_norm"], eps), made=made)
         attn, cache = attention(q, k, v, layer, cache)
-        h, made = post_attention(lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps))
+        if after_attention is None:
+            h, made = post_attention(lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps))
+        else:
+            h, made = after_attention(cfg, lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps))
         return (h, cache, made), None
 
     (x, cache, _), _ = scan_layers(layer_step, (x, cache, made), layers, cfg.num_layers)

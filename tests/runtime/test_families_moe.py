@@ -1,0 +1,133 @@
+"""Mixture-of-experts families (runtime/model/families/moe.py) against transformers on tiny
+random checkpoints transformers builds: Mixtral (top-2 of 8, renormalised) and Qwen3-MoE
+(top-2 of 6 with and without norm_topk_prob, per-head q/k norms). Greedy tokens and logprobs
+through the engine with chunked prefill, prefix caching, batch invariance, and the config
+fields that are refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from runtime.checkpoint.hf_source import HFSource
+from runtime.checkpoint.mapping import CheckpointError
+from runtime.checkpoint.store import convert, load_checkpoint
+from runtime.model.sampling import SamplingParams
+from tests.engine_util import make_engine
+from tests.runtime.test_families_config import PROMPT, assert_engine_matches, build_hf, hf_reference
+
+pytest.importorskip("transformers", reason="transformers not installed (pip install -e .[peer])")
+
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)
+QWEN3_MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, decoder_sparse_step=1,
+                 mlp_only_layers=[])
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen3_moe_norm"])
+def moe(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    arch = request.param.removesuffix("_norm")
+    kw = dict(MIXTRAL) if arch == "mixtral" else dict(QWEN3_MOE, norm_topk_prob=request.param.endswith("_norm"))
+    src = build_hf(tmp / "hf", arch, **kw)
+    convert(HFSource(src), tmp / "ck", progress=False)
+    return request.param, src, tmp / "ck"
+
+
+def test_moe_converts_its_router_and_stacked_experts(moe):
+    name, src, ck = moe
+    cfg, params, _ = load_checkpoint(ck)
+    lay = params["layers"]
+    E, f = (8, 48) if name == "mixtral" else (6, 40)
+    assert cfg.architecture == name.removesuffix("_norm") and cfg.num_experts == E and cfg.num_experts_per_tok == 2
+    assert cfg.norm_topk_prob == (name != "qwen3_moe")
+    assert lay["router"].shape == (2, 64, E) and lay["experts_gate"].shape == (2, E, 64, f)
+    assert lay["experts_down"].shape == (2, E, f, 64) and "w_gate" not in lay
+    assert ("q_norm" in lay) == (name != "mixtral")
+    assert cfg.param_count() == sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+
+
+def test_moe_matches_transformers_through_the_engine(moe):
+    """80 prompt tokens through a 32-token step budget (chunked prefill), then decode: greedy
+    tokens equal transformers', logprobs within 1e-3."""
+    _, src, ck = moe
+    assert_engine_matches(ck, src, PROMPT, 16)
+
+
+def test_moe_prefix_cache_and_batch_invariance(moe):
+    """Each prompt alone gives the tokens it gets in a batch with another (its experts' rows do
+    not depend on the other tokens routed with them), and a shared prefix's cached blocks give
+    transformers' tokens."""
+    _, src, ck = moe
+    other = PROMPT[:64] + [int(t) for t in np.random.default_rng(3).integers(3, 200, 12)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    eng = make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    first = eng.generate([PROMPT], sp)[0]
+    second = eng.generate([other], sp)[0]
+    assert second.num_cached_tokens >= 48
+    assert second.output_ids == hf_reference(src, other, 8)[0]
+    fresh = make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    both = fresh.generate([PROMPT, other], sp)
+    assert [r.output_ids for r in both] == [first.output_ids, second.output_ids]
+
+
+def test_experts_run_as_grouped_products_of_the_routed_rows():
+    """experts_mlp equals the per-token sum over its top-k experts written out densely, and
+    its graph multiplies through ragged_dot (no loop over experts; how a backend lowers it is
+    the backend's: XLA:CPU as one masked product per expert)."""
+    from runtime.config import ModelConfig
+    from runtime.model.families import moe as fam
+
+    cfg = ModelConfig("mixtral", 50, 16, 8, 1, 2, 1, 8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=8)
+    rng = np.random.default_rng(0)
+    lp = {"router": rng.standard_normal((16, 4)).astype(np.float32),
+          "experts_gate": rng.standard_normal((4, 16, 8)).astype(np.float32),
+          "experts_up": rng.standard_normal((4, 16, 8)).astype(np.float32),
+          "experts_down": rng.standard_normal((4, 8, 16)).astype(np.float32)}
+    x = rng.standard_normal((7, 16)).astype(np.float32)
+    got = np.asarray(fam.experts_mlp(cfg, jax.tree.map(jnp.asarray, lp), jnp.asarray(x)))
+    logits = x @ lp["router"]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.zeros_like(x)
+    for t in range(7):
+        top = np.argsort(-p[t])[:2]
+        w = p[t, top] / p[t, top].sum()
+        for e, we in zip(top, w):
+            g, u = x[t] @ lp["experts_gate"][e], x[t] @ lp["experts_up"][e]
+            want[t] += we * ((g / (1 + np.exp(-g))) * u) @ lp["experts_down"][e]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    jaxpr = str(jax.make_jaxpr(lambda lp, x: fam.experts_mlp(cfg, lp, x))(lp, x))
+    assert jaxpr.count("= ragged_dot_general[") == 3
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("mlp_only_layers", [1], "mlp_only_layers \\[1\\] is not supported \\(dense MLP layers among the expert layers"),
+    ("decoder_sparse_step", 2, "decoder_sparse_step 2 is not supported"),
+    ("router_scoring", "sigmoid", "unknown field 'router_scoring'"),
+])
+def test_moe_fields_it_does_not_implement_are_refused(tmp_path, field, value, message):
+    src = build_hf(tmp_path / "hf", "qwen3_moe", **QWEN3_MOE)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(CheckpointError, match=message):
+        HFSource(src).model_config()
+
+
+def test_moe_weight_quantization_is_refused_in_one_line(moe):
+    _, _, ck = moe
+    with pytest.raises(ValueError, match="quantization: .*expert weights are not quantized"):
+        make_engine(ck, num_blocks=16, quantization="w8a8")
+
+
+def test_moe_tensor_parallelism_is_refused_in_one_line():
+    from runtime.config import ModelConfig
+    from runtime.model import tp
+
+    cfg = ModelConfig("mixtral", 50, 16, 8, 1, 2, 2, 8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    with pytest.raises(ValueError, match="tensor_parallel_size: a mixture of experts is not sharded yet"):
+        tp.validate(cfg, 2, num_devices=2)
