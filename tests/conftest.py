@@ -80,6 +80,8 @@ SLOW = (
     "tests/runtime/test_families_gemma.py::test_gemma_matches_transformers_through_the_engine",
     "tests/runtime/test_families_gemma.py::test_gemma_prefix_cache_preemption_and_batch_invariance",
     "tests/runtime/test_families_phi3.py",           # Phi-3 against transformers through the engine
+    "tests/runtime/test_families_moe.py::test_moe_matches_transformers_through_the_engine",
+    "tests/runtime/test_families_moe.py::test_moe_prefix_cache_and_batch_invariance",
     # yarn / dynamic / longrope through the engine against transformers (the tables stay fast)
     "tests/runtime/test_rope_scaling.py::test_yarn_matches_transformers",
     "tests/runtime/test_rope_scaling.py::test_dynamic_is_default_rope_within_max_positions_and_refused_past_them",
