@@ -188,6 +188,42 @@ class Int4Grouped(Linear):
         return self.q4.shape[-1]
 
 
+def expert_products(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """x [M, K] with its rows sorted by expert (sizes [E] rows each, summing to M) times each
+    row's expert's matrix w [E, K, N] -> [M, N]: only the experts' own rows, as a mixture of
+    experts needs (runtime/model/families/moe.py).
+
+    jax.lax.ragged_dot says exactly this, and is what runs off CPU. XLA:CPU lowers it to one
+    masked product per expert over every row (E x the FLOPs, and all E matrices read at one
+    token): a 2-row product over 8 experts of 1024x3584 took 40 ms against 1.9 ms here. So on
+    CPU a loop over the experts that have rows, each multiplying its rows in tiles of R: the
+    matrices read are the active experts', the rows multiplied at most R - 1 past each
+    expert's own per expert. A tile's rows past its expert's end belong to the next experts,
+    which are written after it, so nothing is masked."""
+    if jax.default_backend() != "cpu":
+        return jax.lax.ragged_dot(x, w, sizes)
+    M, K = x.shape
+    E, _, N = w.shape
+    R = min(64, 1 << max(0, (-(-M // E) - 1).bit_length()))  # an expert's even share of the rows, to 64
+    starts = jnp.cumsum(sizes) - sizes
+    xpad = jnp.concatenate([x, jnp.zeros((R, K), x.dtype)])
+
+    def expert(e, out):
+        def run(out):
+            we = jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+
+            def tile(j, out):
+                r0 = starts[e] + j * R
+                y = jax.lax.dynamic_slice_in_dim(xpad, r0, R) @ we
+                return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), r0, 0)
+
+            return jax.lax.fori_loop(0, (sizes[e] + R - 1) // R, tile, out)
+
+        return jax.lax.cond(sizes[e] > 0, run, lambda o: o, out)
+
+    return jax.lax.fori_loop(0, E, expert, jnp.zeros((M + R, N), x.dtype))[:M]
+
+
 def dequantize_int4(q4: jax.Array, s4: jax.Array, m4: jax.Array) -> jax.Array:
     """[..., K/2, N] nibbles + [..., K/32, N] scales and offsets -> float32 [..., K, N]."""
     *lead, H, N = q4.shape

@@ -6,9 +6,10 @@ experts, the top `num_experts_per_tok` kept, renormalised to sum 1 when `norm_to
 (Mixtral always; Qwen3-MoE as its config says), and the token's output is the weighted sum
 of its experts' outputs.
 
-The experts run as grouped products (`jax.lax.ragged_dot`) over the (token, expert) pairs
-sorted by expert: each expert multiplies only the rows routed to it, so the work is the
-active experts' FLOPs, not E dense products. Each row's numbers depend only on its own
+The experts run as grouped products over the (token, expert) pairs sorted by expert
+(linear.expert_products: `jax.lax.ragged_dot`, on CPU a loop over the experts that have
+rows): each expert multiplies only the rows routed to it, so the work is the active
+experts', not E dense products. Each row's numbers depend only on its own
 token and expert (batch invariance: tests/runtime/test_families_moe.py).
 
 Stored per layer: router [d, E], experts_gate and experts_up [E, d, f], experts_down [E, f, d]
@@ -26,7 +27,7 @@ import runtime.model.families.llama as llama
 import runtime.model.families.qwen3 as qwen3
 from runtime.config import ModelConfig
 from runtime.model.families.llama import lm_head  # noqa: F401  (the family's API)
-from runtime.model.linear import Norm, rms_norm
+from runtime.model.linear import Norm, expert_products, rms_norm
 
 Params = dict[str, Any]
 SWIGLU_TAIL = False  # no dense MLP for the C++ kernels' fused layer tail
@@ -59,9 +60,9 @@ def experts_mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     rows = x[order // k]                             # [T*k, d]
     dt = x.dtype
-    gate = jax.lax.ragged_dot(rows, lp["experts_gate"].astype(dt), sizes)
-    up = jax.lax.ragged_dot(rows, lp["experts_up"].astype(dt), sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, lp["experts_down"].astype(dt), sizes)  # [T*k, d]
+    gate = expert_products(rows, lp["experts_gate"].astype(dt), sizes)
+    up = expert_products(rows, lp["experts_up"].astype(dt), sizes)
+    out = expert_products(jax.nn.silu(gate) * up, lp["experts_down"].astype(dt), sizes)  # [T*k, d]
     per_pick = jnp.zeros_like(out).at[order].set(out).reshape(T, k, -1)
     return jnp.einsum("tkd,tk->td", per_pick.astype(jnp.float32), weights).astype(dt)
 
