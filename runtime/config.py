@@ -232,6 +232,22 @@ class ModelConfig:
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         return L * per_layer + emb + d
 
+    def expert_param_count(self) -> int:
+        """Parameters of one expert of one layer (0 for a dense model)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size if self.num_experts else 0
+
+    def params_touched(self, tokens: float) -> float:
+        """Parameters a step over `tokens` tokens reads: everything but the experts, plus per
+        layer the experts those tokens are expected to pick (with uniform routing,
+        E * (1 - (1 - k/E)^tokens) distinct experts); param_count() for a dense model.
+        One token: the active parameters."""
+        p = self.param_count()
+        if not self.num_experts:
+            return float(p)
+        E, k = self.num_experts, self.num_experts_per_tok
+        distinct = E * (1.0 - (1.0 - k / E) ** max(tokens, 0.0))
+        return p - self.num_layers * (E - distinct) * self.expert_param_count()
+
     def kv_bytes_per_token(self, kv_dtype: str = "bfloat16") -> int:
         """Layers x KV heads x (2 (K and V) x head dim x bytes per element, plus a quantized
         cache's scales and zeros: kv_scale_bytes)."""

@@ -53,6 +53,12 @@ MODELS: dict[str, ModelConfig] = {m.name: m for m in (
     _llama("llama-3-70b", 128256, 8192, 28672, 80, 64, 8, max_pos=8192, theta=500000.0),
     _llama("smollm2-135m", 49152, 576, 1536, 30, 9, 3, head_dim=64, max_pos=8192,
            theta=100000.0, tied=True),
+    # mixtures of experts: 46.7 B parameters, 12.9 B active per token (top 2 of 8)
+    dataclasses.replace(_llama("mixtral-8x7b", 32000, 4096, 14336, 32, 32, 8, max_pos=32768, theta=1e6),
+                        architecture="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336),
+    # 30.5 B parameters, 3.3 B active (top 8 of 128)
+    dataclasses.replace(_llama("qwen3-30b-a3b", 151936, 2048, 6144, 48, 32, 4, max_pos=40960, theta=1e6),
+                        architecture="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
 )}
 
 
@@ -165,11 +171,18 @@ def normalize_dtype(name: str, *, weights: bool = False) -> str:
 
 # --- the formulas, usable on their own (the seeds' literal numbers go straight in) ------
 def step_time_s(batch: int, weight_bytes: float, kv_bytes_per_seq: float, bandwidth: float) -> float:
+    """A decode step's bytes over the bandwidth; `weight_bytes` the weights it reads (a mixture
+    of experts: the experts `batch` tokens touch, weights_read)."""
     return (weight_bytes + batch * kv_bytes_per_seq) / bandwidth
 
 
 def tokens_per_s(batch: int, weight_bytes: float, kv_bytes_per_seq: float, bandwidth: float) -> float:
     return batch / step_time_s(batch, weight_bytes, kv_bytes_per_seq, bandwidth) if batch > 0 else 0.0
+
+
+def weights_read(model: ModelConfig, batch: int, bytes_per_param: float) -> float:
+    """Weight bytes one decode step of `batch` sequences reads (ModelConfig.params_touched)."""
+    return model.params_touched(batch) * bytes_per_param
 
 
 def fleet_size(rps: float, output_tokens: int, tps_per_gpu: float, headroom: float = 0.0) -> int:
@@ -200,6 +213,7 @@ class CapacityPlan:
     headroom: float
     target_rps: float | None
     param_count: int
+    active_param_count: int  # read per token (a mixture of experts: its top-k experts), = param_count if dense
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -252,6 +266,7 @@ def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_
     wd, kd = normalize_dtype(weight_dtype, weights=True), normalize_dtype(kv_dtype)
     params = model.param_count()
     weights = int(params * WEIGHT_DTYPE_BYTES[wd])
+    read = lambda b: weights_read(model, b, WEIGHT_DTYPE_BYTES[wd])  # noqa: E731  (a MoE reads the experts B touches)
     per_token = model.kv_bytes_per_token(kd)
     mha = dataclasses.replace(model, num_kv_heads=model.num_heads).kv_bytes_per_token(kd)
     c_seq = kv_bytes_per_seq(model, kd, context_len)
@@ -259,9 +274,10 @@ def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_
     b_max = max(0, budget // c_seq)
     bw = device.bandwidth_bytes_per_s
     batches = sorted({int(b) for b in batch_sweep if b >= 1} | ({b_max} if b_max else set()))
-    rows = tuple(SweepRow(b, step_time_s(b, weights, c_seq, bw), tokens_per_s(b, weights, c_seq, bw),
+    rows = tuple(SweepRow(b, step_time_s(b, read(b), c_seq, bw), tokens_per_s(b, read(b), c_seq, bw),
                           b <= b_max) for b in batches)
-    ceiling = tokens_per_s(b_max, weights, c_seq, bw)
+    ceiling = tokens_per_s(b_max, read(b_max), c_seq, bw)
+    active = int(model.params_touched(1))
     fleet = fleet_h = None
     if target_rps is not None and ceiling > 0:
         fleet = fleet_size(target_rps, output_tokens, ceiling)
@@ -269,13 +285,13 @@ def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_
     return CapacityPlan(
         model=model.name, device=device, context_len=context_len, output_tokens=output_tokens,
         weight_dtype=wd, kv_dtype=kd, overhead_bytes=int(overhead_bytes), headroom=headroom,
-        target_rps=target_rps, param_count=params, num_layers=model.num_layers,
+        target_rps=target_rps, param_count=params, active_param_count=active, num_layers=model.num_layers,
         num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         weight_bytes=weights, kv_bytes_per_token=per_token, kv_bytes_per_token_mha=mha,
         kv_bytes_per_seq=c_seq, kv_bytes_per_block=per_token * BLOCK_SIZE, kv_budget_bytes=budget,
         b_max=b_max, b_star=weights / c_seq, rows=rows,
-        step_time_b1_s=step_time_s(1, weights, c_seq, bw), tps_ceiling=ceiling,
-        tps_asymptote=bw / c_seq, prefill_time_s=2 * params * context_len / device.peak_flops,
+        step_time_b1_s=step_time_s(1, read(1), c_seq, bw), tps_ceiling=ceiling,
+        tps_asymptote=bw / c_seq, prefill_time_s=2 * active * context_len / device.peak_flops,
         min_devices_for_weights=math.ceil((weights + overhead_bytes) / device.memory_bytes),
         fleet=fleet, fleet_with_headroom=fleet_h)
 
@@ -299,8 +315,9 @@ def format_plan(p: CapacityPlan) -> str:
     lines = [
         f"Capacity plan: {p.model} on {d.name}, weights {p.weight_dtype}, KV {p.kv_dtype}, "
         f"context {p.context_len} tokens",
-        f"  model         {p.param_count / 1e9:.3f} B params, L={p.num_layers}, "
-        f"N_heads={p.num_heads}, N_kv={p.num_kv_heads} ({attn}), head_dim={p.head_dim}",
+        f"  model         {p.param_count / 1e9:.3f} B params"
+        + (f" ({p.active_param_count / 1e9:.3f} B active per token)" if p.active_param_count != p.param_count else "")
+        + f", L={p.num_layers}, N_heads={p.num_heads}, N_kv={p.num_kv_heads} ({attn}), head_dim={p.head_dim}",
         f"  device        {d.memory_bytes / GB:.1f} GB ({_bin(d.memory_bytes)}), "
         f"{d.bandwidth_bytes_per_s / 1e12:.3g} TB/s, {d.peak_flops / 1e12:.3g} TFLOP/s",
         f"  weights       {p.weight_bytes / GB:.2f} GB  (+ overhead {p.overhead_bytes / GB:.2f} GB)",
@@ -314,7 +331,7 @@ def format_plan(p: CapacityPlan) -> str:
         f"  decode        B=1 step {p.step_time_b1_s * 1e3:.2f} ms; TPS at B_max {p.tps_ceiling:,.0f} "
         f"tokens/s; W/C_seq limit {p.tps_asymptote:,.0f} tokens/s",
         f"  prefill       {p.prefill_time_s * 1e3:.1f} ms for a {p.context_len}-token prompt "
-        f"(2*P*S / peak FLOP/s)",
+        f"(2*P*S / peak FLOP/s{', P active' if p.active_param_count != p.param_count else ''})",
     ]
     if p.b_max == 0:
         lines.append(f"  DOES NOT FIT  weights + overhead + one sequence exceed one {d.name}; "

@@ -125,7 +125,7 @@ def test_model_that_does_not_fit():
 def test_named_configs():
     assert {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b",
             "smollm2-135m"} <= set(MODELS)
-    assert all(m.architecture == "llama" for m in MODELS.values())
+    assert {m.architecture for m in MODELS.values()} == {"llama", "mixtral", "qwen3_moe"}
     s = MODELS["smollm2-135m"]
     assert (s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim) == (30, 576, 9, 3, 64)
     assert s.tie_word_embeddings and s.param_count() == pytest.approx(134.5e6, rel=0.01)
@@ -294,3 +294,26 @@ def test_sliding_window_layers_hold_only_their_window_and_b_max_follows():
     assert p.b_max == p.kv_budget_bytes // p.kv_bytes_per_seq >= 4 * k.b_max
     # a model without sliding layers keeps its exact per-token figure (not rounded to pages)
     assert plan(keep, H100, context_len=1000).kv_bytes_per_seq == keep.kv_bytes_per_token("bfloat16") * 1000
+
+
+def test_moe_plan_reads_the_experts_a_batch_touches():
+    """A mixture of experts: memory holds every expert (46.7 B for Mixtral 8x7B) but a decode
+    step reads the attention, embeddings and the experts its tokens pick: at one token the
+    active 12.9 B (top 2 of 8), toward all of them as the batch grows (uniform routing)."""
+    from runtime.planner.core import weights_read
+
+    m = MODELS["mixtral-8x7b"]
+    assert m.param_count() == pytest.approx(46.70e9, rel=2e-3)
+    assert m.params_touched(1) == pytest.approx(12.88e9, rel=2e-3)
+    q3 = MODELS["qwen3-30b-a3b"]
+    assert q3.param_count() == pytest.approx(30.53e9, rel=2e-3) and q3.params_touched(1) == pytest.approx(3.35e9, rel=5e-3)
+    reads = [weights_read(m, b, 2) for b in (1, 2, 8, 64)]
+    assert reads == sorted(reads) and reads[-1] == pytest.approx(m.param_count() * 2, rel=1e-6)
+    dense = MODELS["llama-3-8b"]
+    assert dense.params_touched(1) == dense.params_touched(64) == dense.param_count()
+    p = plan(m, DEVICES["h200"], context_len=4096)
+    assert p.weight_bytes == m.param_count() * 2 and p.active_param_count == int(m.params_touched(1))
+    assert p.step_time_b1_s == pytest.approx((m.params_touched(1) * 2 + p.kv_bytes_per_seq) / DEVICES["h200"].bandwidth_bytes_per_s)
+    assert p.b_max == (DEVICES["h200"].memory_bytes - p.weight_bytes - 3 * GB) // p.kv_bytes_per_seq
+    assert "12.880 B active per token" in format_plan(p)
+    assert plan(m, DEVICES["h100"], context_len=4096).b_max == 0  # 93 GB of bfloat16 weights: not on one H100
