@@ -85,12 +85,15 @@ def inspect_text(path: Path) -> str:
         ("hidden size", cfg.hidden_size),
         ("heads / KV heads", f"{cfg.num_heads} / {cfg.num_kv_heads} (GQA {cfg.num_heads // cfg.num_kv_heads}:1)"),
         ("head dim", cfg.head_dim),
-        ("MLP size", cfg.intermediate_size),
+        *((("MLP", f"{cfg.num_experts} experts of width {cfg.moe_intermediate_size}, top {cfg.num_experts_per_tok}"
+               f"{' renormalised' if cfg.norm_topk_prob else ''} per token"),) if cfg.num_experts
+          else (("MLP size", cfg.intermediate_size),)),
         ("vocab", cfg.vocab_size),
         ("context length", cfg.max_position_embeddings),
         ("rope theta", cfg.rope_theta),
         ("tied embeddings", cfg.tie_word_embeddings),
-        ("parameters", f"{n:,} ({n / 1e6:.1f} M)"),
+        ("parameters", f"{n:,} ({n / 1e6:.1f} M)"
+                       + (f"; {int(cfg.params_touched(1)):,} active per token" if cfg.num_experts else "")),
         ("dtype", dtype),
         ("quantization", describe(quant, meta["lm_head_int8"], meta["group_size"],
                                   meta["exact_gguf"] or meta["exact_q8_0"])),

@@ -146,3 +146,16 @@ def test_moe_tensor_parallelism_is_refused_in_one_line():
     cfg = ModelConfig("mixtral", 50, 16, 8, 1, 2, 2, 8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     with pytest.raises(ValueError, match="tensor_parallel_size: a mixture of experts is not sharded yet"):
         tp.validate(cfg, 2, num_devices=2)
+
+
+def test_inspect_shows_the_experts_and_the_active_parameters(moe, capsys):
+    from runtime.cli import main
+
+    name, _, ck = moe
+    cfg = load_checkpoint(ck)[0]
+    assert main(["inspect", str(ck)]) == 0
+    out = capsys.readouterr().out
+    assert f"{cfg.num_experts} experts of width {cfg.moe_intermediate_size}, top 2" in out
+    assert f"{int(cfg.params_touched(1)):,} active per token" in out
+    # active: everything but the unpicked experts (E - k of them per layer)
+    assert cfg.params_touched(1) == cfg.param_count() - 2 * (cfg.num_experts - 2) * 3 * 64 * cfg.moe_intermediate_size
