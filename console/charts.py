@@ -28,7 +28,11 @@ def num(v: float) -> str:
 
 
 def ms(v: float) -> str:
-    return f"{v * 1000:.1f} ms" if v < 10 else f"{v:.1f} s"
+    """Seconds as a short axis label: "12.5 ms", "200 ms" (no decimal past 100 ms: "200.0 ms"
+    did not fit the left margin and showed as "00.0 ms"), "1.5 s"."""
+    if v >= 1:
+        return f"{v:.1f} s"
+    return f"{v * 1000:.1f} ms" if v < 0.1 else f"{v * 1000:.0f} ms"
 
 
 @dataclass(frozen=True)

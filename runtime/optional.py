@@ -22,7 +22,9 @@ class MissingDependency(Exception):
 
     def __init__(self, command: str, module: str) -> None:
         package, extra = OPTIONAL_MODULES.get(module, (module, ""))
-        hint = f"pip install 'pagedjax[{extra}]'" if extra else f"pip install '{package}'"
+        # pagedjax installs from its checkout (scripts/setup.sh), not from a package index, so
+        # "pip install 'pagedjax[extra]'" would look for it where it is not
+        hint = f"bash scripts/setup.sh {extra} (in the pagedjax checkout)" if extra else f"pip install '{package}'"
         super().__init__(f"'{command}' needs {package}: {hint}")
         self.command, self.module, self.package, self.extra = command, module, package, extra
 

@@ -67,3 +67,15 @@ def test_occupancy_bar_segments_and_watermark():
     assert '<rect class="b-shared" x="250.00" y="0" width="50.00"' in svg
     assert '<rect class="b-cached" x="300.00" y="0" width="200.00"' in svg
     assert '<line class="wm" x1="900.00"' in svg and 'fill="url(#hatch)" x="900.00"' in svg
+
+
+def test_step_time_labels_fit_the_left_margin():
+    """A 200 ms step-time axis once read "00.0 ms": its label was wider than the margin."""
+    import re
+
+    assert [charts.ms(v) for v in (0.0125, 0.1, 0.2, 0.95, 1.5)] == ["12.5 ms", "100 ms", "200 ms", "950 ms", "1.5 s"]
+    for top in (0.2, 0.5, 2.0):
+        c = charts.line_chart("c-s", "Step time", [-3.0, 0.0], [charts.Series("step", [top * 0.9, top])], charts.ms)
+        labels = re.findall(r'text-anchor="end">([^<]+)</text>', str(c.svg))
+        widest = max(len(t) for t in labels if t != "now")
+        assert widest * 6.0 <= charts.ML - 4, labels  # 10px system-ui digits and letters are under 6px wide

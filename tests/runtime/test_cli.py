@@ -31,7 +31,7 @@ def test_fleet_without_ray_names_the_extra(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)
     assert main(["fleet", "serve", "--checkpoint", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["pagedjax: error: 'pagedjax fleet' needs ray[serve]: pip install 'pagedjax[fleet]'"]
+    assert err == ["pagedjax: error: 'pagedjax fleet' needs ray[serve]: bash scripts/setup.sh fleet (in the pagedjax checkout)"]
 
 
 def test_kv_events_without_pyzmq_names_the_extra(monkeypatch, capsys, tmp_path):
@@ -40,14 +40,14 @@ def test_kv_events_without_pyzmq_names_the_extra(monkeypatch, capsys, tmp_path):
                  "--kv-events-endpoint", "tcp://*:5557"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pagedjax: error: 'pagedjax fleet serve --kv-events-endpoint' needs pyzmq: "
-                   "pip install 'pagedjax[fleet]'"]
+                   "bash scripts/setup.sh fleet (in the pagedjax checkout)"]
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--plot", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["pagedjax: error: 'pagedjax bench serve --plot' needs matplotlib: pip install 'pagedjax[bench]'"]
+    assert err == ["pagedjax: error: 'pagedjax bench serve --plot' needs matplotlib: bash scripts/setup.sh bench (in the pagedjax checkout)"]
 
 
 def _parser_running(func):
@@ -76,7 +76,7 @@ def test_an_optional_import_failing_inside_a_command_is_one_line(monkeypatch, ca
     monkeypatch.setattr("runtime.cli.build_parser", lambda: _parser_running(needs_torch))
     monkeypatch.setitem(sys.modules, "torch", None)
     assert main(["pull"]) == 2
-    assert capsys.readouterr().err.strip() == "pagedjax: error: 'pagedjax pull' needs torch: pip install 'pagedjax[peer]'"
+    assert capsys.readouterr().err.strip() == "pagedjax: error: 'pagedjax pull' needs torch: bash scripts/setup.sh peer (in the pagedjax checkout)"
 
 
 def test_a_broken_required_import_is_not_disguised(monkeypatch):
