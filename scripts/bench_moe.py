@@ -1,7 +1,8 @@
 """One mixture-of-experts MLP (runtime/model/families/moe.py experts_mlp: route, three grouped
 expert products, combine) at T tokens, against one dense SwiGLU MLP of the same FLOPs (T x k
-rows through one expert's three matrices), and against the same layer through
-jax.lax.ragged_dot as XLA lowers it here (linear.expert_products says why the CPU loops).
+rows through one expert's three matrices): the experts through the C++ kernel
+(runtime/kernels/cpu/cpu_experts.cc), through XLA's loop over the experts
+(linear.expert_products), and through jax.lax.ragged_dot as XLA lowers it here.
 
 Shapes (random weights, float32): a Mixtral-shaped layer scaled by 1/4 (d 1024, f 3584, 8
 experts, top 2) and a Qwen3-MoE-shaped one scaled down (d 1024, f 384, 64 experts, top 8).
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.bench.machine import machine_info
     from runtime.config import ModelConfig
     from runtime.model.families import moe
+    from runtime.model.linear import StackedExperts
 
     info = machine_info()
     print(f"# {info['cpu_model']}, {info['cores']} cores, jax {info.get('jax')} ({info.get('jax_backend')}); "
@@ -56,20 +58,29 @@ def main(argv: list[str] | None = None) -> int:
         def dense_mlp(x, w):
             return (jax.nn.silu(x @ w["experts_gate"]) * (x @ w["experts_up"])) @ w["experts_down"]
 
-        def ragged(lp, x):
-            products, moe.expert_products = moe.expert_products, lambda a, w, s: jax.lax.ragged_dot(a, w, s)
-            try:
-                return moe.experts_mlp(cfg, lp, x)
-            finally:
-                moe.expert_products = products
+        class Ragged:  # the same layer with the experts through jax.lax.ragged_dot
+            def __init__(self, w):
+                self.w = w
 
-        fns = {"moe": jax.jit(lambda lp, x: moe.experts_mlp(cfg, lp, x)), "moe via ragged_dot": jax.jit(ragged)}
+            def product(self, x, sizes):
+                return jax.lax.ragged_dot(x, self.w, sizes)
+
+        names = ("experts_gate", "experts_up", "experts_down")
+        stacked = {how: {n: StackedExperts.held(np.asarray(lp[n])[None], how == "kernel") for n in names}
+                   for how in ("kernel", "loop")}  # (one layer; the kernel's packed once, as the runner does)
+
+        def held(lp, how):
+            experts = {n: Ragged(lp[n]) if how == "ragged" else stacked[how][n].at(jnp.int32(0)) for n in names}
+            return {"router": lp["router"], **experts}
+
+        fns = {how: jax.jit(lambda lp, x, how=how: moe.experts_mlp(cfg, held(lp, how), x))
+               for how in ("kernel", "loop", "ragged")}
         for T in args.tokens:
             x = jnp.asarray(rng.standard_normal((T, d)).astype(np.float32))
             xs = jnp.asarray(rng.standard_normal((T * k, d)).astype(np.float32))
-            runs = {"moe": lambda: fns["moe"](lp, x), "moe via ragged_dot": lambda: fns["moe via ragged_dot"](lp, x),
-                    "dense, same FLOPs": jax.jit(dense_mlp).lower(xs, dense).compile()}
-            call = {n: (r if n != "dense, same FLOPs" else (lambda r=r: r(xs, dense))) for n, r in runs.items()}
+            dense_fn = jax.jit(dense_mlp)
+            call = {"moe, C++ kernel": lambda: fns["kernel"](lp, x), "moe, XLA loop": lambda: fns["loop"](lp, x),
+                    "moe, ragged_dot": lambda: fns["ragged"](lp, x), "dense, same FLOPs": lambda: dense_fn(xs, dense)}
             for c in call.values():
                 jax.block_until_ready(c())
             times: dict[str, list[float]] = {n: [] for n in call}
@@ -79,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
                     jax.block_until_ready(c())
                     times[n].append(time.perf_counter() - t)
             ms = {n: statistics.median(v) * 1e3 for n, v in times.items()}
-            print(f"{name:12s} T={T:4d} ({T * k:5d} rows): moe {ms['moe']:8.2f} ms | dense same FLOPs "
-                  f"{ms['dense, same FLOPs']:8.2f} ms ({ms['moe'] / ms['dense, same FLOPs']:.2f}x) | via ragged_dot "
-                  f"{ms['moe via ragged_dot']:8.2f} ms ({ms['moe via ragged_dot'] / ms['moe']:.1f}x the loop)", flush=True)
+            base = ms["dense, same FLOPs"]
+            print(f"{name:12s} T={T:4d} ({T * k:5d} rows): " + " | ".join(
+                f"{n} {v:8.2f} ms" + ("" if n.startswith("dense") else f" ({v / base:.2f}x)") for n, v in ms.items()),
+                flush=True)
     print(f"# load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -64,7 +64,8 @@ build() {
   bin="$OUT/ffi_driver-$name-$VARIANT-$key"
   if [ ! -x "$bin" ]; then
     tmp=$(mktemp -d "$OUT/build.XXXXXX")
-    for src in $KDIR/cpu_attention.cc $KDIR/cpu_matmul.cc $KDIR/cpu_linear_f32.cc $KDIR/cpu_linear_wq.cc $DRIVER; do
+    for src in $KDIR/cpu_attention.cc $KDIR/cpu_matmul.cc $KDIR/cpu_linear_f32.cc $KDIR/cpu_linear_wq.cc \
+               $KDIR/cpu_experts.cc $DRIVER; do
       # shellcheck disable=SC2086
       "$CXX" $FLAGS -O1 -g -fno-omit-frame-pointer "$@" -I"$INC" -I$KDIR -c "$src" \
         -o "$tmp/$(basename "$src" .cc).o" 2>"$tmp/$(basename "$src" .cc).log" &

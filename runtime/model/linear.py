@@ -32,6 +32,7 @@ from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Norm = tuple  # (weight [in], eps): an RMS norm a product applies to its input first
 
@@ -188,10 +189,11 @@ class Int4Grouped(Linear):
         return self.q4.shape[-1]
 
 
-def expert_products(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+def expert_products(x: jax.Array, w: jax.Array, sizes: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """x [M, K] with its rows sorted by expert (sizes [E] rows each, summing to M) times each
-    row's expert's matrix w [E, K, N] -> [M, N]: only the experts' own rows, as a mixture of
-    experts needs (runtime/model/families/moe.py).
+    row's expert's matrix -> [M, N]: w [E, K, N], or every layer's [L, E, K, N] with `layer`
+    (StackedExperts: only the used experts' matrices are read). Only the experts' own rows, as
+    a mixture of experts needs (runtime/model/families/moe.py).
 
     jax.lax.ragged_dot says exactly this, and is what runs off CPU. XLA:CPU lowers it to one
     masked product per expert over every row (E x the FLOPs, and all E matrices read at one
@@ -199,22 +201,26 @@ def expert_products(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     CPU a loop over the experts that have rows, each multiplying its rows in tiles of R: the
     matrices read are the active experts', the rows multiplied at most R - 1 past each
     expert's own per expert. A tile's rows past its expert's end belong to the next experts,
-    which are written after it, so nothing is masked."""
+    which are written after it, so nothing is masked. (The C++ kernel, StackedExperts with
+    cpu_kernel, does the same without copying each matrix out of the stack first.)"""
     if jax.default_backend() != "cpu":
-        return jax.lax.ragged_dot(x, w, sizes)
+        return jax.lax.ragged_dot(x, w if layer is None else w[layer], sizes)
     M, K = x.shape
-    E, _, N = w.shape
+    E, N = w.shape[-3], w.shape[-1]
     R = min(64, 1 << max(0, (-(-M // E) - 1).bit_length()))  # an expert's even share of the rows, to 64
     starts = jnp.cumsum(sizes) - sizes
     xpad = jnp.concatenate([x, jnp.zeros((R, K), x.dtype)])
 
     def expert(e, out):
         def run(out):
-            we = jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+            if layer is None:
+                we = jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+            else:
+                we = jax.lax.dynamic_slice(w, (layer, e, 0, 0), (1, 1, K, N))[0, 0]
 
             def tile(j, out):
                 r0 = starts[e] + j * R
-                y = jax.lax.dynamic_slice_in_dim(xpad, r0, R) @ we
+                y = jax.lax.dynamic_slice_in_dim(xpad, r0, R) @ we.astype(x.dtype)
                 return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), r0, 0)
 
             return jax.lax.fori_loop(0, (sizes[e] + R - 1) // R, tile, out)
@@ -256,6 +262,38 @@ class HeldPerLayer:
 
     def at(self, index: jax.Array) -> Any:
         raise NotImplementedError
+
+
+@pytree
+class StackedExperts(HeldPerLayer):
+    """One expert weight of a mixture of experts, every layer's [L, E, K, N], held whole: the
+    layer scan does not slice it (a slice copies every expert's matrix, used or not); `at`
+    names the scan's layer and `product` multiplies the rows routed to each expert.
+    `cpu_kernel` (made by `held`, where the runner says): w is float32 packed in column strips
+    for the C++ kernel (runtime/kernels/cpu/experts.py), which reads the matrices in place;
+    `n` their width."""
+    w: jax.Array
+    index: jax.Array | None = None
+    cpu_kernel: bool = static(False)
+    n: int = static(0)
+
+    @classmethod
+    def held(cls, w: Any, cpu_kernel: bool = False) -> "StackedExperts":
+        if not cpu_kernel:
+            return cls(w)
+        from runtime.kernels.cpu import experts as cpu_experts
+
+        return cls(jnp.asarray(cpu_experts.pack(np.asarray(w, np.float32))), cpu_kernel=True, n=int(w.shape[-1]))
+
+    def at(self, index: jax.Array) -> "StackedExperts":
+        return StackedExperts(self.w, index, self.cpu_kernel, self.n)
+
+    def product(self, x: jax.Array, sizes: jax.Array) -> jax.Array:
+        if self.cpu_kernel:
+            from runtime.kernels.cpu import experts as cpu_experts
+
+            return cpu_experts.expert_products(x.astype(jnp.float32), self.w, self.index, sizes, self.n).astype(x.dtype)
+        return expert_products(x, self.w, sizes, self.index)
 
 
 @pytree

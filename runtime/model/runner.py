@@ -292,6 +292,11 @@ class ModelRunner:
             from runtime.model.quant import LINEAR_WEIGHTS
 
             self.params = unstack_weights(self.params, LINEAR_WEIGHTS)
+        hold = getattr(family(cfg), "hold_weights", None)  # a family's weights the layer scan must not slice
+        if hold is not None:
+            self.params = hold(self.params, cpu_kernels=jax.default_backend() == "cpu" and self.tp == 1
+                               and kernels.cpu_kernels and cpu_kernels.available()
+                               and jnp.dtype(dtype) == jnp.float32)
         if self.mesh is None:
             from runtime.kernels.cpu import hugepages
 

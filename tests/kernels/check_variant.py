@@ -196,6 +196,21 @@ def check_attention(rng) -> None:
         close(f"kv_write_{len(OUT)}", np.asarray(got).reshape(24, 3, 16), want, 0, 0)
 
 
+def check_experts(rng) -> None:
+    """The MoE grouped product (cpu_experts.cc) over packed stacked experts: rows sorted by
+    expert, an empty expert, N past a whole strip, K past a K block."""
+    from runtime.kernels.cpu import experts as cpu_experts
+
+    sizes = np.asarray([13, 0, 7, 1, 40], np.int32)
+    M, K, N = int(sizes.sum()), 300, 200
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((2, 5, K, N)).astype(np.float32) / 16
+    got = cpu_experts.expert_products(jnp.asarray(x), jnp.asarray(cpu_experts.pack(w)), jnp.int32(1),
+                                      jnp.asarray(sizes), N)
+    want = np.concatenate([x[a:b] @ w[1, e] for e, (a, b) in enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes)))])
+    close("experts", got, want, 1e-4, 1e-4)
+
+
 def check_wq(rng) -> None:
     """The weight-only kernel (4-bit values with scales and offsets, the 8-bit head's values
     with scales): row tiles, the dequantized strips from 8 rows, and the layer tail."""
@@ -248,6 +263,7 @@ def main(out: str) -> None:
     check_f32(rng)
     check_wq(rng)
     check_attention(rng)
+    check_experts(rng)
     np.savez(out, **OUT)
     print(json.dumps({"variant": variant, "paths": paths, "checks": len(OUT)}))
 

@@ -49,6 +49,7 @@ XLA_FFI_Error* PagedjaxDecodeAttentionInt8(XLA_FFI_CallFrame*);
 XLA_FFI_Error* PagedjaxKvWrite(XLA_FFI_CallFrame*);
 XLA_FFI_Error* PagedjaxWqLinear(XLA_FFI_CallFrame*);
 XLA_FFI_Error* PagedjaxWqLayerTail(XLA_FFI_CallFrame*);
+XLA_FFI_Error* PagedjaxExpertProducts(XLA_FFI_CallFrame*);
 const char* PagedjaxAttentionPath();
 const char* PagedjaxF32LinearPath();
 const char* PagedjaxInt8LinearPath();
@@ -482,6 +483,21 @@ Case KvWrite(Rng& rng) {
   return c;
 }
 
+// A mixture of experts' grouped product over two stacked layers of packed strips: rows sorted
+// by expert (`sizes`, an empty expert among them), N past a whole strip, K past a K block.
+Case ExpertProducts(Rng& rng, std::vector<int32_t> sizes, int64_t K, int64_t N, int32_t layer) {
+  const int64_t E = static_cast<int64_t>(sizes.size()), S = (N + 63) / 64;
+  int64_t M = 0;
+  for (int32_t s : sizes) M += s;
+  Case c{"expert products " + std::to_string(M) + " rows", PagedjaxExpertProducts, {}, {}, {Threads()}};
+  c.args.push_back(F32(rng, {M, K}));
+  c.args.push_back(F32(rng, {2, E, S, K, 64}, 0.1f));
+  c.args.push_back(S32({1}, {layer}));
+  c.args.push_back(S32({E}, sizes));
+  c.rets.emplace_back(XLA_FFI_DataType_F32, std::vector<int64_t>{M, N});
+  return c;
+}
+
 std::vector<Case> Cases(uint64_t seed) {
   Rng rng(seed);
   std::vector<Case> cs;
@@ -501,6 +517,7 @@ std::vector<Case> Cases(uint64_t seed) {
   add_short(WqLayerTail(rng, 1, 64, 96, 64, 96));
   add_short(Attention(rng, {40, 70}, 2, 3, 32, 0, 0, false, false));
   add_short(KvWrite(rng));
+  add_short(ExpertProducts(rng, {1, 0, 1}, 64, 96, 1));
   // long: many rows, row tails, every phase of the chain, several row panels
   cs.push_back(F32Linear(rng, 40, 256, 192, true, true, false));
   cs.push_back(F32Linear(rng, 13, 1536, 32, false, false, false));
@@ -518,6 +535,7 @@ std::vector<Case> Cases(uint64_t seed) {
   cs.push_back(WqLayerTail(rng, 9, 64, 64, 96, 160));  // dequantized strips in every phase
   cs.push_back(WqLayerTail(rng, 3, 64, 64, 64, 0));
   cs.push_back(Attention(rng, {70, 52, 33, 61, 49, 80, 40}, 3, 3, 64, 5, 2, false, false));
+  cs.push_back(ExpertProducts(rng, {13, 0, 7, 1, 40}, 320, 200, 0));
   cs.push_back(Attention(rng, {70, 52, 33, 61, 49, 80, 40}, 3, 3, 64, 5, 2, false, true));
   cs.push_back(Attention(rng, {300}, 3, 3, 64, 0, 0, false, false));  // one sequence: split ranges
   cs.push_back(Attention(rng, {300, 90}, 1, 4, 256, 0, 0, false, false, 40));  // Gemma 3's shape, sliding

@@ -74,8 +74,15 @@ def test_moe_prefix_cache_and_batch_invariance(moe):
     assert [r.output_ids for r in both] == [first.output_ids, second.output_ids]
 
 
-def test_experts_run_as_grouped_products_of_the_routed_rows():
-    """experts_mlp equals the per-token sum over its top-k experts written out densely."""
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["xla", "kernel"])
+def test_experts_run_as_grouped_products_of_the_routed_rows(cpu_kernel):
+    """experts_mlp equals the per-token sum over its top-k experts written out densely, on
+    the XLA loop and on the C++ kernel, reading layer 1 of two stacked layers."""
+    from runtime.kernels.cpu import experts as cpu_experts
+    from runtime.model.linear import StackedExperts
+
+    if cpu_kernel and not cpu_experts.available():
+        pytest.skip("the C++ CPU kernels are not built here")
     from runtime.config import ModelConfig
     from runtime.model.families import moe as fam
 
@@ -87,7 +94,10 @@ def test_experts_run_as_grouped_products_of_the_routed_rows():
           "experts_up": rng.standard_normal((4, 16, 8)).astype(np.float32),
           "experts_down": rng.standard_normal((4, 8, 16)).astype(np.float32)}
     x = rng.standard_normal((7, 16)).astype(np.float32)
-    got = np.asarray(fam.experts_mlp(cfg, jax.tree.map(jnp.asarray, lp), jnp.asarray(x)))
+    held = {"router": jnp.asarray(lp["router"]),
+            **{n: StackedExperts.held(np.stack([-lp[n], lp[n]]), cpu_kernel).at(jnp.int32(1))
+               for n in ("experts_gate", "experts_up", "experts_down")}}
+    got = np.asarray(jax.jit(lambda held, x: fam.experts_mlp(cfg, held, x))(held, jnp.asarray(x)))
     logits = x @ lp["router"]
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -104,12 +114,14 @@ def test_experts_run_as_grouped_products_of_the_routed_rows():
 
 @pytest.mark.parametrize("tokens", [1, 5, 40, 300])
 def test_expert_products_multiply_each_row_by_its_experts_matrix_only(tokens):
-    """linear.expert_products (on CPU: a loop over the experts with rows, in tiles) equals
-    ragged_dot, with empty experts, one-row experts and more rows than one tile."""
+    """linear.expert_products (on CPU: a loop over the experts with rows, in tiles) and the C++
+    kernel over stacked layers equal ragged_dot, with empty experts, one-row experts, more
+    rows than one tile or one register block, K past one K block and N not a whole strip."""
+    from runtime.kernels.cpu import experts as cpu_experts
     from runtime.model.linear import expert_products
 
     rng = np.random.default_rng(tokens)
-    E, K, N = 6, 24, 40
+    E, K, N = 6, 300, 72
     picks = np.sort(rng.integers(0, E - 1, tokens))  # expert E-1 (and maybe others) empty
     sizes = jnp.asarray(np.bincount(picks, minlength=E), jnp.int32)
     x = jnp.asarray(rng.standard_normal((tokens, K)).astype(np.float32))
@@ -118,6 +130,14 @@ def test_expert_products_multiply_each_row_by_its_experts_matrix_only(tokens):
     want = np.stack([np.asarray(x[i]) @ np.asarray(w[e]) for i, e in enumerate(picks)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(got, np.asarray(jax.lax.ragged_dot(x, w, sizes)), rtol=1e-5, atol=1e-4)
+    stacked = jnp.stack([w * 2, w, w * 3])  # [L, E, K, N]: layer 1 is w
+    np.testing.assert_allclose(np.asarray(jax.jit(expert_products)(x, stacked, sizes, jnp.int32(1))), want,
+                               rtol=1e-5, atol=1e-4)
+    if cpu_experts.available():
+        packed = jnp.asarray(cpu_experts.pack(np.asarray(stacked)))
+        assert packed.shape == (3, E, 2, K, 64)  # 72 columns: two strips, the second padded
+        kernel = np.asarray(jax.jit(cpu_experts.expert_products, static_argnums=4)(x, packed, jnp.int32(1), sizes, N))
+        np.testing.assert_allclose(kernel, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -27,7 +27,7 @@ import runtime.model.families.llama as llama
 import runtime.model.families.qwen3 as qwen3
 from runtime.config import ModelConfig
 from runtime.model.families.llama import lm_head  # noqa: F401  (the family's API)
-from runtime.model.linear import Norm, expert_products, rms_norm
+from runtime.model.linear import Norm, StackedExperts, rms_norm
 
 Params = dict[str, Any]
 SWIGLU_TAIL = False  # no dense MLP for the C++ kernels' fused layer tail
@@ -60,10 +60,10 @@ def experts_mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     rows = x[order // k]                             # [T*k, d]
     dt = x.dtype
-    gate = expert_products(rows, lp["experts_gate"].astype(dt), sizes)
-    up = expert_products(rows, lp["experts_up"].astype(dt), sizes)
-    out = expert_products(jax.nn.silu(gate) * up, lp["experts_down"].astype(dt), sizes)  # [T*k, d]
-    per_pick = jnp.zeros_like(out).at[order].set(out).reshape(T, k, -1)
+    gate = lp["experts_gate"].product(rows, sizes)
+    up = lp["experts_up"].product(rows, sizes)
+    out = lp["experts_down"].product((jax.nn.silu(gate) * up).astype(dt), sizes)  # [T*k, d]
+    per_pick = jnp.zeros_like(out).at[order].set(out).reshape(T, k, -1)  # back to (token, pick) order
     return jnp.einsum("tkd,tk->td", per_pick.astype(jnp.float32), weights).astype(dt)
 
 
@@ -74,8 +74,19 @@ def after_attention(cfg: ModelConfig, lp: Params, a: jax.Array, h: jax.Array, no
     return h + experts_mlp(cfg, lp, rms_norm(h, *norm)), None
 
 
+def hold_weights(params: Params, cpu_kernels: bool = False) -> Params:
+    """The experts' stacked weights as StackedExperts (the layer scan then leaves them whole);
+    `cpu_kernels`: multiplied by the C++ kernel (the runner says where it runs)."""
+    layers = dict(params["layers"])
+    for k in EXPERT_WEIGHTS[1:]:
+        if not isinstance(layers[k], StackedExperts):
+            layers[k] = StackedExperts.held(layers[k], cpu_kernels)
+    return {**params, "layers": layers}
+
+
 def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, positions: jax.Array,
                    attention: llama.AttentionFn, cache: Any) -> tuple[jax.Array, Any]:
+    params = hold_weights(params)  # (a tree the runner already held keeps its choice)
     inputs = qwen3.qkv_projection if cfg.architecture == "qwen3_moe" else llama.qkv_projection
     return llama.forward_hidden(cfg, params, token_ids, positions, attention, cache, attention_inputs=inputs,
                                 after_attention=after_attention)
