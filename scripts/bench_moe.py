@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.bench.machine import machine_info
     from runtime.config import ModelConfig
     from runtime.model.families import moe
+    from runtime.kernels.cpu import experts as cpu_experts
     from runtime.model.linear import StackedExperts
 
     info = machine_info()
@@ -66,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                 return jax.lax.ragged_dot(x, self.w, sizes)
 
         names = ("experts_gate", "experts_up", "experts_down")
-        stacked = {how: {n: StackedExperts.held(np.asarray(lp[n])[None], how == "kernel") for n in names}
-                   for how in ("kernel", "loop")}  # (one layer; the kernel's packed once, as the runner does)
+        one_layer = {"layers": {n: StackedExperts(lp[n][None]) for n in names}}
+        stacked = {"kernel": cpu_experts.pack_held(one_layer)["layers"],  # packed once, as the runner does
+                   "loop": one_layer["layers"]}
 
         def held(lp, how):
             experts = {n: Ragged(lp[n]) if how == "ragged" else stacked[how][n].at(jnp.int32(0)) for n in names}

@@ -32,7 +32,6 @@ from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 Norm = tuple  # (weight [in], eps): an RMS norm a product applies to its input first
 
@@ -268,31 +267,15 @@ class HeldPerLayer:
 class StackedExperts(HeldPerLayer):
     """One expert weight of a mixture of experts, every layer's [L, E, K, N], held whole: the
     layer scan does not slice it (a slice copies every expert's matrix, used or not); `at`
-    names the scan's layer and `product` multiplies the rows routed to each expert.
-    `cpu_kernel` (made by `held`, where the runner says): w is float32 packed in column strips
-    for the C++ kernel (runtime/kernels/cpu/experts.py), which reads the matrices in place;
-    `n` their width."""
+    names the scan's layer and `product` multiplies the rows routed to each expert (the C++
+    CPU kernel's form, runtime/kernels/cpu/experts.py PackedExperts, the runner makes)."""
     w: jax.Array
     index: jax.Array | None = None
-    cpu_kernel: bool = static(False)
-    n: int = static(0)
-
-    @classmethod
-    def held(cls, w: Any, cpu_kernel: bool = False) -> "StackedExperts":
-        if not cpu_kernel:
-            return cls(w)
-        from runtime.kernels.cpu import experts as cpu_experts
-
-        return cls(jnp.asarray(cpu_experts.pack(np.asarray(w, np.float32))), cpu_kernel=True, n=int(w.shape[-1]))
 
     def at(self, index: jax.Array) -> "StackedExperts":
-        return StackedExperts(self.w, index, self.cpu_kernel, self.n)
+        return dataclasses.replace(self, index=index)
 
     def product(self, x: jax.Array, sizes: jax.Array) -> jax.Array:
-        if self.cpu_kernel:
-            from runtime.kernels.cpu import experts as cpu_experts
-
-            return cpu_experts.expert_products(x.astype(jnp.float32), self.w, self.index, sizes, self.n).astype(x.dtype)
         return expert_products(x, self.w, sizes, self.index)
 
 

@@ -294,9 +294,12 @@ class ModelRunner:
             self.params = unstack_weights(self.params, LINEAR_WEIGHTS)
         hold = getattr(family(cfg), "hold_weights", None)  # a family's weights the layer scan must not slice
         if hold is not None:
-            self.params = hold(self.params, cpu_kernels=jax.default_backend() == "cpu" and self.tp == 1
-                               and kernels.cpu_kernels and cpu_kernels.available()
-                               and jnp.dtype(dtype) == jnp.float32)
+            self.params = hold(self.params)
+            if (jax.default_backend() == "cpu" and self.tp == 1 and jnp.dtype(dtype) == jnp.float32
+                    and cpu_kernels.enabled(kernels)):  # a mixture of experts' products: the C++ kernel
+                from runtime.kernels.cpu import experts as cpu_experts
+
+                self.params = cpu_experts.pack_held(self.params)
         if self.mesh is None:
             from runtime.kernels.cpu import hugepages
 

@@ -83,6 +83,7 @@ def test_experts_run_as_grouped_products_of_the_routed_rows(cpu_kernel):
 
     if cpu_kernel and not cpu_experts.available():
         pytest.skip("the C++ CPU kernels are not built here")
+    hold = cpu_experts.pack_held if cpu_kernel else (lambda p: p)
     from runtime.config import ModelConfig
     from runtime.model.families import moe as fam
 
@@ -94,9 +95,10 @@ def test_experts_run_as_grouped_products_of_the_routed_rows(cpu_kernel):
           "experts_up": rng.standard_normal((4, 16, 8)).astype(np.float32),
           "experts_down": rng.standard_normal((4, 8, 16)).astype(np.float32)}
     x = rng.standard_normal((7, 16)).astype(np.float32)
-    held = {"router": jnp.asarray(lp["router"]),
-            **{n: StackedExperts.held(np.stack([-lp[n], lp[n]]), cpu_kernel).at(jnp.int32(1))
-               for n in ("experts_gate", "experts_up", "experts_down")}}
+    names = ("experts_gate", "experts_up", "experts_down")
+    stacked = hold({"layers": {n: StackedExperts(jnp.asarray(np.stack([-lp[n], lp[n]]))) for n in names}})["layers"]
+    assert all(isinstance(v, cpu_experts.PackedExperts) == cpu_kernel for v in stacked.values())
+    held = {"router": jnp.asarray(lp["router"]), **{n: stacked[n].at(jnp.int32(1)) for n in names}}
     got = np.asarray(jax.jit(lambda held, x: fam.experts_mlp(cfg, held, x))(held, jnp.asarray(x)))
     logits = x @ lp["router"]
     p = np.exp(logits - logits.max(-1, keepdims=True))

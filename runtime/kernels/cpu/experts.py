@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from runtime.kernels.cpu.build import available, enabled, num_threads  # noqa: F401 (this kernel's switches)
+from runtime.model.linear import StackedExperts, pytree, static
 
 TARGET = "pagedjax_expert_products"
 STRIP = 64  # columns per packed strip (cpu_experts.cc kStrip)
@@ -35,3 +36,20 @@ def expert_products(x: jax.Array, w: jax.Array, layer: jax.Array, sizes: jax.Arr
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
     return call(x, w, jnp.asarray(layer, jnp.int32).reshape(1), sizes.astype(jnp.int32),
                 num_threads=np.int64(num_threads()))
+
+
+@pytree
+class PackedExperts(StackedExperts):
+    """StackedExperts for the kernel: w float32 packed in strips (pack), `n` the matrices' width."""
+    n: int = static(0)
+
+    def product(self, x: jax.Array, sizes: jax.Array) -> jax.Array:
+        return expert_products(x.astype(jnp.float32), self.w, self.index, sizes, self.n).astype(x.dtype)
+
+
+def pack_held(params: dict) -> dict:
+    """Every StackedExperts of the layers as PackedExperts (host side, once at start)."""
+    layers = {k: PackedExperts(jnp.asarray(pack(np.asarray(v.w, np.float32))), n=int(v.w.shape[-1]))
+              if isinstance(v, StackedExperts) and not isinstance(v, PackedExperts) else v
+              for k, v in params["layers"].items()}
+    return {**params, "layers": layers}

@@ -74,13 +74,13 @@ def after_attention(cfg: ModelConfig, lp: Params, a: jax.Array, h: jax.Array, no
     return h + experts_mlp(cfg, lp, rms_norm(h, *norm)), None
 
 
-def hold_weights(params: Params, cpu_kernels: bool = False) -> Params:
-    """The experts' stacked weights as StackedExperts (the layer scan then leaves them whole);
-    `cpu_kernels`: multiplied by the C++ kernel (the runner says where it runs)."""
+def hold_weights(params: Params) -> Params:
+    """The experts' stacked weights as StackedExperts: the layer scan then leaves them whole
+    (a backend may hold them in its own form: runtime/kernels/cpu/experts.py)."""
     layers = dict(params["layers"])
     for k in EXPERT_WEIGHTS[1:]:
         if not isinstance(layers[k], StackedExperts):
-            layers[k] = StackedExperts.held(layers[k], cpu_kernels)
+            layers[k] = StackedExperts(layers[k])
     return {**params, "layers": layers}
 
 
