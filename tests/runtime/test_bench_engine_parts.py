@@ -94,3 +94,21 @@ def test_llama3_shaped_engine_run_with_int8_weights_and_fp8_cache():
     w4 = engine_decode_tps(cfg, (2,), quantization="w4a16", **kw)  # (on a GPU: the Pallas w4a16 kernel)
     assert w4["quantization"] == "w4a16" and w4["rows"][0]["tokens_per_s"] > 0
     assert w4["weight_bytes"] < q["weight_bytes"]
+
+
+def test_mixtral_shaped_engine_run_counts_the_experts_a_step_reads():
+    """gpu_check's mixtral variant, scaled down on CPU: the engine decodes a random MoE and the
+    planner's figure uses the weights a step of B rows reads (not all experts at B = 1)."""
+    from runtime.bench.gpu_engine import MIXTRAL_SCALED, model_config
+
+    r = engine_decode_tps(MIXTRAL_SCALED, (1, 4), context_len=64, steps=2, dtype="float32", kv_memory=16 << 20,
+                          device_name="h100")
+    cfg = model_config(MIXTRAL_SCALED)
+    assert r["model"] == "mixtral-shaped-scaled" and [x["batch"] for x in r["rows"]] == [1, 4]
+    assert cfg.params_touched(1) < 0.5 * cfg.param_count()
+    from runtime.planner import DEVICES, tokens_per_s
+    from runtime.planner.core import kv_bytes_per_seq
+
+    want = tokens_per_s(1, r["weight_bytes"] * cfg.params_touched(1) / cfg.param_count(),
+                        kv_bytes_per_seq(cfg, "float32", 64), DEVICES["h100"].bandwidth_bytes_per_s)
+    assert r["rows"][0]["planner_tokens_per_s"] == pytest.approx(want, rel=0.05)
