@@ -241,7 +241,8 @@ def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
         "kv_elem_bytes": DTYPE_BYTES[c.kv_dtype], "kv_scale_bytes": kv_scale_bytes(c.kv_dtype, m.head_dim),
         "kv_layout": (f"a float16 scale and zero per {INT8_KV_GROUP['k']} channels of K and {INT8_KV_GROUP['v']} of V"
                       if c.kv_dtype == "int8" else "one float32 scale per token and KV head"),
-        "device": _jax_device(), "params": m.param_count(), "tensor_parallel": info.tensor_parallel,
+        "device": _jax_device(), "params": m.param_count(), "active_params": int(m.params_touched(1)),
+        "tensor_parallel": info.tensor_parallel,
         "mesh": info.mesh,
         "weight_bytes": m.param_count() * planner.WEIGHT_DTYPE_BYTES.get(cfg.dtype, 4),
         "kv_per_token": per_token, "bytes_per_block": c.bytes_per_block(m),

@@ -181,3 +181,17 @@ def test_inspect_shows_the_experts_and_the_active_parameters(moe, capsys):
     assert f"{int(cfg.params_touched(1)):,} active per token" in out
     # active: everything but the unpicked experts (E - k of them per layer)
     assert cfg.params_touched(1) == cfg.param_count() - 2 * (cfg.num_experts - 2) * 3 * 64 * cfg.moe_intermediate_size
+
+
+def test_console_model_page_shows_the_experts(moe):
+    from tests.console.admin_util import console_client, logged_in
+    from tests.console.test_admin_pages import text_of
+
+    _, _, ck = moe
+    eng = make_engine(ck, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    with console_client(eng) as c:
+        logged_in(c)
+        page = c.get("/admin/model").text
+    m = eng.config.model
+    assert text_of(page, "experts").startswith(f"{m.num_experts} of width {m.moe_intermediate_size}, top 2 per token; ")
+    assert f"({int(m.params_touched(1)):,})" in text_of(page, "experts")
