@@ -22,6 +22,10 @@ ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
                           "original_max_position_embeddings")}
 
 
+# rope_theta where config.json has none: the config class's default (10000 elsewhere)
+ROPE_THETA = {"mixtral": 1e6, "qwen3_moe": 10000.0}
+
+
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention scale for `factor` (transformers' yarn_get_mscale)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -60,7 +64,7 @@ def read_rope(c: dict, family: str, field: str, rp: dict, max_pos: int,
     def given(key: str) -> bool:  # as transformers reads it: factor, attention_factor unless null; others if truthy
         return rp.get(key) is not None if key in ("factor", "attention_factor") else bool(rp.get(key))
 
-    theta = num("rope_theta", default=c.get("rope_theta", 10000.0))
+    theta = num("rope_theta", default=c.get("rope_theta", ROPE_THETA.get(family, 10000.0)))
     orig_key = "original_max_position_embeddings"
     if rtype in ("llama3", "yarn", "longrope"):
         # transformers: a top-level original_max_position_embeddings wins (Phi3Config always

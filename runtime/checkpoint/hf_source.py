@@ -62,7 +62,7 @@ FAMILY_KEYS = {  # each family's own keys, implemented or checked (transformers'
     "mixtral": frozenset({"sliding_window", "num_local_experts", "num_experts_per_tok", "output_router_logits",
                           "router_aux_loss_coef", "router_jitter_noise"}),
     "qwen3_moe": frozenset({"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
-                            "layer_types", "num_experts", "num_local_experts", "num_experts_per_tok",
+                            "layer_types", "num_experts", "num_local_experts", "num_experts_per_tok",  # (saved as either)
                             "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
                             "output_router_logits", "router_aux_loss_coef"}),
 }
@@ -70,6 +70,9 @@ FAMILY_KEYS = {  # each family's own keys, implemented or checked (transformers'
 MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "phi3": 4096,
                  "mixtral": 4096 * 32, "qwen3_moe": 32768}
 MISTRAL_SLIDING_WINDOW = 4096  # MistralConfig's default: a config.json without the key slides
+# Where config.json lacks a key, the config class's default, where it is not the one used for all
+KV_HEADS = {"mixtral": 8, "qwen3_moe": 4}  # (else num_attention_heads)
+RMS_NORM_EPS = {"mixtral": 1e-5}           # (else 1e-6)
 # Gemma 2 / 3: their keys are read and checked in runtime/checkpoint/hf_gemma.py
 ARCHS.update(GEMMA_ARCHS)
 FAMILY_KEYS.update(GEMMA_KEYS)
@@ -241,12 +244,12 @@ class HFSource:
                 intermediate_size=int(c["intermediate_size"]),
                 num_layers=int(c["num_hidden_layers"]),
                 num_heads=heads,
-                num_kv_heads=int(c.get("num_key_value_heads") or heads),
+                num_kv_heads=int(c.get("num_key_value_heads") or KV_HEADS.get(self.family, heads)),
                 head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
                 max_position_embeddings=int(max_pos),
                 rope_theta=theta,
                 rope_scaling=scaling,
-                rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(c.get("rms_norm_eps", RMS_NORM_EPS.get(self.family, 1e-6))),
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", self.family in GEMMA_KEYS)),  # Gemma ties by default
                 attention_bias=self.arch == "qwen2",  # Qwen2: q/k/v biases always; llama: refused above
                 bos_token_id=c.get("bos_token_id"),

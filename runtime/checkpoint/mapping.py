@@ -135,7 +135,8 @@ HF_GEMMA_RULES = (
 # Mixtral / Qwen3-MoE: Llama's (Qwen3's) attention rules, the MLP as a router and experts
 # (runtime/model/families/moe.py), one tensor per expert in the files.
 _DENSE_MLP = ("layers/w_gate", "layers/w_up", "layers/w_down")
-_ATTENTION_RULES = tuple(r for r in HF_RULES if r.path not in _DENSE_MLP)
+_BIASES_AND_QK_NORMS = ("layers/bq", "layers/bk", "layers/bv", "layers/q_norm", "layers/k_norm")
+_ATTENTION_RULES = tuple(r for r in HF_RULES if r.path not in _DENSE_MLP + _BIASES_AND_QK_NORMS)
 HF_MIXTRAL_RULES = (
     *_ATTENTION_RULES,
     Rule("model.layers.{i}.block_sparse_moe.gate.weight", "layers/router", "t"),
@@ -145,6 +146,8 @@ HF_MIXTRAL_RULES = (
 )
 HF_QWEN3_MOE_RULES = (
     *_ATTENTION_RULES,
+    Rule("model.layers.{i}.self_attn.q_norm.weight", "layers/q_norm"),
+    Rule("model.layers.{i}.self_attn.k_norm.weight", "layers/k_norm"),
     Rule("model.layers.{i}.mlp.gate.weight", "layers/router", "t"),
     Rule("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "layers/experts_gate", "t"),
     Rule("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers/experts_up", "t"),

@@ -13,7 +13,10 @@ import jax.numpy as jnp
 # Largest magnitude of a symmetric element type: a row's absmax maps onto it.
 QUANT_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0}
 # int8 caches: an asymmetric float16 scale and zero per group of channels of a token's head,
-# 8 for K and 16 for V (runtime/config.py INT8_KV_GROUP). Why: docs/quantization.md "KV cache".
+# 8 for K and 32 for V (runtime/config.py INT8_KV_GROUP). Why: docs/quantization.md "KV cache".
+# float16 holds the pair: K/V values are clipped to +-F16_SAFE first (past it the zero would
+# overflow to inf; no model's keys or values come near).
+F16_SAFE = 60000.0
 
 
 
@@ -81,7 +84,7 @@ def quantize_rows(x: jax.Array, dtype: jnp.dtype, groups: int = 1) -> tuple[jax.
     x = x.astype(jnp.float32)
     g = groups
     if jnp.dtype(dtype) == jnp.dtype(jnp.int8):
-        xg = x.reshape(*x.shape[:-1], g, -1)
+        xg = jnp.clip(x, -F16_SAFE, F16_SAFE).reshape(*x.shape[:-1], g, -1)
         lo, hi = xg.min(-1), xg.max(-1)
         scale = ((hi - lo) / 255.0).astype(jnp.float16)
         zero = (lo + 128.0 * scale.astype(jnp.float32)).astype(jnp.float16)

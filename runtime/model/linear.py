@@ -200,8 +200,10 @@ def expert_products(x: jax.Array, w: jax.Array, sizes: jax.Array, layer: jax.Arr
     CPU a loop over the experts that have rows, each multiplying its rows in tiles of R: the
     matrices read are the active experts', the rows multiplied at most R - 1 past each
     expert's own per expert. A tile's rows past its expert's end belong to the next experts,
-    which are written after it, so nothing is masked. (The C++ kernel, StackedExperts with
-    cpu_kernel, does the same without copying each matrix out of the stack first.)"""
+    which are written after it, so nothing is masked. R follows the step's row count, so this
+    loop's sums may differ in the last bits between batch sizes; the C++ kernel
+    (runtime/kernels/cpu/experts.py PackedExperts, the float32 engine's path) sums every row
+    the same way and copies no matrix out of the stack."""
     if jax.default_backend() != "cpu":
         return jax.lax.ragged_dot(x, w if layer is None else w[layer], sizes)
     M, K = x.shape

@@ -251,6 +251,16 @@ def kv_bytes_per_seq(model: ModelConfig, kv_dtype: str, context_len: int) -> int
     return groups.steady_pages(context_len, BLOCK_SIZE) * page
 
 
+def crossover(read: Any, c_seq: float) -> float:
+    """B* where a step's KV bytes equal the weight bytes it reads: weights / C_seq, and for a
+    mixture of experts (whose step reads more experts as B grows) the fixed point of
+    B = read(B) / C_seq."""
+    b = read(1) / c_seq
+    for _ in range(50):
+        b = read(max(b, 1.0)) / c_seq
+    return b
+
+
 def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_dtype: str = "bfloat16",
          kv_dtype: str = "bfloat16", overhead_bytes: int = 3 * GB, target_rps: float | None = None,
          output_tokens: int = 200, headroom: float = 0.2,
@@ -289,7 +299,7 @@ def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_
         num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         weight_bytes=weights, kv_bytes_per_token=per_token, kv_bytes_per_token_mha=mha,
         kv_bytes_per_seq=c_seq, kv_bytes_per_block=per_token * BLOCK_SIZE, kv_budget_bytes=budget,
-        b_max=b_max, b_star=weights / c_seq, rows=rows,
+        b_max=b_max, b_star=crossover(read, c_seq), rows=rows,
         step_time_b1_s=step_time_s(1, read(1), c_seq, bw), tps_ceiling=ceiling,
         tps_asymptote=bw / c_seq, prefill_time_s=2 * active * context_len / device.peak_flops,
         min_devices_for_weights=math.ceil((weights + overhead_bytes) / device.memory_bytes),

@@ -195,3 +195,19 @@ def test_console_model_page_shows_the_experts(moe):
     m = eng.config.model
     assert text_of(page, "experts").startswith(f"{m.num_experts} of width {m.moe_intermediate_size}, top 2 per token; ")
     assert f"({int(m.params_touched(1)):,})" in text_of(page, "experts")
+
+
+@pytest.mark.parametrize("arch, defaults", [
+    ("mixtral", {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_kv_heads": 8}),
+    ("qwen3_moe", {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_kv_heads": 4}),
+])
+def test_absent_keys_take_the_config_classes_defaults(tmp_path, arch, defaults):
+    """A config.json without rope_theta, rms_norm_eps or num_key_value_heads means what
+    transformers' MixtralConfig / Qwen3MoeConfig default to, not another family's values."""
+    src = build_hf(tmp_path / "hf", arch, **(MIXTRAL if arch == "mixtral" else QWEN3_MOE))
+    cfg = json.loads((src / "config.json").read_text())
+    for key in ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps", "num_key_value_heads"):
+        cfg.pop(key, None)
+    (src / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 8}))
+    got = HFSource(src).model_config()
+    assert {"rope_theta": got.rope_theta, "rms_norm_eps": got.rms_norm_eps, "num_kv_heads": got.num_kv_heads} == defaults

@@ -46,6 +46,8 @@ def test_quantize_rows_error_is_bounded_per_group(kv_dtype):
     assert float(scales[7, 0, 0]) < float(scales[7, 1, 0]) / 20  # its neighbours keep their own scale
     p = QuantizedPages.of(jnp.zeros((2, 1, 32)), KV_DTYPES[kv_dtype], groups)  # all zeros: exact, finite
     assert not np.asarray(p.dequantized()).any() and np.isfinite(np.asarray(p.scales, np.float32)).all()
+    huge = QuantizedPages.of(jnp.full((1, 1, 32), 7e4).at[0, 0, 0].set(-7e4), KV_DTYPES[kv_dtype], groups)
+    assert np.isfinite(np.asarray(huge.dequantized())).all()  # float16 scales and zeros: clipped, finite
     const = QuantizedPages.of(jnp.full((1, 1, 32), 0.3), KV_DTYPES[kv_dtype], groups)  # a constant group
     np.testing.assert_allclose(np.asarray(const.dequantized()), 0.3, rtol=2e-3)
 

@@ -316,4 +316,6 @@ def test_moe_plan_reads_the_experts_a_batch_touches():
     assert p.step_time_b1_s == pytest.approx((m.params_touched(1) * 2 + p.kv_bytes_per_seq) / DEVICES["h200"].bandwidth_bytes_per_s)
     assert p.b_max == (DEVICES["h200"].memory_bytes - p.weight_bytes - 3 * GB) // p.kv_bytes_per_seq
     assert "12.880 B active per token" in format_plan(p)
+    # B*: a step's KV bytes equal the weight bytes that step reads (more experts at larger B)
+    assert p.b_star * p.kv_bytes_per_seq == pytest.approx(weights_read(m, p.b_star, 2), rel=1e-3)
     assert plan(m, DEVICES["h100"], context_len=4096).b_max == 0  # 93 GB of bfloat16 weights: not on one H100

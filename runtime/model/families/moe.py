@@ -9,8 +9,8 @@ of its experts' outputs.
 The experts run as grouped products over the (token, expert) pairs sorted by expert
 (linear.expert_products: `jax.lax.ragged_dot`, on CPU a loop over the experts that have
 rows): each expert multiplies only the rows routed to it, so the work is the active
-experts', not E dense products. Each row's numbers depend only on its own
-token and expert (batch invariance: tests/runtime/test_families_moe.py).
+experts', not E dense products. On the engine's CPU path (the C++ kernel) each row's numbers
+depend only on its own token and experts (batch invariance: tests/runtime/test_families_moe.py).
 
 Stored per layer: router [d, E], experts_gate and experts_up [E, d, f], experts_down [E, f, d]
 (f = moe_intermediate_size); no dense w_gate / w_up / w_down.
