@@ -85,6 +85,7 @@ class Job:
     error: str | None = None
     cached_tokens: int = 0
     completion_tokens: int = 0
+    spec: tuple[int, int] = (0, 0)  # speculative decoding: tokens proposed, kept
     offset: int = 0  # characters of text already covered by logprob text_offset
 
     def add(self, out: RequestOutput) -> None:
@@ -94,6 +95,7 @@ class Job:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.cached_tokens, self.completion_tokens = out.cached_tokens, out.completion_tokens
+        self.spec = out.spec
         if out.finished:
             self.finished, self.finish_reason, self.error = True, out.finish_reason, out.error
             self.stop_reason = out.stop_reason
@@ -150,7 +152,9 @@ class Generation:
             prompts[j.prompt] = (n, max(c, j.cached_tokens))
         p = sum(n for n, _ in prompts.values())
         c = sum(j.completion_tokens for j in self.jobs)
-        return S.Usage(p, c, p + c, S.PromptTokensDetails(sum(x for _, x in prompts.values())))
+        proposed, kept = sum(j.spec[0] for j in self.jobs), sum(j.spec[1] for j in self.jobs)
+        return S.Usage(p, c, p + c, S.PromptTokensDetails(sum(x for _, x in prompts.values())),
+                       S.SpeculativeUsage(proposed, kept) if proposed else msgspec.UNSET)
 
 
 async def run_watching_disconnect(request: Request, work: Awaitable[None]) -> None:
@@ -256,6 +260,7 @@ def _sampling(body: S.CompletionRequest | S.ChatCompletionRequest, max_tokens: i
     try:
         return SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
                               ignore_eos=body.ignore_eos, logprobs=logprobs, min_tokens=body.min_tokens,
+                              speculative=body.speculative,
                               guide=guide or guide_from_body(body),
                               seed=None if body.seed is None else body.seed % 2**32, **kw)
     except ValueError as exc:

@@ -87,6 +87,7 @@ class _Sampling(Struct, kw_only=True, forbid_unknown_fields=True):
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    speculative: bool = True   # false: this request never uses the engine's speculative decoding
 
 
 PromptItem = str | Annotated[int, Meta(ge=0)] | Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1)]
@@ -265,11 +266,18 @@ class PromptTokensDetails(Struct):
     cached_tokens: int = 0
 
 
+class SpeculativeUsage(Struct):
+    """Extension: what speculative decoding proposed for this response and kept."""
+    proposed: int
+    accepted: int
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    speculative: SpeculativeUsage | msgspec.UnsetType = msgspec.UNSET  # only where some token was proposed
 
 
 class CompletionLogprobs(Struct):

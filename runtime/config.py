@@ -497,6 +497,59 @@ class KernelConfig:
         return dataclasses.replace(self, **changes) if changes else self
 
 
+SPEC_METHODS = ("ngram",)  # implemented proposers (runtime/core/speculative.py)
+SPEC_NOT_YET = {"suffix": "suffix speculation", "draft_model": "a draft model", "eagle": "EAGLE",
+                "eagle3": "EAGLE-3", "mtp": "multi-token prediction", "medusa": "Medusa"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON keys): which proposer, how many tokens it may
+    propose per step, and where speculation stops paying (`disable_by_batch_size`: a step
+    of that many running requests or more is compute-bound enough that verifying drafts
+    costs more than it saves, and it also gives up the host/device overlap)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method in SPEC_NOT_YET:
+            raise ValueError(f"speculative_config.method: {SPEC_NOT_YET[self.method]} ({self.method!r}) is not "
+                             f"implemented yet; implemented: {', '.join(SPEC_METHODS)}")
+        _check(self.method in SPEC_METHODS, "speculative_config.method",
+               f"must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        _check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
+               "speculative_config.num_speculative_tokens", f"must be 1..16, got {self.num_speculative_tokens!r}")
+        _check(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+               "speculative_config.prompt_lookup_min", f"must be >= 1, got {self.prompt_lookup_min!r}")
+        _check(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+               "speculative_config.prompt_lookup_max",
+               f"must be >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
+        _check(isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1,
+               "speculative_config.disable_by_batch_size", f"must be >= 1, got {self.disable_by_batch_size!r}")
+
+    @classmethod
+    def parse(cls, text: "str | dict[str, Any] | None") -> "SpeculativeConfig | None":
+        """JSON text or a dict -> config; None or "" -> None (off). Unknown keys are refused."""
+        if text is None or text == "":
+            return None
+        try:
+            d = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config: not valid JSON ({exc})") from None
+        _check(isinstance(d, dict), "speculative_config", "must be a JSON object")
+        if d.get("method") in SPEC_NOT_YET:
+            cls(method=d["method"])  # (raises the one-line refusal naming it)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        _check(not unknown, "speculative_config", f"unsupported key(s) {', '.join(unknown)}; "
+               f"supported: {', '.join(sorted(known))}")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -510,3 +563,4 @@ class EngineConfig:
     quantize_lm_head: bool = False   # w8a8: an int8 LM head too (faster, less accurate: runtime/model/quant.py)
     tensor_parallel_size: int = 1    # devices the model is sharded over (runtime/model/tp.py); 1: one device
     kernels: KernelConfig = field(default_factory=KernelConfig)  # the CPU kernels' switches
+    speculative: SpeculativeConfig | None = None  # speculative decoding (runtime/core/speculative.py); None: off

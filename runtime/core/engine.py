@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from runtime.core.request import step_row
-from runtime.core import disagg
+from runtime.core import disagg, speculative
 from runtime.kv_groups import KVGroups
 from runtime.core.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
@@ -69,6 +69,7 @@ class RequestOutput:
     # engine -> output processor only: the tokens whose text this output adds, when not
     # token_ids (an EOS or stop token ends a request without adding its text)
     text_ids: list[int] | None = field(default=None, repr=False)
+    spec: tuple[int, int] = (0, 0)      # speculative decoding so far: tokens proposed, kept
 
 
 @dataclass(eq=False)
@@ -79,6 +80,7 @@ class _InFlight:
     num_tokens: int
     launched_at: float                  # perf_counter
     guided: bool = False                # a row's structured output needs this step's token next
+    verifies: bool = False              # a row verifies proposals (speculative decoding)
     prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)  # (req, offset in T, pos, n)
 
 
@@ -110,7 +112,8 @@ class LLMEngine:
         params = prepare(params, config.quantization, config.model, tokenizer, lm_head=config.quantize_lm_head)
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
                                   config.attention_backend, dtype, config.quantization,
-                                  tensor_parallel_size=config.tensor_parallel_size, kernels=config.kernels)
+                                  tensor_parallel_size=config.tensor_parallel_size, kernels=config.kernels,
+                                  spec_k=config.speculative.num_speculative_tokens if config.speculative else 0)
         self.guides = GuideCompiler(tokenizer, config.model.vocab_size)
         self.metrics = EngineMetrics(lambda: EngineState.read(self.scheduler, self.pool, compilations))
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
@@ -300,12 +303,15 @@ class LLMEngine:
         step N back (tokens, stops). Without async scheduling N+1 is read at once. Returns
         the text outputs, or [] where the output processor runs on its own thread."""
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and self._inflight.guided:
-            # A structured row's next mask needs the token this step samples: read it first.
+        if self._inflight is not None and (self._inflight.guided or self._inflight.verifies
+                                           or self._wants_speculation()):
+            # A structured row's next mask needs the token this step samples, a proposal
+            # follows it, and a verified row's next position depends on what it kept: read it first.
             done, self._inflight = self._inflight, None
             self._read_back(done, outputs)
         with self.lock:
             self._apply_boundary(outputs)
+            self._propose()
             launched = self._launch(self.scheduler.schedule(), outputs)
             if self.async_scheduling:
                 done, self._inflight = [self._inflight], launched
@@ -323,6 +329,28 @@ class LLMEngine:
         next step, which also reads back a step still in flight."""
         with self.lock:
             self.async_scheduling = bool(enabled)
+
+    # --- speculative decoding (runtime/core/speculative.py) -------------------------------------------
+    def _wants_speculation(self) -> bool:
+        """Whether some running request would propose once the step in flight is read back
+        (judged on the tokens known now): then the engine reads it back before planning,
+        giving up the overlap for that beat; otherwise it keeps the pipeline."""
+        spec = self.config.speculative
+        with self.lock:
+            running = self.scheduler.running
+            if spec is None or len(running) >= spec.disable_by_batch_size:
+                return False
+            return any(speculative.may_speculate(r, spec, len(running), pending_ok=True)
+                       and speculative.propose(r, spec, self.envelope.max_model_len) for r in running)
+
+    def _propose(self) -> None:
+        spec = self.config.speculative
+        if spec is None:
+            return
+        running = self.scheduler.running
+        for r in running:
+            r.spec_token_ids = (speculative.propose(r, spec, self.envelope.max_model_len)
+                                if speculative.may_speculate(r, spec, len(running)) else [])
 
     def _launch(self, plan: SchedulerOutput, outputs: list[RequestOutput]) -> _InFlight | None:
         """Plan -> step rows -> device; the plan's tokens count as computed from here on."""
@@ -354,7 +382,8 @@ class LLMEngine:
                 req.first_scheduled_time = now
                 self.metrics.queue_time.observe(now - req.arrival_time)
             rows.append((req, self.scheduler.commit(req, n)))
-        return _InFlight(rows, handle, plan.num_batched_tokens, time.perf_counter(), bool(guided), prompt_rows)
+        return _InFlight(rows, handle, plan.num_batched_tokens, time.perf_counter(), bool(guided),
+                         any(sq.drafts for sq in seqs), prompt_rows)
 
     def _read_back(self, done: _InFlight, outputs: list[RequestOutput]) -> None:
         """Wait for a launched step (outside the lock: the web thread keeps adding requests),
@@ -372,10 +401,19 @@ class LLMEngine:
             new_tokens = 0
             for req, t0, pos, n in done.prompt_rows:
                 self._add_prompt_logprobs(req, result, t0, pos, n)
+            accepted = result.get("accepted")
             for i, (req, sampled) in enumerate(done.rows):
                 if sampled and not req.is_finished:  # (a request aborted or stopped meanwhile drops it)
-                    new_tokens += 1
-                    out = self._append_token(req, result, i, now)
+                    picks: list[Any] = [i]
+                    if accepted is not None:  # a verified step: the samples up to the first rejection
+                        a, d = int(accepted[i]), len(req.spec_token_ids)
+                        if d:
+                            speculative.record(req, d, a)
+                            self.metrics.count_speculation(self.config.speculative.method, d, a)
+                        self.scheduler.accept_drafts(req, a)
+                        picks = [(i, j) for j in range(a + 1)]
+                    out, n = self._append_tokens(req, result, picks, now)
+                    new_tokens += n
                     if out is not None:
                         outputs.append(out)
             self.metrics.generation_tokens.inc(new_tokens)
@@ -418,13 +456,12 @@ class LLMEngine:
             if t is not None and not t.req.is_finished:
                 outputs.append(self._finish(t.req, reason, stop_reason=stop_reason))
 
-    def _append_token(self, req: Request, result: dict, i: int, now: float) -> RequestOutput | None:
-        tok = int(result["token_ids"][i])
-        self.scheduler.append_token(req, tok)
-        if req.params.logprobs is not None:  # raw rows (copies: the step's arrays are not kept), formatted off this thread
-            k = req.params.logprobs
-            req.logprobs.append((result["logprobs"][i], result["top_ids"][i, :k].copy(),
-                                 result["top_logprobs"][i, :k].copy()))
+    def _append_tokens(self, req: Request, result: dict, picks: list[Any], now: float
+                       ) -> tuple[RequestOutput | None, int]:
+        """Hand a step's tokens for one request to it -- `picks` index the step's arrays, one
+        entry, or one per kept position of a verified row -- stopping at the first token that
+        ends it. Returns (its output, tokens appended)."""
+        new: list[int] = []
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival_time)
@@ -433,22 +470,31 @@ class LLMEngine:
             self.metrics.itl.observe(now - req.last_token_time)
             self.metrics.window.itl.append((now, now - req.last_token_time))
         req.last_token_time = now
-        # The stops a token decides; stop strings are the output processor's.
         p = req.params
-        if tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
-            return self._finish(req, "stop", new_ids=[tok], text_ids=[])
-        if tok in p.stop_token_ids:
-            return self._finish(req, "stop", stop_reason=tok, new_ids=[tok], text_ids=[])
-        if req.matcher is not None:
-            if not req.matcher.consume_token(tok):
-                return self._finish(req, "error", error=f"structured output rejected token {tok}: "
-                                                        f"{req.matcher.get_error()}", new_ids=[tok], text_ids=[])
-            if req.matcher.is_stopped():  # the grammar is complete: nothing else may follow
-                return self._finish(req, "stop", new_ids=[tok])
-        # (a token still pending on the device is dropped)
-        if req.num_generated >= p.max_tokens or len(req.token_ids) >= self.envelope.max_model_len:
-            return self._finish(req, "length", new_ids=[tok])
-        return self._output(self._tracked[req.request_id], [tok])
+        for idx in picks:
+            tok = int(result["token_ids"][idx])
+            self.scheduler.append_token(req, tok)
+            new.append(tok)
+            if p.logprobs is not None:  # raw rows (copies: the step's arrays are not kept), formatted off this thread
+                k = p.logprobs
+                req.logprobs.append((result["logprobs"][idx], result["top_ids"][idx][:k].copy(),
+                                     result["top_logprobs"][idx][:k].copy()))
+            # The stops a token decides; stop strings are the output processor's.
+            if tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
+                return self._finish(req, "stop", new_ids=new, text_ids=new[:-1]), len(new)
+            if tok in p.stop_token_ids:
+                return self._finish(req, "stop", stop_reason=tok, new_ids=new, text_ids=new[:-1]), len(new)
+            if req.matcher is not None:
+                if not req.matcher.consume_token(tok):
+                    return self._finish(req, "error", error=f"structured output rejected token {tok}: "
+                                                            f"{req.matcher.get_error()}", new_ids=new,
+                                        text_ids=new[:-1]), len(new)
+                if req.matcher.is_stopped():  # the grammar is complete: nothing else may follow
+                    return self._finish(req, "stop", new_ids=new), len(new)
+            # (a token still pending on the device is dropped)
+            if req.num_generated >= p.max_tokens or len(req.token_ids) >= self.envelope.max_model_len:
+                return self._finish(req, "length", new_ids=new), len(new)
+        return self._output(self._tracked[req.request_id], new), len(new)
 
     def _output(self, t: _Tracked, ids: list[int], **kw: Any) -> RequestOutput:
         req = t.req
@@ -459,7 +505,7 @@ class LLMEngine:
             plp, t.prompt_sent = [None, *req.prompt_logprobs], True
         return RequestOutput(req.request_id, ids, "", prompt_tokens=req.num_prompt_tokens,
                              completion_tokens=req.num_generated, cached_tokens=max(req.num_cached_tokens, 0),
-                             logprobs=lp, prompt_logprobs=plp, **kw)
+                             logprobs=lp, prompt_logprobs=plp, spec=(req.spec.proposed, req.spec.accepted), **kw)
 
     def _finish(self, req: Request, reason: str, *, stop_reason: Any = None, error: str | None = None,
                 new_ids: list[int] | None = None, text_ids: list[int] | None = None) -> RequestOutput:

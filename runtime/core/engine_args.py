@@ -6,7 +6,7 @@ import argparse
 from typing import Callable
 
 from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, GiB, KernelConfig, ModelConfig,
-                            SchedulerConfig, parse_memory)
+                            SchedulerConfig, SpeculativeConfig, parse_memory)
 
 CPU_DEFAULT_KV_MEMORY = 2 * GiB  # 64 streams of ~700 unshared tokens (SmolLM2, float32) without preemption
 
@@ -43,6 +43,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before planning the next (for comparison; slower)")
     g.add_argument("--attention-backend", choices=("auto", "xla", "pallas"), default="auto")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 8}\' (n-gram prompt '
+                        'lookup; greedy and seeded outputs are the tokens made without it; a request opts out with '
+                        '"speculative": false)')
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many devices (attention by heads, MLP Megatron-style, "
                         "embeddings by vocabulary, the KV cache by KV head). On CPU set "
@@ -130,7 +135,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
                             quantization=getattr(args, "quantization", "auto"),
                             quantize_lm_head=getattr(args, "quantize_lm_head", False),
                             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                            kernels=kernel_config_from_args(args))
+                            kernels=kernel_config_from_args(args),
+                            speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)))
 
     # LLMEngine.from_checkpoint reads it before the weights (TP restores them into their shards).
     build.tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)  # type: ignore[attr-defined]

@@ -127,9 +127,24 @@ class EngineMetrics:
                                             registry=r)
         self.kv_reservations = Counter(P + "kv_reservations", "Decode-side KV reservations by outcome",
                                        ["outcome"], registry=r)
+        # Speculative decoding (runtime/core/speculative.py), per method, under both names.
+        self.spec_drafts = [Counter(x + "spec_decode_num_drafts", "Verifications of one or more proposals",
+                                    ["method"], registry=r) for x in (P, V)]
+        self.spec_draft_tokens = [Counter(x + "spec_decode_num_draft_tokens", "Proposed tokens verified",
+                                          ["method"], registry=r) for x in (P, V)]
+        self.spec_accepted_tokens = [Counter(x + "spec_decode_num_accepted_tokens", "Proposed tokens kept",
+                                             ["method"], registry=r) for x in (P, V)]
         self.vllm_cache_config = Gauge(V + "cache_config_info", "KV cache configuration (model-server protocol)",
                                        ["block_size", "num_gpu_blocks"], registry=r)
         self.window = RecentWindow()
+
+    def count_speculation(self, method: str, proposed: int, accepted: int) -> None:
+        for c in self.spec_drafts:
+            c.labels(method).inc()
+        for c in self.spec_draft_tokens:
+            c.labels(method).inc(proposed)
+        for c in self.spec_accepted_tokens:
+            c.labels(method).inc(accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -36,6 +36,17 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class SpecStats:
+    """Speculative decoding, per request (runtime/core/speculative.py): what its proposals did
+    (the usage's `speculative` extension) and its backoff."""
+
+    proposed: int = 0
+    accepted: int = 0
+    miss_streak: int = 0        # verifications in a row that kept no proposal
+    resume_at: int = 0          # output-token count before which it does not propose
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -76,6 +87,10 @@ class Request:
     matcher: Any = None              # llguidance matcher of a structured output (params.guide)
     # prompt logprobs when asked: entry i is prompt token i+1's, raw like `logprobs`
     prompt_logprobs: list[tuple[Any, ...]] = field(default_factory=list)
+    # Speculative decoding: tokens proposed to follow token_ids, computed by the next step
+    # with its last token and kept up to the first the step's samples disagree with.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:
@@ -123,6 +138,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """What the next step may compute up to: the tokens and the proposals after them."""
+        return self.num_tokens + len(self.spec_token_ids)
 
     def formatted_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]]:
         """The generated tokens' logprobs in the client's form: (chosen, [(id, logprob)...])."""
@@ -199,13 +219,14 @@ def step_row(req: Request, n: int) -> ScheduledSeq:
     from runtime.model.sampling import SamplingRow
 
     start = req.num_computed_tokens
-    known = req.token_ids[start:start + n]
+    drafts = req.spec_token_ids  # (the scheduler leaves proposals only on a decode row with none pending)
+    known = (req.token_ids + drafts if drafts else req.token_ids)[start:start + n]
     pending = len(known) < n  # the tail is the token sampled by the step still in flight
     seq = ScheduledSeq(
         token_ids=known + [0] * (n - len(known)), start_pos=start, block_tables=req.block_tables,
         prompt_len=req.num_prompt_tokens, state_row=req.state_row, reset_row=req.needs_row_reset,
-        sample=start + n == req.num_tokens, sampling_row=SamplingRow(req.params, req.num_output_tokens),
-        count_from=max(0, req.row_counted_upto - start), pending_last=pending)
+        sample=start + n == req.num_tokens_with_spec, sampling_row=SamplingRow(req.params, req.num_output_tokens),
+        count_from=max(0, req.row_counted_upto - start), pending_last=pending, drafts=list(drafts))
     P = req.num_prompt_tokens
     if req.params.prompt_logprobs is not None and start < P - 1:
         nxt = req.token_ids[start + 1:min(start + n + 1, P)]

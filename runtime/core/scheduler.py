@@ -55,6 +55,8 @@ class SchedulerCounters:
     prefix_hits: int = 0        # of which served from cache
     preemptions: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
+    spec_proposed: int = 0      # speculative decoding: proposed tokens verified
+    spec_accepted: int = 0      # of which kept
 
 
 class Scheduler:
@@ -158,6 +160,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self._release(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
         req.num_preemptions += 1
@@ -182,7 +185,7 @@ class Scheduler:
 
     # --- the step ----------------------------------------------------------------------
     def _chunk(self, req: Request, start: int, budget: int) -> int:
-        n = min(req.num_tokens - start, budget)
+        n = min(req.num_tokens_with_spec - start, budget)
         if n > 1:
             n = min(n, self.policy.long_prefill_token_threshold)
         return max(n, 0)
@@ -244,9 +247,12 @@ class Scheduler:
                     n = 0
                     break
             if n == 0:
+                req.spec_token_ids = []
                 if req.status is Status.RUNNING:
                     i += 1
                 continue
+            if req.spec_token_ids:  # the budget may cut the proposals short
+                del req.spec_token_ids[n - 1:]
             out.scheduled.append((req, n))
             budget -= n
             i += 1
@@ -392,12 +398,33 @@ class Scheduler:
         # The step's row adds its tokens to the penalty state (runtime/model/batch.py `step_row`
         # skips those already there); recorded here, where the step is committed.
         req.row_counted_upto = max(req.row_counted_upto, req.num_computed_tokens)
-        sampled = req.num_computed_tokens == req.num_tokens
+        sampled = req.num_computed_tokens == req.num_tokens_with_spec
         if sampled:
             req.num_pending += 1
             req.row_counted_upto = req.num_tokens  # the device counts the sampled token itself
         self._register_full_blocks(req)
         return sampled
+
+    def accept_drafts(self, req: Request, accepted: int) -> None:
+        """A verified step is read back: of its `len(spec_token_ids)` proposals the first
+        `accepted` were kept. The rejected ones' KV slots are rolled back (they count as not
+        computed, so no block holding one is offered to the prefix cache; the next tokens
+        overwrite them) and the blocks only they needed return to the pool. Call before
+        appending the step's tokens."""
+        proposed = len(req.spec_token_ids)
+        rejected = proposed - accepted
+        req.spec_token_ids = []
+        self.counters.spec_proposed += proposed
+        self.counters.spec_accepted += min(accepted, proposed)
+        if rejected <= 0 or req.status is not Status.RUNNING:
+            return
+        req.num_computed_tokens -= rejected
+        keep = self.blocks_for(req.num_computed_tokens + 1)  # (+1: the kept sample's slot, next step)
+        freed = [b for t in req.block_tables for b in t[keep:] if b != NULL_BLOCK]
+        for t in req.block_tables:
+            del t[keep:]
+        if freed:
+            self.pool.free(freed)
 
     def append_token(self, req: Request, token: int) -> None:
         """The host read back a sampled token (resolving the pending one, if any)."""

@@ -67,6 +67,8 @@ class RequestView:
     age_s: float
     ttft_s: float | None
     preemptions: int
+    spec_proposed: int = 0      # speculative decoding: tokens proposed for it, verified
+    spec_accepted: int = 0      # of which kept
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class EngineSnapshot:
     rejections: dict[str, int] = field(default_factory=dict)
     evicted_ages: tuple[float, ...] = ()    # the most recent evictions' ages (bounded)
     evicted_age_total: float = 0.0          # sum over every eviction
+    spec_proposed: int = 0                  # speculative decoding: proposed tokens verified
+    spec_accepted: int = 0                  # of which kept
 
     @property
     def hit_rate(self) -> float:
@@ -223,7 +227,8 @@ def take_snapshot(src: EngineParts, with_blocks: bool = True) -> EngineSnapshot:
         sched, pool = src.scheduler, src.pool
         reqs = [(r.request_id, r.status.value, r.priority, len(r.prompt_ids), len(r.output_ids),
                  max(r.num_cached_tokens, 0), len(r.held_blocks()), now - r.arrival_time,
-                 (r.first_token_time - r.arrival_time) if r.first_token_time else None, r.num_preemptions)
+                 (r.first_token_time - r.arrival_time) if r.first_token_time else None, r.num_preemptions,
+                 r.spec.proposed, r.spec.accepted)
                 for r in [*sched.running, *sched.waiting_requests()]]
         policy = src.policy
         c = sched.counters
@@ -233,7 +238,8 @@ def take_snapshot(src: EngineParts, with_blocks: bool = True) -> EngineSnapshot:
                       free_blocks=pool.num_free_blocks - pool.num_cached_blocks,
                       prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits, evictions=pool.num_evictions,
                       preemptions=c.preemptions, rejections=dict(c.rejections),
-                      evicted_ages=tuple(pool.evicted_ages), evicted_age_total=pool.evicted_age_total)
+                      evicted_ages=tuple(pool.evicted_ages), evicted_age_total=pool.evicted_age_total,
+                      spec_proposed=c.spec_proposed, spec_accepted=c.spec_accepted)
         blocks = block_views(src, 0, pool.num_blocks) if with_blocks else []
     return EngineSnapshot(time=time.time(), blocks=blocks, requests=[RequestView(*r) for r in reqs],
                           policy=policy.to_json(), **counts)

@@ -29,6 +29,20 @@ TOKEN_PAD, TOKEN_PROMPT, TOKEN_OUTPUT = 0, 1, 2
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
+class SpecInput:
+    """Speculative decoding's verification (runtime/core/speculative.py). K is the configured
+    number of proposals (0: speculation off, every array empty); a step samples after P
+    positions, P = min(T, S * (K + 1)): each row's last token and each of its proposals."""
+
+    draft_ids: jax.Array    # [S, K] i32 proposals per row; -1 = none
+    slot_token: jax.Array   # [P] i32 index in [T] of the token each verify slot samples after
+    slot_row: jax.Array     # [P] i32 the slot's sequence
+    slot_offset: jax.Array  # [P] i32 the slot's place in its row's run (added to the sampling step)
+    row_slots: jax.Array    # [S, K+1] i32 the slot of row i's j-th position (0 past its proposals)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
 class StepInput:
     token_ids: jax.Array        # [T] int32 flattened tokens of all scheduled sequences, padded
     token_from_state: jax.Array # [T] bool  the token is the row's last sampled one, still on device
@@ -47,6 +61,7 @@ class StepInput:
     prompt_targets: jax.Array   # [T] int32 the prompt token after this one, for prompt logprobs; -1 = none
     sampling: SamplingInputs    # per-sequence sampling parameters, [S] each
     shared: SharedPrefix        # leading blocks many sequences share in group 0 (cascade attention)
+    spec: SpecInput             # speculative decoding's verification (K = 0: off)
 
 
 @dataclass
@@ -64,15 +79,18 @@ class ScheduledSeq:
     count_from: int = 0          # tokens before this offset are already in the penalty state
     pending_last: bool = False   # the last token is pending: the device reads it from its state row
     prompt_next: Sequence[int] = ()  # prompt logprobs: each token's next prompt token (-1 past the prompt)
+    drafts: Sequence[int] = ()   # speculative decoding: the last len(drafts) tokens are proposals to verify
 
 
 def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tokens_bucket: int,
                      max_blocks_per_seq: int, block_size: int, scratch_row: int,
-                     token_mask: np.ndarray | None = None, num_groups: int = 1, cascade: bool = True) -> StepInput:
+                     token_mask: np.ndarray | None = None, num_groups: int = 1, cascade: bool = True,
+                     spec_k: int = 0) -> StepInput:
     """Vectorised over tokens: the per-sequence Python work is list building only, so a
     256-sequence decode step costs well under a millisecond on the host. `num_groups`: KV
     groups (every row has that many tables); `cascade`: look for a shared prefix in group 0
-    (off when group 0 slides: its released leading entries are not a shared prefix)."""
+    (off when group 0 slides: its released leading entries are not a shared prefix);
+    `spec_k`: the proposals a row may carry (speculative decoding; 0: off)."""
     from runtime.model.sampling import make_sampling_inputs
 
     S, T, n = num_seqs_bucket, num_tokens_bucket, len(seqs)
@@ -124,8 +142,34 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
     shared = (choose_shared_prefix(tables, nblocks, kv_lens, n, block_size) if cascade
               else SharedPrefix(np.zeros(max_blocks_per_seq, np.int32), np.zeros(1, np.int32), np.zeros(S, np.int32),
                                 tables))
+    spec = build_spec_input(seqs, S, T, spec_k, qsl)
     return StepInput(token_ids, from_state, positions, slots, kind, token_row, qsl, kv_lens, all_tables,
-                     np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, targets, sampling, shared)
+                     np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, targets, sampling, shared,
+                     spec)
+
+
+def build_spec_input(seqs: Sequence[ScheduledSeq], S: int, T: int, K: int, qsl: np.ndarray) -> SpecInput:
+    """Verify slots: row i's last token and its d_i proposals (the last d_i + 1 tokens of its
+    chunk) take slots in row order; a row without proposals takes one, at its last token."""
+    n = len(seqs)
+    P = min(T, S * (K + 1)) if K else 0
+    drafts = np.full((S, K), -1, np.int32)
+    slot_token, slot_row, slot_offset = np.zeros(P, np.int32), np.zeros(P, np.int32), np.zeros(P, np.int32)
+    row_slots = np.zeros((S, K + 1), np.int32)
+    if K and n:
+        d = np.fromiter((len(sq.drafts) for sq in seqs), np.int32, n)
+        if d.any():
+            for i in np.flatnonzero(d):
+                drafts[i, :d[i]] = seqs[i].drafts
+        cnt = d + 1
+        first = np.cumsum(cnt) - cnt
+        total = int(cnt.sum())
+        rows = np.repeat(np.arange(n, dtype=np.int32), cnt)
+        offset = np.arange(total, dtype=np.int32) - first[rows]
+        slot_row[:total], slot_offset[:total] = rows, offset
+        slot_token[:total] = (qsl[1:n + 1] - 1 - d)[rows] + offset
+        row_slots[rows, offset] = np.arange(total, dtype=np.int32)
+    return SpecInput(drafts, slot_token, slot_row, slot_offset, row_slots)
 
 
 def _fill_table(out: np.ndarray, tables: Sequence[Sequence[int]]) -> np.ndarray:

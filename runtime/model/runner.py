@@ -11,6 +11,7 @@ values of that shape plus their scales (and zeros) per slot, head and group of c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -156,7 +157,7 @@ def _reset_state_rows(counts: jax.Array, prompt_mask: jax.Array, inp: StepInput)
 
 
 def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: Any, params: Params, kv: tuple,
-          rows: tuple, inp: StepInput, *, groups: Any = None) -> tuple[tuple, tuple, SampleOutput, PromptLogprobs]:
+          rows: tuple, inp: StepInput, *, groups: Any = None) -> tuple[tuple, tuple, SampleOutput, PromptLogprobs, Any]:
     """rows = (counts [R, V] i32, prompt_mask [R, V] bool, last_token [R] i32): per-request
     device state, row R-1 being scratch for padding. groups: the KV groups (runtime/kv_groups.py;
     None: one group of all layers). mesh: None, or the tensor-parallel mesh
@@ -187,38 +188,91 @@ def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: An
     plp = jax.lax.cond(jnp.any(inp.prompt_targets >= 0),
                        lambda: prompt_logprobs(cfg, params, hidden, inp.prompt_targets),
                        lambda: _no_prompt_logprobs(T))
-    logits = fam.lm_head(cfg, params, hidden[inp.logits_indices])
-    if mesh is not None:  # vocab-sharded products, then one all-gather of the [S, V] logits (not of the
-        # head's weights); sampling then runs whole on every device
-        from runtime.model.tp import gather_logits
 
-        logits = gather_logits(cfg, mesh, logits)
-    # The [S, V] penalty state is gathered only when some row uses penalties.
-    out = jax.lax.cond(
-        penalties_on(inp.sampling),
-        lambda: sample(logits, inp.sampling, counts[inp.state_rows], prompt_mask[inp.state_rows],
-                       num_logprobs=NUM_LOGPROBS, only_if_asked=True),
-        lambda: sample(logits, inp.sampling, None, None, num_logprobs=NUM_LOGPROBS, only_if_asked=True))
+    def sample_at(token_index: jax.Array, sampling: Any, state_rows: jax.Array) -> SampleOutput:
+        logits = fam.lm_head(cfg, params, hidden[token_index])
+        if mesh is not None:  # vocab-sharded products, then one all-gather of the [S, V] logits (not of the
+            # head's weights); sampling then runs whole on every device
+            from runtime.model.tp import gather_logits
+
+            logits = gather_logits(cfg, mesh, logits)
+        # The [S, V] penalty state is gathered only when some row uses penalties.
+        return jax.lax.cond(
+            penalties_on(sampling),
+            lambda: sample(logits, sampling, counts[state_rows], prompt_mask[state_rows],
+                           num_logprobs=NUM_LOGPROBS, only_if_asked=True),
+            lambda: sample(logits, sampling, None, None, num_logprobs=NUM_LOGPROBS, only_if_asked=True))
+
+    K = inp.spec.draft_ids.shape[1]
+    if K == 0:
+        out, spec = sample_at(inp.logits_indices, inp.sampling, inp.state_rows), None
+    else:
+        out, spec = jax.lax.cond(jnp.any(inp.spec.draft_ids >= 0), lambda: _verify(sample_at, inp),
+                                 lambda: _unverified(sample_at(inp.logits_indices, inp.sampling, inp.state_rows), K))
     kept_rows = jnp.where(inp.sample_mask, inp.state_rows, scratch)
     counts = counts.at[kept_rows, out.token_ids].add(1)
     last_token = last_token.at[kept_rows].set(out.token_ids)
-    return kv, (counts, prompt_mask, last_token), out, plp
+    return kv, (counts, prompt_mask, last_token), out, plp, spec
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SpecOutput:
+    """A speculative step's verification, per row: the sample after each of its positions
+    (its last token, then each proposal) and how many proposals it keeps."""
+    token_ids: jax.Array      # [S, K+1] i32
+    accepted: jax.Array       # [S] i32 leading proposals equal to the sample before them
+    logprobs: jax.Array       # [S, K+1] f32
+    top_ids: jax.Array        # [S, K+1, NUM_LOGPROBS] i32
+    top_logprobs: jax.Array   # [S, K+1, NUM_LOGPROBS] f32
+
+
+def _verify(sample_at: Any, inp: StepInput) -> tuple[SampleOutput, SpecOutput]:
+    """Sample after every verify slot with the key its row would use at that output index
+    (the row's step + the slot's offset), so each sample is the token the row would make one
+    step at a time given the proposals before it. A proposal is kept while it equals the
+    sample before it (runtime/core/speculative.py says why this is exact); the row's token is
+    the sample after its last kept proposal."""
+    sp = inp.spec
+    sampling = jax.tree.map(lambda a: a[sp.slot_row], inp.sampling)
+    sampling = dataclasses.replace(sampling, steps=sampling.steps + sp.slot_offset)
+    flat = sample_at(sp.slot_token, sampling, inp.state_rows[sp.slot_row])
+    per_row = jax.tree.map(lambda a: a[sp.row_slots], flat)              # [S, K+1, ...]
+    keep = jnp.cumprod((per_row.token_ids[:, :-1] == sp.draft_ids).astype(jnp.int32), axis=1)
+    accepted = jnp.sum(keep, axis=1)
+    last = jnp.take_along_axis(sp.row_slots, accepted[:, None], 1)[:, 0]
+    out = jax.tree.map(lambda a: a[last], flat)
+    return out, SpecOutput(per_row.token_ids, accepted, per_row.logprobs, per_row.top_ids, per_row.top_logprobs)
+
+
+def _unverified(out: SampleOutput, K: int) -> tuple[SampleOutput, SpecOutput]:
+    """A step of a speculating engine with no proposals in it: the plain samples, in the
+    verified step's shapes (each row keeps none)."""
+    wide = lambda a: jnp.repeat(a[:, None], K + 1, axis=1)
+    return out, SpecOutput(wide(out.token_ids), jnp.zeros_like(out.token_ids), wide(out.logprobs),
+                           wide(out.top_ids), wide(out.top_logprobs))
 
 
 class StepHandle:
     """A launched step's outputs, still on (or coming back from) the device."""
 
-    def __init__(self, out: SampleOutput, num_rows: int, plp: PromptLogprobs | None = None):
-        self._out, self.num_rows, self._plp = out, num_rows, plp
+    def __init__(self, out: SampleOutput, num_rows: int, plp: PromptLogprobs | None = None,
+                 spec: "SpecOutput | None" = None):
+        self._out, self.num_rows, self._plp, self._spec = out, num_rows, plp, spec
         self._host: dict[str, np.ndarray] | None = None
 
     def result(self) -> dict[str, np.ndarray]:
-        """Blocks until the device has finished the step; host arrays of the real rows."""
+        """Blocks until the device has finished the step; host arrays of the real rows. A
+        step that verified proposals gives its rows' samples at every position instead:
+        token_ids, logprobs, top_ids and top_logprobs [n, K+1, ...], and "accepted" [n]."""
         if self._host is None:
-            host = jax.device_get(self._out)
+            host = jax.device_get(self._spec if self._spec is not None else self._out)
             n = self.num_rows
             self._host = {"token_ids": np.asarray(host.token_ids)[:n], "logprobs": np.asarray(host.logprobs)[:n],
                           "top_ids": np.asarray(host.top_ids)[:n], "top_logprobs": np.asarray(host.top_logprobs)[:n]}
+            if self._spec is not None:
+                self._host["accepted"] = np.asarray(host.accepted)[:n]
+            self._spec = None
             if self._plp is not None:  # only steps that computed prompt logprobs bring them back
                 plp = jax.device_get(self._plp)
                 self._host.update(prompt_logprobs=np.asarray(plp.logprobs), prompt_top_ids=np.asarray(plp.top_ids),
@@ -230,11 +284,13 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, cache: CacheConfig, sched: SchedulerConfig,
                  attention_backend: str = "auto", dtype: Any = jnp.float32, quantization: str = "none",
-                 tensor_parallel_size: int = 1, kernels: KernelConfig | None = None):
+                 tensor_parallel_size: int = 1, kernels: KernelConfig | None = None, spec_k: int = 0):
         """With a quantization, `params` come quantized (runtime.model.quant.prepare calibrates and
         quantizes them once, in the engine). tensor_parallel_size > 1: params and KV cache
         sharded over a mesh of that many devices (runtime/model/tp.py); 1 is the single-device path.
-        `kernels`: the CPU kernels' switches (EngineConfig.kernels), environment overrides applied."""
+        `kernels`: the CPU kernels' switches (EngineConfig.kernels), environment overrides applied.
+        `spec_k`: proposals a row may carry for verification (speculative decoding; 0: off)."""
+        self.spec_k = spec_k
         self.kernels = kernels = (kernels or KernelConfig()).with_env()
         self.tp = tensor_parallel_size
         self.mesh = None
@@ -344,7 +400,7 @@ class ModelRunner:
             pshard = tp.param_shardings(cfg, self.params, self.mesh)
             self.params = jax.device_put(self.params, pshard)  # (a cast to the compute dtype keeps them)
             self._step = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(pshard, self.kv_shardings, rep, rep),
-                                 out_shardings=(self.kv_shardings, rep, rep, rep))
+                                 out_shardings=(self.kv_shardings, rep, rep, rep, rep))
             log.info("tensor parallel: %d devices (%s), %d query / %d KV heads per device, embeddings/LM head %s; "
                      "attention on the XLA path (C++ CPU kernels off under TP)", self.tp,
                      ", ".join(str(d) for d in self.mesh.devices.flat), cfg.num_heads // self.tp,
@@ -388,24 +444,29 @@ class ModelRunner:
             token_mask = self.masks.all_allowed(num_seqs_bucket)
         inp = build_step_input(seqs, num_seqs_bucket, num_tokens_bucket, self.max_blocks_per_seq,
                                self.cache_cfg.block_size, self.scratch_row, token_mask,
-                               num_groups=self.kv_groups.num_groups, cascade=not self.kv_groups.windows[0])
+                               num_groups=self.kv_groups.num_groups, cascade=not self.kv_groups.windows[0],
+                               spec_k=self.spec_k)
         if self.fail_next_step is not None:
             exc, self.fail_next_step = self.fail_next_step, None
             raise exc
-        self.kv, self.penalty, out, plp = self._step(self.params, self.kv, self.penalty, inp)
+        self.kv, self.penalty, out, plp, spec = self._step(self.params, self.kv, self.penalty, inp)
         self.last_input = inp
         wants_prompt = any(sq.prompt_next for sq in seqs)
-        for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs,
+        if not any(sq.drafts for sq in seqs):
+            spec = None
+        res = spec if spec is not None else out
+        for a in (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs,
+                  *((spec.accepted,) if spec is not None else ()),
                   *((plp.logprobs, plp.top_ids, plp.top_logprobs) if wants_prompt else ())):
             a.copy_to_host_async()
-        return StepHandle(out, len(seqs), plp if wants_prompt else None)
+        return StepHandle(out, len(seqs), plp if wants_prompt else None, spec)
 
     def replay(self, inp: StepInput) -> float:
         """Benchmarks: run the step program once more on a launched step's input (`last_input`)
         and wait; seconds. It advances the device state as a step would (the KV slots and the
         rows' last tokens), so the requests of that step are garbage afterwards: abort them."""
         t0 = time.perf_counter()
-        self.kv, self.penalty, out, _ = self._step(self.params, self.kv, self.penalty, inp)
+        self.kv, self.penalty, out, _, _ = self._step(self.params, self.kv, self.penalty, inp)
         jax.block_until_ready(out)
         return time.perf_counter() - t0
 

@@ -83,6 +83,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit
     guide: Guide | None = None          # structured output (runtime/model/structured.py)
     prompt_logprobs: int | None = None  # logprobs of the prompt's tokens (top N of each); bypasses the prefix cache
+    speculative: bool = True            # may use the engine's speculative decoding (False: opt out)
 
     def __post_init__(self) -> None:
         for name, (kind, valid, msg) in _RULES.items():
@@ -102,6 +103,8 @@ class SamplingParams:
                "stop_token_ids", f"must be non-negative token ids, got {ids!r}")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos",
                f"must be true or false, got {self.ignore_eos!r}")
+        _check(isinstance(self.speculative, bool), "speculative",
+               f"must be true or false, got {self.speculative!r}")
         _check(isinstance(self.min_tokens, (int, np.integer)) and not isinstance(self.min_tokens, bool)
                and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be an integer between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}")

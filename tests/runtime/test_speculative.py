@@ -1,0 +1,236 @@
+"""Speculative decoding (n-gram prompt lookup): the proposer, the config, and the engine's
+verification -- greedy and seeded outputs equal to plain decoding, exact block accounting,
+no compilation after warm-up, the sampled distribution."""
+
+import math
+
+import numpy as np
+import pytest
+
+from runtime.config import SpeculativeConfig
+from runtime.core import speculative
+from runtime.model.runner import compilations
+from runtime.model.sampling import SamplingParams
+from tests.engine_util import make_engine
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=64)
+
+
+# --- the proposer --------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_last_match():
+    toks = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]
+    assert speculative.propose_ngram(toks, 2, 4, 3) == [4, 5, 6]
+    assert speculative.propose_ngram(toks, 2, 4, 1) == [4]
+    assert speculative.propose_ngram([1, 2, 3, 4], 2, 4, 3) == []          # nothing repeats
+    assert speculative.propose_ngram(toks, 4, 4, 3) == []                  # a 4-gram does not repeat
+    assert speculative.propose_ngram(toks, 2, 4, 0) == []
+
+
+def test_ngram_prefers_the_longest_match_then_the_latest_with_room():
+    toks = [7, 3, 8, 8, 1, 3, 9, 9, 2, 1, 3]
+    # "1 3" matched at 4 (followed by 9 9 2); the bigram beats the unigram "3" matches
+    assert speculative.propose_ngram(toks, 1, 3, 3) == [9, 9, 2]
+    run = [5] * 6
+    assert speculative.propose_ngram(run, 2, 4, 4) == [5, 5]  # the earliest match, the most that follow
+
+
+def test_config_refuses_what_it_does_not_do():
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    assert c == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5)
+    for text, msg in (('{"method": "draft_model", "model": "x"}', "a draft model"),
+                      ('{"method": "suffix"}', r"suffix speculation \(.suffix.\) is not implemented"),
+                      ('{"method": "ngram", "acceptance_method": "typical"}', r"unsupported key\(s\) acceptance_method"),
+                      ('{"num_speculative_tokens": 0}', "num_speculative_tokens: must be 1..16"),
+                      ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_max: must be >="),
+                      ("{nope", "not valid JSON")):
+        with pytest.raises(ValueError, match=msg):
+            SpeculativeConfig.parse(text)
+
+
+def test_who_may_speculate(tiny_ckpt):
+    from runtime.core.request import Request, Status
+
+    def req(**kw):
+        r = Request("r", [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=20, **kw))
+        r.status, r.num_computed_tokens = Status.RUNNING, 4
+        return r
+    assert speculative.may_speculate(req(), SPEC, 1)
+    assert not speculative.may_speculate(req(), SPEC, 64)                      # batch too large
+    assert not speculative.may_speculate(req(speculative=False), SPEC, 1)      # opted out
+    assert not speculative.may_speculate(req(presence_penalty=0.5), SPEC, 1)   # penalties
+    assert not speculative.may_speculate(req(min_tokens=5, stop_token_ids=(9,)), SPEC, 1)  # a ban in force
+    r = req()
+    r.num_computed_tokens = 2                                                  # still prefilling
+    assert not speculative.may_speculate(r, SPEC, 1)
+    r = req()
+    speculative.record(r, 4, 0)
+    speculative.record(r, 4, 0)                                                # two misses: back off
+    assert not speculative.may_speculate(r, SPEC, 1) and r.spec.resume_at == 4
+    speculative.record(r, 4, 2)
+    assert r.spec.miss_streak == 0 and (r.spec.proposed, r.spec.accepted) == (12, 2)
+
+
+# --- the engine ----------------------------------------------------------------------------
+def _workload(n: int = 12):
+    rng = np.random.default_rng(5)
+    prompts, params = [], []
+    for i in range(n):
+        base = list(rng.integers(3, 260, size=int(rng.integers(4, 14))))
+        prompts.append(base * int(rng.integers(2, 5)) + list(rng.integers(3, 260, size=i % 3)))
+        kind = i % 6
+        params.append([
+            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+            SamplingParams(temperature=0.9, seed=i, max_tokens=28, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=1.0, top_p=0.8, top_k=30, seed=100 + i, max_tokens=25, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=33, presence_penalty=0.5, ignore_eos=True),  # not speculated
+            SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),         # max_tokens inside a run
+            SamplingParams(temperature=0.7, seed=7 * i, max_tokens=31, ignore_eos=True, speculative=False),
+        ][kind])
+    return prompts, params
+
+
+def _run(tiny_ckpt, spec, prompts, params, **kw):
+    eng = make_engine(tiny_ckpt, num_blocks=96, speculative=spec, **kw)
+    reqs = eng.generate(prompts, params)
+    assert not eng.has_unfinished() and eng.pool.num_used_blocks == 0
+    eng.pool.check_invariants()
+    return eng, reqs
+
+
+def test_outputs_equal_plain_decoding_greedy_and_seeded(tiny_ckpt):
+    prompts, params = _workload()
+    _, plain = _run(tiny_ckpt, None, prompts, params)
+    eng, spec = _run(tiny_ckpt, SPEC, prompts, params)
+    for a, b in zip(plain, spec):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        if a.params.logprobs is not None:
+            np.testing.assert_allclose([x[0] for x in a.logprobs], [x[0] for x in b.logprobs], atol=2e-4)
+            assert [list(x[1]) for x in a.logprobs] == [list(x[1]) for x in b.logprobs]
+    kept = {i: (r.spec.proposed, r.spec.accepted) for i, r in enumerate(spec)}
+    assert all(kept[i] == (0, 0) for i in range(3, len(spec), 6))   # penalties: never proposed
+    assert all(kept[i] == (0, 0) for i in range(5, len(spec), 6))   # opted out
+    assert sum(p for p, _ in kept.values()) > 50 and sum(a for _, a in kept.values()) > 20
+    c = eng.scheduler.counters
+    assert (c.spec_proposed, c.spec_accepted) == (sum(p for p, _ in kept.values()), sum(a for _, a in kept.values()))
+    text = eng.metrics.render().decode()
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{method="ngram"}} {float(c.spec_accepted)}' in text
+    assert f'pagedjax:spec_decode_num_draft_tokens_total{{method="ngram"}} {float(c.spec_proposed)}' in text
+
+
+def test_chunked_prefill_prefix_cache_and_stop_tokens_with_speculation(tiny_ckpt):
+    """Small steps (proposals cut short by the token budget), a shared prefix served from the
+    cache, a stop token inside a kept run: the same tokens, and the stop ends the output."""
+    prompts, params = _workload(8)
+    prompts = [prompts[0][:20] + p for p in prompts]  # one shared prefix
+    want = [r.output_ids for r in _run(tiny_ckpt, None, prompts, params, max_num_batched_tokens=16)[1]]
+    stops = [SamplingParams(**{**p.__dict__, "stop_token_ids": (w[len(w) // 2],)}) if p.greedy else p
+             for p, w in zip(params, want)]
+    _, got = _run(tiny_ckpt, SPEC, prompts, stops, max_num_batched_tokens=16)
+    for w, r, p in zip(want, got, stops):
+        if p.stop_token_ids:
+            cut = w.index(p.stop_token_ids[0]) + 1
+            assert r.output_ids == w[:cut] and r.finish_reason == "stop"
+        else:
+            assert r.output_ids == w
+    assert sum(r.num_cached_tokens for r in got) > 0
+
+
+def test_rejected_proposals_roll_back_their_blocks(tiny_ckpt):
+    """A proposal that crosses into a new block, then is rejected: the block goes back to the
+    pool at once, and no block with a rejected token is ever cached."""
+    eng = make_engine(tiny_ckpt, num_blocks=64, speculative=SPEC)
+    prompt = [11, 12, 13, 14, 15] * 3  # 15 tokens: the next proposals reach into block 2
+    r = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    seen = []
+    while not r.is_finished:
+        eng.step()
+        if r.spec_token_ids:
+            assert eng._inflight is not None and eng._inflight.verifies
+        if not r.is_finished and eng._inflight is None:
+            # between steps: the tables hold exactly what the computed tokens and the next one need
+            assert len(r.block_ids) == eng.scheduler.blocks_for(r.num_computed_tokens + 1)
+            seen.append(r.num_computed_tokens)
+    assert r.spec.proposed > r.spec.accepted  # some proposals were rejected
+    cached = eng.pool.cached_block
+    toks = r.token_ids
+    for i, h in enumerate(r.block_hashes):  # every cached block holds the request's real tokens
+        assert cached(h, toks, i, 0) is not None
+    assert eng.pool.num_used_blocks == 0
+    eng.pool.check_invariants()
+
+
+def test_no_compilation_after_warmup_with_speculation(tiny_ckpt):
+    eng = make_engine(tiny_ckpt, num_blocks=96, speculative=SPEC, warmup=True)
+    before = compilations()
+    prompts, params = _workload(10)
+    eng.generate(prompts, params)
+    assert sum(r.spec.accepted for r in eng.scheduler.running) == 0
+    assert eng.scheduler.counters.spec_accepted > 0
+    assert compilations() == before
+
+
+def test_speculation_turns_off_at_the_batch_size(tiny_ckpt):
+    """Six requests with disable_by_batch_size 4: nothing is proposed until the four short
+    ones finish, then the two long ones speculate. At 1 nothing ever is."""
+    prompts, _ = _workload(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=40 if i < 2 else 6, ignore_eos=True) for i in range(6)]
+    eng = make_engine(tiny_ckpt, num_blocks=96, speculative=SpeculativeConfig(disable_by_batch_size=4))
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while any(not r.is_finished for r in reqs[2:]):
+        eng.step()
+        assert eng.scheduler.counters.spec_proposed == 0
+    eng.run_until_done()
+    assert eng.scheduler.counters.spec_proposed > 0 and reqs[0].spec.proposed + reqs[1].spec.proposed > 0
+    _, reqs = _run(tiny_ckpt, SpeculativeConfig(disable_by_batch_size=1), prompts[:1], params[:1])
+    assert reqs[0].spec.proposed == 0
+
+
+def _chi2_ok(samples: list[int], logprobs_row) -> tuple[float, int]:
+    """Chi-square of `samples` against a raw logprobs row (ids, logprobs): bins of expected
+    count >= 5, the rest pooled. Returns (statistic, degrees of freedom)."""
+    n = len(samples)
+    top = dict(zip(logprobs_row[1].tolist(), np.exp(logprobs_row[2]).tolist()))
+    counts: dict[int, int] = {}
+    for t in samples:
+        counts[t] = counts.get(t, 0) + 1
+    bins = [t for t, p in top.items() if p * n >= 5]
+    obs = [counts.get(t, 0) for t in bins] + [n - sum(counts.get(t, 0) for t in bins)]
+    exp = [top[t] * n for t in bins] + [(1.0 - sum(top[t] for t in bins)) * n]
+    return sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 1e-9), len(obs) - 1
+
+
+def test_sampled_tokens_follow_the_target_distribution(tiny_ckpt):
+    """Statistical: 320 seeds at temperature 1 of a prompt ending in a run the proposer
+    extends. Given the most common first token t1 (from the prefill), the second token is the
+    first verify slot's sample and the third the second slot's, reached only when the first
+    proposal was kept: each matches the target model's law (plain decoding's raw logprobs
+    of the prompt + t1 [+ t2]) by a chi-square test. Every seed's tokens are also plain
+    decoding's."""
+    base = [21, 22, 23, 24, 25, 26] * 3
+    n = 320
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=4, ignore_eos=True) for s in range(n)]
+    plain = make_engine(tiny_ckpt, num_blocks=200, max_num_seqs=8)
+    t1 = plain.generate([base], [SamplingParams(temperature=0.0, max_tokens=1)])[0].output_ids[0]
+    prompt = base + [t1] * 4  # the proposer sees "t1 t1" and proposes more of it
+    cfg = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, disable_by_batch_size=64)
+    eng = make_engine(tiny_ckpt, num_blocks=200, speculative=cfg, max_num_seqs=8)
+    got, want = [], []
+    for i in range(0, n, 8):
+        got += [tuple(r.output_ids) for r in eng.generate([prompt] * 8, params[i:i + 8])]
+        want += [tuple(r.output_ids) for r in plain.generate([prompt] * 8, params[i:i + 8])]
+    assert got == want
+    c = eng.scheduler.counters
+    assert c.spec_proposed > n // 2 and c.spec_accepted > n // 4
+    first = max(set(g[0] for g in got), key=lambda t: sum(g[0] == t for g in got))
+    ref = lambda ids: plain.generate([prompt + ids], [SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)]
+                                     )[0].logprobs[0]
+    second = [g[1] for g in got if g[0] == first]
+    assert len(second) >= 80
+    chi2, dof = _chi2_ok(second, ref([first]))
+    assert chi2 < dof + 4 * math.sqrt(2 * dof) + 10, (chi2, dof)
+    t2 = max(set(second), key=second.count)
+    third = [g[2] for g in got if g[:2] == (first, t2)]
+    assert len(third) >= 60
+    chi2, dof = _chi2_ok(third, ref([first, t2]))
+    assert chi2 < dof + 4 * math.sqrt(2 * dof) + 10, (chi2, dof)
