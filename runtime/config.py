@@ -510,10 +510,10 @@ class SpeculativeConfig:
     costs more than it saves, and it also gives up the host/device overlap)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 7  # with the last token, a batch-1 step's 8-token shape
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int = 4   # measured: BENCHMARKS.md, "Speculative decoding"
 
     def __post_init__(self) -> None:
         if self.method in SPEC_NOT_YET:

@@ -105,7 +105,7 @@ def bench_breakdown(engine: Any, *, batches: tuple[int, ...] = (64, 256), shared
 
         def run(fn):
             def go():
-                state["kv"], state["rows"], out, _ = fn(runner.params, state["kv"], state["rows"], inp)
+                state["kv"], state["rows"], out, *_ = fn(runner.params, state["kv"], state["rows"], inp)
                 return out.token_ids
             return go
         x = jnp.ones((S, d), runner.params["embed"].dtype)

@@ -165,7 +165,7 @@ def engine_decode_tps(cfg_kw: dict[str, Any], batches: tuple[int, ...], *, conte
                                               cascade=not r_.kv_groups.windows[0]))
 
         def go():
-            r_.kv, r_.penalty, out, _ = r_._step(r_.params, r_.kv, r_.penalty, inp)
+            r_.kv, r_.penalty, out, *_ = r_._step(r_.params, r_.kv, r_.penalty, inp)
             return out.token_ids
         res["device_step_ms"] = _median_ms(go, steps)
         eng.reset_prefix_cache()

@@ -183,7 +183,7 @@ def _time_steps(fns: list[Callable], runner: Any, inp: Any, iters: int, warmup: 
         for i in range(warmup + iters):
             for fn, ts in zip(fns, times):
                 t0 = time.perf_counter()
-                kv, pen, out, _ = fn(runner.params, kv, pen, inp)
+                kv, pen, out, *_ = fn(runner.params, kv, pen, inp)
                 jax.block_until_ready(out.token_ids)
                 if i >= warmup:
                     ts.append(time.perf_counter() - t0)

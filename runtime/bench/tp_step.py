@@ -66,7 +66,7 @@ def _time(runner: Any, inp: Any, iters: int) -> list[float]:
     out_s = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        runner.kv, runner.penalty, out, _ = runner._step(runner.params, runner.kv, runner.penalty, inp)
+        runner.kv, runner.penalty, out, *_ = runner._step(runner.params, runner.kv, runner.penalty, inp)
         jax.block_until_ready(out.token_ids)
         out_s.append(time.perf_counter() - t0)
     return out_s

@@ -405,15 +405,16 @@ class LLMEngine:
             for i, (req, sampled) in enumerate(done.rows):
                 if sampled and not req.is_finished:  # (a request aborted or stopped meanwhile drops it)
                     picks: list[Any] = [i]
+                    a, d = 0, 0
                     if accepted is not None:  # a verified step: the samples up to the first rejection
                         a, d = int(accepted[i]), len(req.spec_token_ids)
-                        if d:
-                            speculative.record(req, d, a)
-                            self.metrics.count_speculation(self.config.speculative.method, d, a)
                         self.scheduler.accept_drafts(req, a)
                         picks = [(i, j) for j in range(a + 1)]
                     out, n = self._append_tokens(req, result, picks, now)
                     new_tokens += n
+                    if d:  # (the kept proposals the request took: a stop inside the run ends it early)
+                        speculative.record(req, d, min(a, n), self.scheduler.counters)
+                        self.metrics.count_speculation(self.config.speculative.method, d, min(a, n))
                     if out is not None:
                         outputs.append(out)
             self.metrics.generation_tokens.inc(new_tokens)

@@ -44,8 +44,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                    help="read each step back before planning the next (for comparison; slower)")
     g.add_argument("--attention-backend", choices=("auto", "xla", "pallas"), default="auto")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 8}\' (n-gram prompt '
+                   help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 7, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 4}\' (n-gram prompt '
                         'lookup; greedy and seeded outputs are the tokens made without it; a request opts out with '
                         '"speculative": false)')
     g.add_argument("--tensor-parallel-size", type=int, default=1,

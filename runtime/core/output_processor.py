@@ -107,11 +107,17 @@ class OutputProcessor:
                 self.on_end(out.request_id, "stop" if stopped else "length")
             return None
         ids = out.token_ids if out.text_ids is None else out.text_ids
-        if ids:
+        p = st.params
+        ends: list[int] = []  # the text's length after each token, where a stop string may cut an output of several
+        if p.stop and len(ids) > 1:
+            for t in ids:
+                st.detok.push([t])
+                ends.append(len(st.detok.text))
+        elif ids:
             st.detok.push(ids)
         text = st.detok.text
         text_end = len(text)
-        p, stop = st.params, None
+        stop = None
         # A stop string may end a request the engine would let go on, or one it ended by
         # length on this very token (the stop string wins, as it came first in the text).
         if p.stop and out.finish_reason in (None, "length") and out.completion_tokens >= p.min_tokens:
@@ -134,6 +140,10 @@ class OutputProcessor:
             with self._lock:
                 self._stopped.add(out.request_id)
             self.on_stop(out.request_id, stop)
+        if ends:  # (speculative decoding: several tokens) the output ends with the token that completes the stop
+            k = next((j for j, e in enumerate(ends) if e >= text_end + len(stop)), len(ends) - 1) + 1
+            fmt.update(token_ids=out.token_ids[:k], logprobs=fmt["logprobs"][:k],
+                       completion_tokens=out.completion_tokens - (len(out.token_ids) - k))
         return dataclasses.replace(out, **fmt, finished=True, finish_reason="stop", stop_reason=stop)
 
     # --- threaded mode ---------------------------------------------------------------------

@@ -238,6 +238,10 @@ class Scheduler:
                 continue
             n = self._chunk(req, req.num_computed_tokens, budget)
             while not self._grow(req, req.num_computed_tokens, req.num_computed_tokens + n):
+                if req.spec_token_ids:  # proposals never preempt anyone: drop them first
+                    n -= len(req.spec_token_ids)
+                    req.spec_token_ids = []
+                    continue
                 if p.admission_mode == "reserve":
                     n = 0  # cannot happen with exact reservations; never preempt in reserve mode
                     break
@@ -411,11 +415,8 @@ class Scheduler:
         computed, so no block holding one is offered to the prefix cache; the next tokens
         overwrite them) and the blocks only they needed return to the pool. Call before
         appending the step's tokens."""
-        proposed = len(req.spec_token_ids)
-        rejected = proposed - accepted
+        rejected = len(req.spec_token_ids) - accepted
         req.spec_token_ids = []
-        self.counters.spec_proposed += proposed
-        self.counters.spec_accepted += min(accepted, proposed)
         if rejected <= 0 or req.status is not Status.RUNNING:
             return
         req.num_computed_tokens -= rejected

@@ -15,6 +15,8 @@ rolls back the rejected ones' KV slots when the step is read (`Scheduler.accept_
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from runtime.config import SpeculativeConfig
@@ -71,8 +73,12 @@ def propose(req: Request, spec: SpeculativeConfig, max_model_len: int) -> list[i
     return propose_ngram(req.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
 
 
-def record(req: Request, proposed: int, accepted: int) -> None:
-    """After a verification: count it and adjust the request's backoff."""
+def record(req: Request, proposed: int, accepted: int, totals: Any = None) -> None:
+    """After a verification: count it (in the request, and in `totals`, the scheduler's
+    counters the snapshot reads) and adjust the request's backoff."""
+    if totals is not None:
+        totals.spec_proposed += proposed
+        totals.spec_accepted += accepted
     s = req.spec
     s.proposed += proposed
     s.accepted += accepted

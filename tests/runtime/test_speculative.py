@@ -234,3 +234,45 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_ckpt):
     assert len(third) >= 60
     chi2, dof = _chi2_ok(third, ref([first, t2]))
     assert chi2 < dof + 4 * math.sqrt(2 * dof) + 10, (chi2, dof)
+
+
+def test_a_stop_string_inside_a_kept_run_ends_the_output_at_its_token(tiny_ckpt):
+    """A verified step hands several tokens over at once; a stop string completed by one in
+    the middle of them ends the client's output there: the same tokens, text and count as
+    plain decoding. The stops are the output's first 3..9 tokens' text (this model repeats
+    its first token, so the proposals keep whole runs of it)."""
+    prompt = [11, 12, 13, 14, 15] * 4
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    ref = make_engine(tiny_ckpt, num_blocks=64).generate([prompt], greedy)[0]
+    engines = {"plain": make_engine(tiny_ckpt, num_blocks=64), "spec": make_engine(tiny_ckpt, num_blocks=64,
+                                                                                  speculative=SPEC)}
+    for cut in range(3, 10):
+        stop = engines["plain"].tokenizer.decode(ref.output_ids[:cut])
+        runs = {}
+        for name, e in engines.items():
+            chunks = []
+            e.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=(stop,)),
+                          on_output=chunks.append)
+            e.run_until_done()
+            runs[name] = ([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+                          chunks[-1].completion_tokens, chunks[-1].finish_reason, [len(c.token_ids) for c in chunks])
+        assert runs["spec"][:4] == runs["plain"][:4] and runs["plain"][3] == "stop", (cut, runs)
+        assert runs["plain"][0] == ref.output_ids[:cut]
+    assert engines["spec"].scheduler.counters.spec_accepted > 0
+
+
+def test_proposals_never_preempt_anyone():
+    """The scheduler alone: a decoding request whose proposals reach into a block the pool
+    does not have drops them and is scheduled alone, nobody is preempted."""
+    from tests.runtime.test_scheduler import make, req, step
+
+    s = make(num_blocks=3)
+    a, b = req("a", 30, max_tokens=2), req("b", 14, max_tokens=20, start=60)
+    s.add(a)
+    s.add(b)
+    step(s)                                   # a: 2 blocks, b: 1 block, none free
+    assert s.pool.num_free_blocks == 0 and b.num_computed_tokens == 14
+    b.spec_token_ids = [1, 2, 3]              # positions 15..17: into a second block
+    out = s.schedule()
+    assert not out.preempted and dict((r.request_id, n) for r, n in out.scheduled)["b"] == 1
+    assert b.spec_token_ids == [] and len(b.block_ids) == 1

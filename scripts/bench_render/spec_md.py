@@ -1,0 +1,31 @@
+"""BENCHMARKS.md section for speculative decoding (issue #39): bench-results/speculative.json,
+written by scripts/bench_spec.py --json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from scripts.bench_render.md import table as _table
+
+
+def render_speculative(results: str | Path) -> list[str]:
+    L = ["## Speculative decoding: n-gram prompt lookup (`scripts/bench_spec.py`)", ""]
+    try:
+        r = json.loads((Path(results) / "speculative.json").read_text())
+    except (OSError, ValueError):
+        return L + ["_not run_", ""]
+    m = r["machine"]
+    L.append(f"SmolLM2-135M-Instruct float32, greedy chats of up to {r.get('max_tokens', 128)} tokens, the `serve` "
+             f"engine defaults plus `--speculative-config` (speculation forced on at every batch size here, "
+             f"`disable_by_batch_size` 1000, to find where it stops paying). `copy`: rewrite / extract / repeat a "
+             f"given text; `chat`: open questions. Each row the median of {r.get('rounds', 2)} runs per engine, the "
+             f"engines alternating; {m['cpu_model']}, {m['cores']} cores. `same tokens`: requests whose output equals "
+             f"the plain engine's.")
+    L.append("")
+    rows = [[x["workload"], x["batch"], x["proposer"], f"{x['plain_tok_s']:.1f}", f"{x['spec_tok_s']:.1f}",
+             f"**{x['ratio']:.2f}x**", f"{x['plain_itl_ms']:.1f}", f"{x['spec_itl_ms']:.1f}",
+             f"{x['accepted']} / {x['proposed']}", x["same"], f"{x['load']:.2f}"] for x in r["rows"]]
+    L += _table(("workload", "batch", "proposer", "plain tok/s", "spec tok/s", "ratio", "plain ITL ms",
+                 "spec ITL ms", "kept / proposed", "same tokens", "load (1 min)"), rows)
+    return L + [""]
