@@ -497,8 +497,8 @@ class KernelConfig:
         return dataclasses.replace(self, **changes) if changes else self
 
 
-SPEC_METHODS = ("ngram",)  # implemented proposers (runtime/core/speculative.py)
-SPEC_NOT_YET = {"suffix": "suffix speculation", "draft_model": "a draft model", "eagle": "EAGLE",
+SPEC_METHODS = ("ngram", "suffix")  # implemented proposers (runtime/core/speculative.py)
+SPEC_NOT_YET = {"draft_model": "a draft model", "eagle": "EAGLE",
                 "eagle3": "EAGLE-3", "mtp": "multi-token prediction", "medusa": "Medusa"}
 
 
@@ -514,6 +514,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 4   # measured: BENCHMARKS.md, "Speculative decoding"
+    suffix_decoding_max_cached_requests: int = 1000  # suffix: finished outputs it proposes from
 
     def __post_init__(self) -> None:
         if self.method in SPEC_NOT_YET:
@@ -530,6 +531,10 @@ class SpeculativeConfig:
                f"must be >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
         _check(isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1,
                "speculative_config.disable_by_batch_size", f"must be >= 1, got {self.disable_by_batch_size!r}")
+        _check(isinstance(self.suffix_decoding_max_cached_requests, int)
+               and self.suffix_decoding_max_cached_requests >= 1,
+               "speculative_config.suffix_decoding_max_cached_requests",
+               f"must be >= 1, got {self.suffix_decoding_max_cached_requests!r}")
 
     @classmethod
     def parse(cls, text: "str | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -544,6 +549,8 @@ class SpeculativeConfig:
         if d.get("method") in SPEC_NOT_YET:
             cls(method=d["method"])  # (raises the one-line refusal naming it)
         known = {f.name for f in dataclasses.fields(cls)}
+        if d.get("method", "ngram") != "suffix" and "suffix_decoding_max_cached_requests" in d:
+            raise ValueError("speculative_config.suffix_decoding_max_cached_requests: only for method \"suffix\"")
         unknown = sorted(set(d) - known)
         _check(not unknown, "speculative_config", f"unsupported key(s) {', '.join(unknown)}; "
                f"supported: {', '.join(sorted(known))}")

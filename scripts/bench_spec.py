@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", default=str(ROOT / "checkpoints" / "smollm2-135m-instruct"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--speculative-config", nargs="+", default=['{"method": "ngram", "num_speculative_tokens": 4}'],
+    ap.add_argument("--speculative-config", nargs="+", default=['{"method": "ngram"}'],
                     help="one engine per config, each against the plain engine")
     ap.add_argument("--rounds", type=int, default=2, help="runs per row and engine (alternating); the median counts")
     ap.add_argument("--json", help="write the rows here too")
@@ -74,8 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {info['cpu_model']}, {info['cores']} cores, jax {info.get('jax')}; load average "
           f"{os.getloadavg()[0]:.2f} at start", flush=True)
     engines = {}
-    variants = [("plain", [])] + [(f"ngram k={json.loads(c).get('num_speculative_tokens', 4)}",
-                                   ["--speculative-config", c]) for c in args.speculative_config]
+    from runtime.config import SpeculativeConfig
+
+    def label(text: str) -> str:
+        c = SpeculativeConfig.parse(text)
+        return f"{c.method} k={c.num_speculative_tokens}, off from {c.disable_by_batch_size}"
+
+    variants = [("plain", [])] + [(label(c), ["--speculative-config", c]) for c in args.speculative_config]
     for name, extra in variants:
         p = argparse.ArgumentParser()
         add_engine_arguments(p)
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['load']:.2f} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                                               "configs": args.speculative_config,
                                                "rows": rows}, indent=1))
     return 0
 

@@ -154,6 +154,10 @@ kill "$SERVER_PID" 2>/dev/null || true
 wait "$SERVER_PID" 2>/dev/null || true
 trap - EXIT
 
+step "speculative decoding: n-gram prompt lookup against plain decoding"
+run timeout 1800 "$PY" scripts/bench_spec.py --batches 1 2 4 8 64 --speculative-config '{"method": "ngram"}' \
+    '{"method": "ngram", "disable_by_batch_size": 1000}' --json "$OUT/speculative.json"
+
 step "render BENCHMARKS.md"
 "$PY" scripts/render_benchmarks.py --results "$OUT" --commands "$COMMANDS" --out "$BENCH_MD"
 echo "done in $(( $(date +%s) - START )) s"

@@ -115,6 +115,7 @@ class LLMEngine:
                                   tensor_parallel_size=config.tensor_parallel_size, kernels=config.kernels,
                                   spec_k=config.speculative.num_speculative_tokens if config.speculative else 0)
         self.guides = GuideCompiler(tokenizer, config.model.vocab_size)
+        self.proposer = speculative.Proposer(config.speculative) if config.speculative else None
         self.metrics = EngineMetrics(lambda: EngineState.read(self.scheduler, self.pool, compilations))
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
         self.lock = threading.RLock()
@@ -341,7 +342,7 @@ class LLMEngine:
             if spec is None or len(running) >= spec.disable_by_batch_size:
                 return False
             return any(speculative.may_speculate(r, spec, len(running), pending_ok=True)
-                       and speculative.propose(r, spec, self.envelope.max_model_len) for r in running)
+                       and self.proposer.propose(r, self.envelope.max_model_len) for r in running)
 
     def _propose(self) -> None:
         spec = self.config.speculative
@@ -349,7 +350,7 @@ class LLMEngine:
             return
         running = self.scheduler.running
         for r in running:
-            r.spec_token_ids = (speculative.propose(r, spec, self.envelope.max_model_len)
+            r.spec_token_ids = (self.proposer.propose(r, self.envelope.max_model_len)
                                 if speculative.may_speculate(r, spec, len(running)) else [])
 
     def _launch(self, plan: SchedulerOutput, outputs: list[RequestOutput]) -> _InFlight | None:
@@ -511,6 +512,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, *, stop_reason: Any = None, error: str | None = None,
                 new_ids: list[int] | None = None, text_ids: list[int] | None = None) -> RequestOutput:
         self.scheduler.finish(req, reason)
+        if self.proposer is not None:
+            self.proposer.finished(req)
         req.finish_time = time.monotonic()
         t = self._tracked.pop(req.request_id)
         if reason == "length" and req.params.stop:

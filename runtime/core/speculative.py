@@ -1,6 +1,7 @@
 """Speculative decoding on the host: who proposes, what, and when it stops paying.
 
-A decode row that speculates computes its last token followed by d proposed tokens in one
+Proposers: `ngram` (prompt lookup in the request's own text) and `suffix` (the same, then the
+recent outputs of the served model: `SuffixCache`). A decode row that speculates computes its last token followed by d proposed tokens in one
 step; the step samples a token after each of the d + 1 positions with the keys the row
 would have used one step at a time (runtime/model/runner.py `_verify`), and keeps the
 proposals up to the first one that differs from its sample, plus that sample. For a
@@ -15,6 +16,7 @@ rolls back the rejected ones' KV slots when the step is read (`Scheduler.accept_
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ import numpy as np
 from runtime.config import SpeculativeConfig
 from runtime.core.request import Request, SpecStats, Status
 
-__all__ = ["SpecStats", "propose_ngram", "may_speculate", "propose", "record"]
+__all__ = ["SpecStats", "propose_ngram", "may_speculate", "Proposer", "SuffixCache", "record"]
 
 BACKOFF_MAX_TOKENS = 64  # the longest pause (in output tokens) after proposals kept missing
 
@@ -66,11 +68,77 @@ def may_speculate(req: Request, spec: SpeculativeConfig, num_running: int, pendi
     return req.num_output_tokens >= req.spec.resume_at
 
 
-def propose(req: Request, spec: SpeculativeConfig, max_model_len: int) -> list[int]:
-    """The drafts for the request's next step (never past max_tokens or the context)."""
-    room = min(spec.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
-               max_model_len - req.num_tokens - 1)
-    return propose_ngram(req.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+class SuffixCache:
+    """`suffix`: the outputs of the last `max_requests` finished requests, indexed by every
+    n-gram (n in [n_min, n_max]) to where its latest occurrence continues. Repeated agentic or
+    templated answers then propose from what the model said before, not only from the
+    request's own text. Bounded: the oldest output leaves when a new one comes, and the index
+    is rebuilt from the live outputs when it holds twice their n-grams."""
+
+    def __init__(self, max_requests: int, n_min: int, n_max: int):
+        self.max_requests, self.n_min, self.n_max = max_requests, n_min, n_max
+        self.outputs: deque[int] = deque()
+        self.live: dict[int, list[int]] = {}
+        self.index: dict[tuple[int, ...], tuple[int, int]] = {}
+        self._ids = 0
+        self._grams = 0  # n-grams of the live outputs (the index's size when freshly built)
+
+    def add(self, tokens: list[int]) -> None:
+        if len(tokens) <= self.n_min:
+            return
+        gid, self._ids = self._ids, self._ids + 1
+        self.live[gid] = list(tokens)
+        self.outputs.append(gid)
+        self._index(gid)
+        while len(self.outputs) > self.max_requests:
+            old = self.live.pop(self.outputs.popleft())
+            self._grams -= self._count(old)
+        if len(self.index) > 2 * max(self._grams, 1024):
+            self.index.clear()
+            for g in self.outputs:
+                self._index(g, recount=False)
+
+    def _count(self, toks: list[int]) -> int:
+        return sum(max(0, len(toks) - n) for n in range(self.n_min, self.n_max + 1))
+
+    def _index(self, gid: int, recount: bool = True) -> None:
+        toks = self.live[gid]
+        for n in range(self.n_min, self.n_max + 1):
+            for i in range(n, len(toks)):  # the gram toks[i-n:i] continues at i
+                self.index[tuple(toks[i - n:i])] = (gid, i)
+        if recount:
+            self._grams += self._count(toks)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
+            hit = self.index.get(tuple(tokens[-n:]))
+            if hit is not None and hit[0] in self.live:
+                return self.live[hit[0]][hit[1]:hit[1] + k]
+        return []
+
+
+class Proposer:
+    """The configured method's proposals for a request, and what it learns from finished ones."""
+
+    def __init__(self, spec: SpeculativeConfig):
+        self.spec = spec
+        self.cache = (SuffixCache(spec.suffix_decoding_max_cached_requests, spec.prompt_lookup_min,
+                                  spec.prompt_lookup_max) if spec.method == "suffix" else None)
+
+    def propose(self, req: Request, max_model_len: int) -> list[int]:
+        """The drafts for the request's next step (never past max_tokens or the context):
+        the request's own text first, then (suffix) the recent outputs."""
+        spec = self.spec
+        room = min(spec.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
+                   max_model_len - req.num_tokens - 1)
+        own = propose_ngram(req.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+        if own or self.cache is None or room <= 0:
+            return own
+        return self.cache.propose(req.token_ids, room)
+
+    def finished(self, req: Request) -> None:
+        if self.cache is not None and req.params.speculative:
+            self.cache.add(req.output_ids)
 
 
 def record(req: Request, proposed: int, accepted: int, totals: Any = None) -> None:

@@ -16,9 +16,11 @@ def render_speculative(results: str | Path) -> list[str]:
     except (OSError, ValueError):
         return L + ["_not run_", ""]
     m = r["machine"]
+    configs = ", ".join(f"`{c}`" for c in r.get("configs", []))
     L.append(f"SmolLM2-135M-Instruct float32, greedy chats of up to {r.get('max_tokens', 128)} tokens, the `serve` "
-             f"engine defaults plus `--speculative-config` (speculation forced on at every batch size here, "
-             f"`disable_by_batch_size` 1000, to find where it stops paying). `copy`: rewrite / extract / repeat a "
+             f"engine defaults plus `--speculative-config` {configs} (the proposer column: proposals per step, and "
+             f"the running-request count from which speculation is off; `off from 1000` forces it on at every "
+             f"batch size, to show where it stops paying). `copy`: rewrite / extract / repeat a "
              f"given text; `chat`: open questions. Each row the median of {r.get('rounds', 2)} runs per engine, the "
              f"engines alternating; {m['cpu_model']}, {m['cores']} cores. `same tokens`: requests whose output equals "
              f"the plain engine's.")

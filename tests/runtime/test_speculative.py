@@ -39,13 +39,46 @@ def test_config_refuses_what_it_does_not_do():
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
     assert c == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5)
     for text, msg in (('{"method": "draft_model", "model": "x"}', "a draft model"),
-                      ('{"method": "suffix"}', r"suffix speculation \(.suffix.\) is not implemented"),
+                      ('{"method": "ngram", "suffix_decoding_max_cached_requests": 5}', 'only for method "suffix"'),
+                      ('{"method": "eagle"}', r"EAGLE \(.eagle.\) is not implemented"),
                       ('{"method": "ngram", "acceptance_method": "typical"}', r"unsupported key\(s\) acceptance_method"),
                       ('{"num_speculative_tokens": 0}', "num_speculative_tokens: must be 1..16"),
                       ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_max: must be >="),
                       ("{nope", "not valid JSON")):
         with pytest.raises(ValueError, match=msg):
             SpeculativeConfig.parse(text)
+
+
+def test_suffix_cache_proposes_from_recent_outputs_and_stays_bounded():
+    c = speculative.SuffixCache(max_requests=2, n_min=2, n_max=3)
+    c.add([1, 2, 3, 4, 5, 6])
+    assert c.propose([9, 9, 2, 3], 3) == [4, 5, 6]          # "2 3" continues with 4 5 6
+    assert c.propose([9, 1, 2, 3], 2) == [4, 5]             # the longest gram, cut to k
+    assert c.propose([7, 8], 3) == []
+    c.add([7, 8, 10, 11])
+    c.add([20, 21, 22, 23])                                  # the first output leaves
+    assert c.propose([2, 3], 3) == [] and c.propose([7, 8], 3) == [10, 11]
+    for i in range(200):                                     # the index is rebuilt, never grows unbounded
+        c.add([100 + i, 101 + i, 102 + i, 103 + i])
+    assert len(c.live) == 2 and len(c.index) <= 2 * 1024
+    assert c.propose([101 + 199, 102 + 199], 1) == [103 + 199]
+
+
+def test_suffix_proposes_a_repeated_answer_from_the_cache(tiny_ckpt):
+    """The same question twice: the second answer is proposed from the first (the request's
+    own text alone has little to look up), kept whole, and equal to plain decoding's."""
+    rng = np.random.default_rng(9)
+    prompt = list(rng.integers(3, 260, size=40))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = make_engine(tiny_ckpt).generate([prompt], params)[0].output_ids
+    kept = {}
+    for method in ("ngram", "suffix"):
+        eng = make_engine(tiny_ckpt, speculative=SpeculativeConfig(method=method, disable_by_batch_size=64))
+        first = eng.generate([prompt], params)[0]
+        second = eng.generate([prompt], params)[0]
+        assert first.output_ids == want and second.output_ids == want
+        kept[method] = second.spec.accepted
+    assert kept["suffix"] > kept["ngram"] and kept["suffix"] >= len(want) // 2
 
 
 def test_who_may_speculate(tiny_ckpt):
@@ -276,3 +309,34 @@ def test_proposals_never_preempt_anyone():
     out = s.schedule()
     assert not out.preempted and dict((r.request_id, n) for r, n in out.scheduled)["b"] == 1
     assert b.spec_token_ids == [] and len(b.block_ids) == 1
+
+
+def test_churn_with_speculation_leaks_nothing(tiny_ckpt):
+    """KV pressure with preemptions (optimistic admission), aborts at random beats, a shared
+    prefix: every request that was not aborted gets plain decoding's tokens, and the pool
+    ends with every block free and its invariants whole."""
+    rng = np.random.default_rng(12)
+    system = list(rng.integers(3, 260, size=20))
+    prompts = [system + list(rng.integers(3, 260, size=int(rng.integers(3, 8)))) * 3 for _ in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [r.output_ids for r in make_engine(tiny_ckpt, num_blocks=512).generate(prompts, params)]
+    eng = make_engine(tiny_ckpt, num_blocks=24, watermark=0.0, speculative=SPEC)
+    reqs = [eng.add_request(p, params) for p in prompts]
+    aborted = set()
+    beat = 0
+    while eng.has_unfinished():
+        eng.step()
+        beat += 1
+        if beat % 7 == 0:
+            live = [r for r in reqs if not r.is_finished and r.request_id not in aborted]
+            if live and len(aborted) < 4:
+                victim = live[int(rng.integers(len(live)))]
+                eng.abort(victim.request_id)
+                aborted.add(victim.request_id)
+        eng.pool.check_invariants()
+    for r, w in zip(reqs, want):
+        if r.request_id not in aborted:
+            assert r.output_ids == w and r.finish_reason == "length"
+    c = eng.scheduler.counters
+    assert c.preemptions > 0 and c.spec_accepted > 0 and len(aborted) == 4
+    assert eng.pool.num_used_blocks == 0 and eng.pool.num_free_blocks == eng.pool.num_blocks
