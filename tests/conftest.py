@@ -93,6 +93,11 @@ SLOW = (
     "tests/runtime/test_cpu_kernel_variants.py",     # builds every ISA variant of the C++ kernels
     "tests/kernels/test_sanitizers.py",              # the C++ kernels built and run under sanitizers
     "tests/runtime/test_kv_transfer.py::test_ray_connector",  # starts a local Ray instance
+    # speculative decoding's statistical, churn and batch-size runs (its equality checks stay fast)
+    "tests/runtime/test_speculative.py::test_sampled_tokens_follow_the_target_distribution",
+    "tests/runtime/test_speculative.py::test_churn_with_speculation_leaks_nothing",
+    "tests/runtime/test_speculative.py::test_speculation_turns_off_at_the_batch_size",
+    "tests/runtime/test_speculative.py::test_suffix_proposes_a_repeated_answer_from_the_cache",
     # the engine served through each C++ kernel (the kernels' own tests stay fast)
     "tests/runtime/test_cpu_attention.py::test_kernel_inside_the_engine_gives_the_xla_tokens",
     "tests/runtime/test_cpu_matmul.py::test_engine_serves_w8a8_through_the_kernel",

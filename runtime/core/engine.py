@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from runtime.core.request import step_row
+from runtime.model.batch import GUIDED_SPEC_ROWS
 from runtime.core import disagg, speculative
 from runtime.kv_groups import KVGroups
 from runtime.core.block_pool import BlockPool
@@ -349,9 +350,18 @@ class LLMEngine:
         if spec is None:
             return
         running = self.scheduler.running
+        guided = 0
         for r in running:
             r.spec_token_ids = (self.proposer.propose(r, self.envelope.max_model_len)
                                 if speculative.may_speculate(r, spec, len(running)) else [])
+            r.spec_masks = None
+            if r.matcher is not None and r.spec_token_ids:  # its grammar checks them; a few per step
+                if guided < GUIDED_SPEC_ROWS:
+                    r.spec_token_ids, r.spec_masks = speculative.guided_proposals(
+                        r.matcher, r.spec_token_ids, self.runner.masks.width)
+                    guided += 1
+                else:
+                    r.spec_token_ids = []
 
     def _launch(self, plan: SchedulerOutput, outputs: list[RequestOutput]) -> _InFlight | None:
         """Plan -> step rows -> device; the plan's tokens count as computed from here on."""

@@ -90,6 +90,7 @@ class Request:
     # Speculative decoding: tokens proposed to follow token_ids, computed by the next step
     # with its last token and kept up to the first the step's samples disagree with.
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_masks: Any = None           # a structured output's mask per proposal position ([d, W] int32)
     spec: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
@@ -226,7 +227,8 @@ def step_row(req: Request, n: int) -> ScheduledSeq:
         token_ids=known + [0] * (n - len(known)), start_pos=start, block_tables=req.block_tables,
         prompt_len=req.num_prompt_tokens, state_row=req.state_row, reset_row=req.needs_row_reset,
         sample=start + n == req.num_tokens_with_spec, sampling_row=SamplingRow(req.params, req.num_output_tokens),
-        count_from=max(0, req.row_counted_upto - start), pending_last=pending, drafts=list(drafts))
+        count_from=max(0, req.row_counted_upto - start), pending_last=pending, drafts=list(drafts),
+        draft_masks=req.spec_masks[:len(drafts)] if drafts and req.spec_masks is not None else None)
     P = req.num_prompt_tokens
     if req.params.prompt_logprobs is not None and start < P - 1:
         nxt = req.token_ids[start + 1:min(start + n + 1, P)]

@@ -52,8 +52,8 @@ def may_speculate(req: Request, spec: SpeculativeConfig, num_running: int, pendi
     it (per request `speculative=False` opts out), the batch is below `disable_by_batch_size`,
     it is decoding (one token to compute, none pending), and its sampling keeps the same
     per-position distribution whatever the drafts are -- so not with penalties (their counts
-    would need the drafts), a structured output (its mask needs the grammar advanced by
-    each draft) or a min_tokens ban still in force. `pending_ok`: judge a request whose last
+    would need the drafts) or a min_tokens ban still in force. (A structured output may: its
+    grammar checks the proposals and gives each position its mask, `guided_proposals`.) `pending_ok`: judge a request whose last
     token is still on the device as if it were read (whether to read it back first). Backoff: after two verifications in a
     row keep nothing, it pauses for a doubling number of tokens."""
     p = req.params
@@ -61,7 +61,7 @@ def may_speculate(req: Request, spec: SpeculativeConfig, num_running: int, pendi
         return False
     if (req.num_pending and not pending_ok) or req.num_computed_tokens != req.num_tokens - 1:
         return False
-    if req.matcher is not None or req.banned_tokens is not None:
+    if req.banned_tokens is not None:
         return False
     if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
         return False
@@ -139,6 +139,27 @@ class Proposer:
     def finished(self, req: Request) -> None:
         if self.cache is not None and req.params.speculative:
             self.cache.add(req.output_ids)
+
+
+def guided_proposals(matcher: Any, drafts: list[int], width: int) -> tuple[list[int], np.ndarray]:
+    """A structured output's proposals, cut before the first one its grammar forbids and
+    after one that completes it, and the allowed-token mask of each position after the
+    first: row j is the mask once drafts[:j+1] are consumed. The matcher is left as it was."""
+    import llguidance.numpy as lln
+
+    drafts = drafts[:matcher.validate_tokens(drafts)]
+    masks = np.full((len(drafts), width), -1, np.int32)
+    consumed = 0
+    for t in drafts:
+        if not matcher.consume_token(t):
+            break
+        consumed += 1
+        if matcher.is_stopped():  # (the request ends on it: what is sampled after it is dropped)
+            break
+        lln.fill_next_token_bitmask(matcher, masks, consumed - 1)
+    if consumed:
+        matcher.rollback(consumed)
+    return drafts[:consumed], masks[:consumed]
 
 
 def record(req: Request, proposed: int, accepted: int, totals: Any = None) -> None:

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 
 from runtime.model.kv_pages import SharedPrefix
 from runtime.model.sampling import SamplingInputs
+
+# structured outputs that may speculate in one step (their per-position masks ship in a fixed array)
+GUIDED_SPEC_ROWS = 2
 
 # penalty-state kinds for input tokens
 TOKEN_PAD, TOKEN_PROMPT, TOKEN_OUTPUT = 0, 1, 2
@@ -39,6 +42,8 @@ class SpecInput:
     slot_row: jax.Array     # [P] i32 the slot's sequence
     slot_offset: jax.Array  # [P] i32 the slot's place in its row's run (added to the sampling step)
     row_slots: jax.Array    # [S, K+1] i32 the slot of row i's j-th position (0 past its proposals)
+    masks: jax.Array        # [GUIDED_SPEC_ROWS * K, W] i32 structured outputs' masks of proposal positions
+    slot_mask: jax.Array    # [P] i32 the slot's row in `masks`; -1 = its sequence's token_mask row
 
 
 @jax.tree_util.register_dataclass
@@ -80,6 +85,7 @@ class ScheduledSeq:
     pending_last: bool = False   # the last token is pending: the device reads it from its state row
     prompt_next: Sequence[int] = ()  # prompt logprobs: each token's next prompt token (-1 past the prompt)
     drafts: Sequence[int] = ()   # speculative decoding: the last len(drafts) tokens are proposals to verify
+    draft_masks: Any = None      # a structured output's [len(drafts), W] masks of the positions after its first
 
 
 def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tokens_bucket: int,
@@ -142,20 +148,31 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
     shared = (choose_shared_prefix(tables, nblocks, kv_lens, n, block_size) if cascade
               else SharedPrefix(np.zeros(max_blocks_per_seq, np.int32), np.zeros(1, np.int32), np.zeros(S, np.int32),
                                 tables))
-    spec = build_spec_input(seqs, S, T, spec_k, qsl)
+    spec = build_spec_input(seqs, S, T, spec_k, qsl, token_mask.shape[1] if token_mask is not None else 0)
     return StepInput(token_ids, from_state, positions, slots, kind, token_row, qsl, kv_lens, all_tables,
                      np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, targets, sampling, shared,
                      spec)
 
 
-def build_spec_input(seqs: Sequence[ScheduledSeq], S: int, T: int, K: int, qsl: np.ndarray) -> SpecInput:
+_ALL_ALLOWED: dict[tuple[int, int], np.ndarray] = {}
+
+
+def build_spec_input(seqs: Sequence[ScheduledSeq], S: int, T: int, K: int, qsl: np.ndarray, W: int = 0) -> SpecInput:
     """Verify slots: row i's last token and its d_i proposals (the last d_i + 1 tokens of its
-    chunk) take slots in row order; a row without proposals takes one, at its last token."""
+    chunk) take slots in row order; a row without proposals takes one, at its last token. A
+    structured output's proposal positions (the engine lets at most GUIDED_SPEC_ROWS of them
+    speculate per step) read their masks from `masks`; every other slot its row's."""
     n = len(seqs)
     P = min(T, S * (K + 1)) if K else 0
     drafts = np.full((S, K), -1, np.int32)
     slot_token, slot_row, slot_offset = np.zeros(P, np.int32), np.zeros(P, np.int32), np.zeros(P, np.int32)
     row_slots = np.zeros((S, K + 1), np.int32)
+    slot_mask = np.full(P, -1, np.int32)
+    key = (GUIDED_SPEC_ROWS * K, W)
+    if key not in _ALL_ALLOWED:
+        _ALL_ALLOWED[key] = np.full(key, -1, np.int32)
+        _ALL_ALLOWED[key].flags.writeable = False
+    masks = _ALL_ALLOWED[key]
     if K and n:
         d = np.fromiter((len(sq.drafts) for sq in seqs), np.int32, n)
         if d.any():
@@ -169,7 +186,14 @@ def build_spec_input(seqs: Sequence[ScheduledSeq], S: int, T: int, K: int, qsl: 
         slot_row[:total], slot_offset[:total] = rows, offset
         slot_token[:total] = (qsl[1:n + 1] - 1 - d)[rows] + offset
         row_slots[rows, offset] = np.arange(total, dtype=np.int32)
-    return SpecInput(drafts, slot_token, slot_row, slot_offset, row_slots)
+        guided = [i for i in np.flatnonzero(d) if seqs[i].draft_masks is not None]
+        if guided:
+            masks = masks.copy()
+            for g, i in enumerate(guided[:GUIDED_SPEC_ROWS]):
+                m = seqs[i].draft_masks
+                masks[g * K:g * K + len(m)] = m
+                slot_mask[first[i] + 1:first[i] + 1 + len(m)] = g * K + np.arange(len(m), dtype=np.int32)
+    return SpecInput(drafts, slot_token, slot_row, slot_offset, row_slots, masks, slot_mask)
 
 
 def _fill_table(out: np.ndarray, tables: Sequence[Sequence[int]]) -> np.ndarray:

@@ -235,7 +235,8 @@ def _verify(sample_at: Any, inp: StepInput) -> tuple[SampleOutput, SpecOutput]:
     the sample after its last kept proposal."""
     sp = inp.spec
     sampling = jax.tree.map(lambda a: a[sp.slot_row], inp.sampling)
-    sampling = dataclasses.replace(sampling, steps=sampling.steps + sp.slot_offset)
+    token_mask = jnp.where((sp.slot_mask >= 0)[:, None], sp.masks[jnp.maximum(sp.slot_mask, 0)], sampling.token_mask)
+    sampling = dataclasses.replace(sampling, steps=sampling.steps + sp.slot_offset, token_mask=token_mask)
     flat = sample_at(sp.slot_token, sampling, inp.state_rows[sp.slot_row])
     per_row = jax.tree.map(lambda a: a[sp.row_slots], flat)              # [S, K+1, ...]
     keep = jnp.cumprod((per_row.token_ids[:, :-1] == sp.draft_ids).astype(jnp.int32), axis=1)

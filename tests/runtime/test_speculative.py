@@ -3,6 +3,7 @@ verification -- greedy and seeded outputs equal to plain decoding, exact block a
 no compilation after warm-up, the sampled distribution."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -340,3 +341,48 @@ def test_churn_with_speculation_leaks_nothing(tiny_ckpt):
     c = eng.scheduler.counters
     assert c.preemptions > 0 and c.spec_accepted > 0 and len(aborted) == 4
     assert eng.pool.num_used_blocks == 0 and eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+def test_a_grammar_checks_the_proposals_and_masks_each_position(tiny_ckpt):
+    """guided_proposals cuts the proposals before the first token the grammar forbids and
+    gives each later position the mask after the proposals before it; the matcher is left
+    as it was."""
+    from runtime.model.structured import Guide, allowed_ids
+
+    eng = make_engine(tiny_ckpt)
+    tok = eng.tokenizer
+    m = eng.compile_guide(Guide("regex", r"[0-9]{2}-[a-z]{3}", "structured_outputs.regex"))
+    ids = lambda s: tok.encode(s)[1:] if tok.encode("")[:1] else tok.encode(s)  # (no BOS)
+    drafts = ids("12-a") + ids("9") + ids("bc")       # "9" is not a letter: cut there
+    got, masks = speculative.guided_proposals(m, drafts, eng.runner.masks.width)
+    assert got == ids("12-a") and masks.shape == (len(got), eng.runner.masks.width)
+    allowed = allowed_ids(masks[-1], eng.config.model.vocab_size).tolist()  # after "12-a": letters only
+    assert allowed and all(re.fullmatch("[a-z]{1,2}", tok.decode([t])) for t in allowed)
+    assert m.validate_tokens(ids("34-xyz")) == len(ids("34-xyz"))  # untouched: still at the start
+    done, _ = speculative.guided_proposals(m, ids("12-abc") + ids("d"), eng.runner.masks.width)
+    assert done == ids("12-abc")                       # complete: nothing after it
+
+
+def test_structured_outputs_speculate_with_the_same_tokens(tiny_ckpt):
+    """JSON-schema outputs whose prompt shows the shape: proposals come from it, the grammar
+    checks them, and the outputs (greedy and seeded) are plain decoding's and valid."""
+    import json
+
+    import jsonschema
+
+    from runtime.model.structured import Guide
+    from tests.runtime.test_structured import SCHEMA
+
+    eng = make_engine(tiny_ckpt, speculative=SPEC)
+    tok = eng.tokenizer
+    example = '{"kind": "cat", "n": 5, "inner": {"ok": true}, "tags": ["a", "b"]}'
+    prompt = tok.encode(f"Answer in JSON like {example} or {example}: ")
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=80, guide=Guide.json_schema(SCHEMA, "r"))
+              for t, s in ((0.0, 0), (1.0, 1), (1.0, 2), (0.7, 3))]
+    want = [r.output_ids for r in make_engine(tiny_ckpt).generate([prompt] * 4, params)]
+    got = eng.generate([prompt] * 4, params)
+    assert [r.output_ids for r in got] == want
+    for r in got:
+        jsonschema.validate(json.loads(tok.decode(r.output_ids)), SCHEMA)
+    assert sum(r.spec.proposed for r in got) > 0 and sum(r.spec.accepted for r in got) > 0
+    assert eng.pool.num_used_blocks == 0
