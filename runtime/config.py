@@ -497,8 +497,8 @@ class KernelConfig:
         return dataclasses.replace(self, **changes) if changes else self
 
 
-SPEC_METHODS = ("ngram", "suffix")  # implemented proposers (runtime/core/speculative.py)
-SPEC_NOT_YET = {"draft_model": "a draft model", "eagle": "EAGLE",
+SPEC_METHODS = ("ngram", "suffix", "draft_model")  # implemented proposers (runtime/core/speculative.py)
+SPEC_NOT_YET = {"eagle": "EAGLE",
                 "eagle3": "EAGLE-3", "mtp": "multi-token prediction", "medusa": "Medusa"}
 
 
@@ -515,6 +515,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 4   # measured: BENCHMARKS.md, "Speculative decoding"
     suffix_decoding_max_cached_requests: int = 1000  # suffix: finished outputs it proposes from
+    model: str | None = None         # draft_model: the draft's checkpoint directory (same tokenizer)
 
     def __post_init__(self) -> None:
         if self.method in SPEC_NOT_YET:
@@ -522,6 +523,8 @@ class SpeculativeConfig:
                              f"implemented yet; implemented: {', '.join(SPEC_METHODS)}")
         _check(self.method in SPEC_METHODS, "speculative_config.method",
                f"must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        _check((self.method == "draft_model") == (self.model is not None), "speculative_config.model",
+               "the draft's checkpoint directory, with method \"draft_model\" (and only with it)")
         _check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
                "speculative_config.num_speculative_tokens", f"must be 1..16, got {self.num_speculative_tokens!r}")
         _check(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
@@ -549,6 +552,9 @@ class SpeculativeConfig:
         if d.get("method") in SPEC_NOT_YET:
             cls(method=d["method"])  # (raises the one-line refusal naming it)
         known = {f.name for f in dataclasses.fields(cls)}
+        if (d.get("method", "ngram") == "draft_model") != (d.get("model") is not None):
+            raise ValueError("speculative_config.model: the draft's checkpoint directory, with method "
+                             "\"draft_model\" (and only with it)")
         if d.get("method", "ngram") != "suffix" and "suffix_decoding_max_cached_requests" in d:
             raise ValueError("speculative_config.suffix_decoding_max_cached_requests: only for method \"suffix\"")
         unknown = sorted(set(d) - known)

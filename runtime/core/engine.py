@@ -117,6 +117,11 @@ class LLMEngine:
                                   spec_k=config.speculative.num_speculative_tokens if config.speculative else 0)
         self.guides = GuideCompiler(tokenizer, config.model.vocab_size)
         self.proposer = speculative.Proposer(config.speculative) if config.speculative else None
+        self.draft = None  # draft_model speculation: the draft's runner beside the target's
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            from runtime.core.draft import DraftModel
+
+            self.draft = DraftModel(config, config.model.vocab_size, self.kv_groups.num_groups)
         self.metrics = EngineMetrics(lambda: EngineState.read(self.scheduler, self.pool, compilations))
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
         self.lock = threading.RLock()
@@ -188,6 +193,8 @@ class LLMEngine:
 
     def warmup(self, progress: bool = True) -> None:
         self.warmup_seconds = self.runner.warmup(progress)
+        if self.draft is not None:
+            self.warmup_seconds += self.draft.warmup(progress)
         self.compilations_at_ready = compilations()
         log.info("warm-up compiled %d step shapes in %.1f s", len(self.envelope.bucket_pairs()),
                  self.warmup_seconds)
@@ -315,7 +322,7 @@ class LLMEngine:
             self._apply_boundary(outputs)
             self._propose()
             launched = self._launch(self.scheduler.schedule(), outputs)
-            if self.async_scheduling:
+            if self.async_scheduling and self.draft is None:  # (the draft mirrors steps with known inputs)
                 done, self._inflight = [self._inflight], launched
             else:
                 done, self._inflight = [self._inflight, launched], None
@@ -356,7 +363,7 @@ class LLMEngine:
                                 if speculative.may_speculate(r, spec, len(running)) else [])
             r.spec_masks = None
             if r.matcher is not None and r.spec_token_ids:  # its grammar checks them; a few per step
-                if guided < GUIDED_SPEC_ROWS:
+                if guided < GUIDED_SPEC_ROWS and self.draft is None:  # (a draft's come after scheduling)
                     r.spec_token_ids, r.spec_masks = speculative.guided_proposals(
                         r.matcher, r.spec_token_ids, self.runner.masks.width)
                     guided += 1
@@ -367,6 +374,12 @@ class LLMEngine:
         """Plan -> step rows -> device; the plan's tokens count as computed from here on."""
         if not plan.scheduled:
             return None
+        if self.draft is not None:  # the placeholders the scheduler placed become the draft's tokens
+            try:
+                self.draft.fill([req for req, _ in plan.scheduled if req.spec_token_ids])
+            except Exception as exc:  # noqa: BLE001 -- as a failed step: its requests fail, the loop goes on
+                self._fail([req for req, _ in plan.scheduled], exc, outputs)
+                return None
         seqs = [step_row(req, n) for req, n in plan.scheduled]
         num_seqs, num_tokens = self.envelope.bucket_for(len(seqs), plan.num_batched_tokens)
         guided = [(i, req.matcher) for i, (req, _) in enumerate(plan.scheduled)
@@ -377,6 +390,8 @@ class LLMEngine:
         try:
             mask = self.runner.masks.build(num_seqs, guided, banned, self.guides.executor)
             handle = self.runner.launch(seqs, num_seqs, num_tokens, token_mask=mask)
+            if self.draft is not None:
+                self.draft.mirror(seqs, num_seqs, num_tokens)
         except Exception as exc:  # noqa: BLE001 -- one bad step must not kill the loop
             self._fail([req for req, _ in plan.scheduled], exc, outputs)
             return None
@@ -451,6 +466,8 @@ class LLMEngine:
 
     def _fail(self, reqs: list[Request], exc: Exception, outputs: list[RequestOutput]) -> None:
         log.error("engine step failed; failing its %d requests: %s", len(reqs), exc, exc_info=exc)
+        if self.draft is not None:
+            self.draft.recover()
         if self.runner.recover():  # the donated KV cache is gone: everyone running recomputes
             self.scheduler.preempt_all()
             self.pool.reset_prefix_cache()

@@ -1,7 +1,8 @@
 """Speculative decoding on the host: who proposes, what, and when it stops paying.
 
-Proposers: `ngram` (prompt lookup in the request's own text) and `suffix` (the same, then the
-recent outputs of the served model: `SuffixCache`). A decode row that speculates computes its last token followed by d proposed tokens in one
+Proposers: `ngram` (prompt lookup in the request's own text), `suffix` (the same, then the
+recent outputs of the served model: `SuffixCache`) and `draft_model` (a smaller checkpoint
+decoding greedily: runtime/core/draft.py). A decode row that speculates computes its last token followed by d proposed tokens in one
 step; the step samples a token after each of the d + 1 positions with the keys the row
 would have used one step at a time (runtime/model/runner.py `_verify`), and keeps the
 proposals up to the first one that differs from its sample, plus that sample. For a
@@ -131,6 +132,8 @@ class Proposer:
         spec = self.spec
         room = min(spec.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
                    max_model_len - req.num_tokens - 1)
+        if spec.method == "draft_model":  # slots the draft fills once the step is placed (runtime/core/draft.py)
+            return [0] * max(room, 0)
         own = propose_ngram(req.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
         if own or self.cache is None or room <= 0:
             return own

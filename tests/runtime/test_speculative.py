@@ -386,3 +386,44 @@ def test_structured_outputs_speculate_with_the_same_tokens(tiny_ckpt):
         jsonschema.validate(json.loads(tok.decode(r.output_ids)), SCHEMA)
     assert sum(r.spec.proposed for r in got) > 0 and sum(r.spec.accepted for r in got) > 0
     assert eng.pool.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tmp_path_factory):
+    """Another random tiny model: same tokenizer, different weights and shape (a poor draft)."""
+    from tests.tiny import make_tiny_checkpoint
+
+    # untied: a tied tiny model mostly repeats its last token, as the target does
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("draft") / "tiny-draft", seed=7, num_layers=1,
+                                tie_word_embeddings=False)
+
+
+def test_draft_model_drafting_for_itself_keeps_every_proposal(tiny_ckpt):
+    """The target as its own draft: greedy proposals are exactly the target's tokens, so every
+    one is kept (the upper bound); seeded sampled rows keep the plain tokens too."""
+    prompts, params = _workload(6)
+    want = [r.output_ids for r in make_engine(tiny_ckpt, num_blocks=96).generate(prompts, params)]
+    cfg = SpeculativeConfig(method="draft_model", model=str(tiny_ckpt), num_speculative_tokens=4,
+                            disable_by_batch_size=64)
+    eng, got = _run(tiny_ckpt, cfg, prompts, params)
+    assert [r.output_ids for r in got] == want
+    greedy = [r for r in got if r.params.greedy and r.params.speculative and not r.params.presence_penalty]
+    assert all(r.spec.proposed > 0 and r.spec.accepted == r.spec.proposed for r in greedy)
+
+
+def test_a_poor_draft_model_keeps_little_and_changes_nothing(tiny_ckpt, other_tiny):
+    prompts, params = _workload(6)
+    want = [r.output_ids for r in make_engine(tiny_ckpt, num_blocks=96).generate(prompts, params)]
+    cfg = SpeculativeConfig(method="draft_model", model=str(other_tiny), num_speculative_tokens=4,
+                            disable_by_batch_size=64)
+    eng, got = _run(tiny_ckpt, cfg, prompts, params)
+    assert [r.output_ids for r in got] == want
+    c = eng.scheduler.counters
+    assert c.spec_proposed > 0 and c.spec_accepted < c.spec_proposed // 2
+
+
+def test_draft_model_refusals(tiny_ckpt, tmp_path):
+    with pytest.raises(ValueError, match="only with it"):
+        SpeculativeConfig.parse('{"method": "draft_model"}')
+    with pytest.raises(ValueError, match="not a pagedjax checkpoint"):
+        make_engine(tiny_ckpt, speculative=SpeculativeConfig(method="draft_model", model=str(tmp_path)))
