@@ -47,6 +47,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                    help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 7, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 4}\' (n-gram prompt '
                         'lookup; "suffix" also looks in recent outputs, "suffix_decoding_max_cached_requests": 1000; '
+                        '"draft_model" with "model": DIR proposes with a smaller checkpoint; '
                         'greedy and seeded outputs are the tokens made without it; a request opts out with '
                         '"speculative": false)')
     g.add_argument("--tensor-parallel-size", type=int, default=1,
