@@ -427,3 +427,23 @@ def test_draft_model_refusals(tiny_ckpt, tmp_path):
         SpeculativeConfig.parse('{"method": "draft_model"}')
     with pytest.raises(ValueError, match="not a pagedjax checkpoint"):
         make_engine(tiny_ckpt, speculative=SpeculativeConfig(method="draft_model", model=str(tmp_path)))
+
+
+def test_console_shows_what_speculation_kept(tiny_ckpt):
+    """The dashboard's kept fraction and each running request's kept / proposed tokens."""
+    from tests.console.admin_util import console_client, logged_in
+
+    eng = make_engine(tiny_ckpt, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+                      speculative=SPEC)
+    r = eng.add_request([11, 12, 13, 14, 15] * 4, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    while r.spec.accepted < 4:
+        eng.step()
+    with console_client(eng) as c:
+        logged_in(c)
+        dash = c.get("/admin", headers={"HX-Request": "true"}).text
+        c_ = eng.scheduler.counters
+        assert 'id="spec-acceptance"' in dash and f"{c_.spec_accepted} of {c_.spec_proposed} proposed tokens" in dash
+        page = c.get("/admin/requests", headers={"HX-Request": "true"}).text
+        assert f"{r.spec.accepted} of {r.spec.proposed} proposed kept" in page
+    eng.abort(r.request_id)
+    eng.run_until_done()
