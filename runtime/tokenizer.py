@@ -222,17 +222,22 @@ class IncrementalDetokenizer:
         return []
 
     def push(self, token_ids: Sequence[int]) -> str:
-        if not token_ids:
-            return ""
-        try:
-            delta = self._stream.step(self.tokenizer.tok, list(token_ids))
-        except Exception as exc:  # noqa: BLE001 -- tokenizers raises a plain Exception
-            if "Invalid prefix" not in str(exc):
-                raise
-            # A decoder whose text of a longer list does not begin with that of the shorter
-            # (vllm-project/vllm#17448): start over from these tokens, without context.
-            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
-            delta = self._stream.step(self.tokenizer.tok, list(token_ids))
-        if delta:
-            self.text += delta
-        return delta or ""
+        """Append tokens; returns the text they complete. One stream step per token: a step
+        given several ids at once can leave the tail of their text out for good (several
+        tokens come at once from a speculative step)."""
+        out = []
+        for t in token_ids:
+            try:
+                delta = self._stream.step(self.tokenizer.tok, int(t))
+            except Exception as exc:  # noqa: BLE001 -- tokenizers raises a plain Exception
+                if "Invalid prefix" not in str(exc):
+                    raise
+                # A decoder whose text of a longer list does not begin with that of the shorter
+                # (vllm-project/vllm#17448): start over from this token, without context.
+                self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+                delta = self._stream.step(self.tokenizer.tok, int(t))
+            if delta:
+                out.append(delta)
+        text = "".join(out)
+        self.text += text
+        return text

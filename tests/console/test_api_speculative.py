@@ -50,8 +50,17 @@ def test_a_bad_speculative_field_is_a_400(server):
 
 def test_an_unimplemented_method_is_refused_in_one_line(tiny_ckpt):
     p = subprocess.run([sys.executable, "-m", "runtime.cli", "generate", "--checkpoint", str(tiny_ckpt),
-                        "--prompt", "hi", "--max-tokens", "2", "--speculative-config", '{"method": "draft_model"}'],
+                        "--prompt", "hi", "--max-tokens", "2", "--speculative-config", '{"method": "eagle"}'],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     err = [x for x in p.stderr.strip().splitlines() if x.strip()]
-    assert "a draft model ('draft_model') is not implemented yet" in err[-1]
+    assert "EAGLE ('eagle') is not implemented yet" in err[-1]
+
+
+def test_n_choices_and_seeds_with_speculation(server):
+    """n > 1 sampled choices: the same texts as with speculation opted out, seed for seed."""
+    on = _complete(server, n=3, temperature=0.9, seed=11)
+    off = _complete(server, n=3, temperature=0.9, seed=11, speculative=False)
+    texts = lambda r: [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])]
+    assert texts(on) == texts(off) and len(texts(on)) == 3
+    assert on["usage"]["completion_tokens"] == off["usage"]["completion_tokens"] == 120

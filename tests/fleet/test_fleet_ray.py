@@ -25,10 +25,13 @@ from tests.fleet.fleet_util import logged_in_console, state
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.fleet
 
+# Speculation is on (the engine flags reach the replicas); the tests that need long-running
+# streams opt out per request ("speculative": false), or the repetitive tiny model finishes them at once.
 FLEET = ("--replicas", "2", "--min-replicas", "1", "--max-replicas", "2", "--scale-in-delay", "600",
          "--scale-horizon", "0.2", "--threads-per-replica", "1", "--admission-mode", "reserve",
          "--kv-cache-memory", "512KiB", "--max-num-seqs", "4", "--fleet-queue-cap", "2",
-         "--fleet-queue-timeout", "120", "--drain-timeout", "120")
+         "--fleet-queue-timeout", "120", "--drain-timeout", "120",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 5  # ~320 tokens
 
 
@@ -140,6 +143,19 @@ def test_fleet_serves_and_reports_two_replicas(fleet, console):
     assert fleet.client().get("/replicas/nope/metrics").status_code == 404
 
 
+def test_replicas_speculate_and_the_usage_says_so(fleet, console):
+    """The engine flags reach the replicas: a repetitive completion through the gateway is
+    speculated, with the same text as with speculation opted out."""
+    body = {"model": fleet.model, "prompt": "one two three four one two three four one two", "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True}
+    on = httpx.post(fleet.url + "/v1/completions", json=body, headers=fleet.headers, timeout=120).json()
+    off = httpx.post(fleet.url + "/v1/completions", json={**body, "speculative": False}, headers=fleet.headers,
+                     timeout=120).json()
+    assert on["choices"][0]["text"] == off["choices"][0]["text"]
+    assert on["usage"]["speculative"]["proposed"] > 0 and "speculative" not in off["usage"]
+    settle(console)
+
+
 def test_kv_events_on_zmq_decode_with_vllms_own_types(fleet, zmq_port):
     """What a vLLM KV-event subscriber (llm-d's precise scorer) would read: multipart
     (topic, 8-byte sequence, msgpack KVEventBatch), decoded with vLLM's struct layout."""
@@ -199,7 +215,8 @@ def test_all_replicas_full_then_429_with_retry_after(fleet, console):
     (cap 2) and are served later; the rest get 429 at once."""
     settle(console)
     ids = [f"full{i}" for i in range(8)]
-    bodies = [{"model": fleet.model, "prompt": f"request {i} " * 4, "max_tokens": 400, "ignore_eos": True}
+    bodies = [{"model": fleet.model, "prompt": f"request {i} " * 4, "max_tokens": 400, "ignore_eos": True,
+               "speculative": False}
               for i in range(8)]
     rs = asyncio.run(_post_all(fleet.url, bodies, ids, fleet.headers))
     codes = [r.status_code for r in rs]
@@ -247,7 +264,7 @@ def test_killed_replica_ends_its_streams_with_an_error_and_others_keep_serving(f
     settle(console)
     client = fleet.openai(timeout=120)
     stream = client.completions.create(model=fleet.model, prompt="a long story " * 3, max_tokens=450,
-                                       extra_body={"ignore_eos": True}, stream=True)
+                                       extra_body={"ignore_eos": True, "speculative": False}, stream=True)  # (slow)
     first = next(iter(stream))
     assert first.choices
     busy = wait_for(lambda: [r for r in state(console)["replicas"] if r["running"]], 10, "a busy replica")[0]
@@ -272,7 +289,7 @@ def test_scale_in_drains_then_scale_out_under_load(fleet, console):
     settle(console)
     client = fleet.openai(timeout=300)
     long = [client.completions.create(model=fleet.model, prompt=f"drain me {i} " * 3, max_tokens=450,
-                                      extra_body={"ignore_eos": True}, stream=True) for i in range(2)]
+                                      extra_body={"ignore_eos": True, "speculative": False}, stream=True) for i in range(2)]
     heads = [next(iter(s)) for s in long]
     assert all(h.choices for h in heads)
     page = console.get("/admin").text
@@ -301,7 +318,8 @@ def test_scale_in_drains_then_scale_out_under_load(fleet, console):
 
     deadline = time.monotonic() + 60
     for k in range(1000):
-        bodies = [{"model": fleet.model, "prompt": f"load {k} {i} " * 4, "max_tokens": 400, "ignore_eos": True}
+        bodies = [{"model": fleet.model, "prompt": f"load {k} {i} " * 4, "max_tokens": 400, "ignore_eos": True,
+                   "speculative": False}
                   for i in range(4)]
         rs = asyncio.run(_post_all(fleet.url, bodies, [f"load{k}-{i}" for i in range(4)], fleet.headers))
         assert all(r.status_code in (200, 429) for r in rs)

@@ -230,3 +230,25 @@ def test_metrics_count_the_end_the_client_saw(tiny_ckpt):
     after = counts()
     assert (after["stop"] - before["stop"], after["length"] - before["length"]) == (1, 1)
     assert not eng._uncounted
+
+
+def test_tokens_pushed_several_at_a_time_give_the_text_of_one_at_a_time(tok):
+    """A speculative step hands several tokens over at once: the detokenized text must not
+    depend on how the tokens were grouped (a DecodeStream step over several ids lost the
+    tail of their text)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    prompt = tok.encode("one two three four")
+    for _ in range(50):
+        ids = [int(t) for t in rng.integers(3, 260, size=30)]
+        one = tok.detokenizer(prompt)
+        for t in ids:
+            one.push([t])
+        grouped = tok.detokenizer(prompt)
+        i = 0
+        while i < len(ids):
+            k = int(rng.integers(1, 6))
+            grouped.push(ids[i:i + k])
+            i += k
+        assert grouped.text == one.text and one.text
