@@ -39,8 +39,7 @@ def test_config_refuses_what_it_does_not_do():
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
     assert c == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5)
-    for text, msg in (('{"method": "draft_model", "model": "x"}', "a draft model"),
-                      ('{"method": "ngram", "suffix_decoding_max_cached_requests": 5}', 'only for method "suffix"'),
+    for text, msg in (('{"method": "ngram", "suffix_decoding_max_cached_requests": 5}', 'only for method "suffix"'),
                       ('{"method": "eagle"}', r"EAGLE \(.eagle.\) is not implemented"),
                       ('{"method": "ngram", "acceptance_method": "typical"}', r"unsupported key\(s\) acceptance_method"),
                       ('{"num_speculative_tokens": 0}', "num_speculative_tokens: must be 1..16"),
