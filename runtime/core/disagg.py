@@ -80,6 +80,9 @@ def reserve(engine: "LLMEngine", prompt_ids: Sequence[int], params: SamplingPara
     pool, sched, policy = engine.pool, engine.scheduler, engine.policy
     if not pool.enable_prefix_cache:
         raise ValueError("disaggregated decode needs the prefix cache (imported blocks are served through it)")
+    if getattr(engine, "draft", None) is not None:
+        raise ValueError("disaggregated decode with a draft model: transferred KV has no draft KV beside it "
+                         "(use method ngram or suffix on a decode pool)")
     prompt = [int(t) for t in prompt_ids]
     total = len(prompt) + params.max_tokens
     if not prompt or capacity.never_fits(total, engine.envelope.max_model_len, pool):

@@ -12,15 +12,17 @@ placeholders. A greedy draft proposes deterministically, so the verification kee
 target's distribution exactly (runtime/core/speculative.py).
 
 The engine runs synchronously with a draft (a mirrored row must know its input token on the
-host), refuses one whose vocabulary differs from the target's, and refuses sliding-window
-KV layouts on either side (their block tables differ per layer group).
+host), refuses one whose tokenizer differs from the target's, sliding-window KV layouts on
+either side (their block tables differ per layer group), tensor parallelism, and KV
+transferred from a prefill replica (runtime/core/disagg.py: the draft never computed it).
+Its weights and KV cache come on top of the target's memory (logged at start).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from runtime.config import EngineConfig
 from runtime.core.request import Request
@@ -29,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class DraftModel:
-    def __init__(self, config: EngineConfig, target_vocab_size: int, target_groups: int):
+    def __init__(self, config: EngineConfig, target_vocab_size: int, target_groups: int, target_tokenizer: Any):
         from runtime.checkpoint.store import load_checkpoint
         from runtime.kv_groups import KVGroups
         from runtime.model.quant import prepare, quantization_of
@@ -45,6 +47,13 @@ class DraftModel:
         if cfg.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary ({cfg.vocab_size}) is not the "
                              f"target's ({target_vocab_size}); a draft must share the target's tokenizer")
+        if tok.tok.get_vocab(with_added_tokens=True) != target_tokenizer.tok.get_vocab(with_added_tokens=True):
+            raise ValueError(f"speculative_config.model: the draft's tokenizer ({path}) is not the target's")
+        if cfg.max_position_embeddings < config.scheduler.max_model_len:
+            raise ValueError(f"speculative_config.model: the draft reaches {cfg.max_position_embeddings} positions, "
+                             f"less than max_model_len ({config.scheduler.max_model_len})")
+        if config.tensor_parallel_size != 1:
+            raise ValueError("speculative_config: a draft model under tensor parallelism is not supported yet")
         if target_groups != 1 or KVGroups.of(cfg, config.cache.kv_groups).num_groups != 1:
             raise ValueError("speculative_config.model: a draft model with sliding-window layers on either side is "
                              "not supported yet (their KV block tables differ per layer group)")
@@ -86,5 +95,6 @@ class DraftModel:
             for r, t in zip(rows, out):
                 r.spec_token_ids[j] = int(t)
 
-    def recover(self) -> None:
-        self.runner.recover()
+    def recover(self) -> bool:
+        """After a failed step: True when the draft's cache was lost (rebuilt empty)."""
+        return self.runner.recover()

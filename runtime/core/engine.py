@@ -121,7 +121,7 @@ class LLMEngine:
         if config.speculative is not None and config.speculative.method == "draft_model":
             from runtime.core.draft import DraftModel
 
-            self.draft = DraftModel(config, config.model.vocab_size, self.kv_groups.num_groups)
+            self.draft = DraftModel(config, config.model.vocab_size, self.kv_groups.num_groups, tokenizer)
         self.metrics = EngineMetrics(lambda: EngineState.read(self.scheduler, self.pool, compilations))
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
         self.lock = threading.RLock()
@@ -363,12 +363,13 @@ class LLMEngine:
                                 if speculative.may_speculate(r, spec, len(running)) else [])
             r.spec_masks = None
             if r.matcher is not None and r.spec_token_ids:  # its grammar checks them; a few per step
-                if guided < GUIDED_SPEC_ROWS and self.draft is None:  # (a draft's come after scheduling)
+                if guided >= GUIDED_SPEC_ROWS:
+                    r.spec_token_ids = []
+                    continue
+                guided += 1
+                if self.draft is None:  # (a draft's proposals are checked once it has made them: _launch)
                     r.spec_token_ids, r.spec_masks = speculative.guided_proposals(
                         r.matcher, r.spec_token_ids, self.runner.masks.width)
-                    guided += 1
-                else:
-                    r.spec_token_ids = []
 
     def _launch(self, plan: SchedulerOutput, outputs: list[RequestOutput]) -> _InFlight | None:
         """Plan -> step rows -> device; the plan's tokens count as computed from here on."""
@@ -380,6 +381,13 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 -- as a failed step: its requests fail, the loop goes on
                 self._fail([req for req, _ in plan.scheduled], exc, outputs)
                 return None
+            for k, (req, n) in enumerate(plan.scheduled):  # a grammar cuts a draft's proposals here
+                if req.matcher is not None and req.spec_token_ids:
+                    req.spec_token_ids, req.spec_masks = speculative.guided_proposals(
+                        req.matcher, req.spec_token_ids, self.runner.masks.width)
+                    plan.scheduled[k] = (req, 1 + len(req.spec_token_ids))  # (the blocks of the rest go back
+                    # when the step is read: accept_drafts)
+            plan.num_batched_tokens = sum(n for _, n in plan.scheduled)
         seqs = [step_row(req, n) for req, n in plan.scheduled]
         num_seqs, num_tokens = self.envelope.bucket_for(len(seqs), plan.num_batched_tokens)
         guided = [(i, req.matcher) for i, (req, _) in enumerate(plan.scheduled)
@@ -466,9 +474,8 @@ class LLMEngine:
 
     def _fail(self, reqs: list[Request], exc: Exception, outputs: list[RequestOutput]) -> None:
         log.error("engine step failed; failing its %d requests: %s", len(reqs), exc, exc_info=exc)
-        if self.draft is not None:
-            self.draft.recover()
-        if self.runner.recover():  # the donated KV cache is gone: everyone running recomputes
+        lost = self.draft is not None and self.draft.recover()
+        if self.runner.recover() or lost:  # a donated KV cache is gone: everyone running recomputes
             self.scheduler.preempt_all()
             self.pool.reset_prefix_cache()
         for req in reqs:

@@ -417,9 +417,10 @@ class Scheduler:
         appending the step's tokens."""
         rejected = len(req.spec_token_ids) - accepted
         req.spec_token_ids = []
-        if rejected <= 0 or req.status is not Status.RUNNING:
+        if req.status is not Status.RUNNING:
             return
-        req.num_computed_tokens -= rejected
+        req.num_computed_tokens -= max(rejected, 0)
+        # (also blocks placed for proposals that never ran: a draft's cut by a grammar)
         keep = self.blocks_for(req.num_computed_tokens + 1)  # (+1: the kept sample's slot, next step)
         freed = [b for t in req.block_tables for b in t[keep:] if b != NULL_BLOCK]
         for t in req.block_tables:

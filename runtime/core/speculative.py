@@ -28,6 +28,7 @@ from runtime.core.request import Request, SpecStats, Status
 __all__ = ["SpecStats", "propose_ngram", "may_speculate", "Proposer", "SuffixCache", "record"]
 
 BACKOFF_MAX_TOKENS = 64  # the longest pause (in output tokens) after proposals kept missing
+SUFFIX_MAX_TOKENS = 1 << 20  # tokens the suffix cache keeps in all (its index: ~3 entries per token)
 
 
 def propose_ngram(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -70,51 +71,50 @@ def may_speculate(req: Request, spec: SpeculativeConfig, num_running: int, pendi
 
 
 class SuffixCache:
-    """`suffix`: the outputs of the last `max_requests` finished requests, indexed by every
-    n-gram (n in [n_min, n_max]) to where its latest occurrence continues. Repeated agentic or
-    templated answers then propose from what the model said before, not only from the
-    request's own text. Bounded: the oldest output leaves when a new one comes, and the index
-    is rebuilt from the live outputs when it holds twice their n-grams."""
+    """`suffix`: the outputs of recently finished requests (at most `max_requests`, and at
+    most SUFFIX_MAX_TOKENS tokens in all), indexed by every n-gram (n in [n_min, n_max]) to
+    where its latest occurrence continues. Repeated agentic or templated answers then propose
+    from what the model said before, not only from the request's own text. Outputs are kept
+    apart by cache salt (a salted tenant never gets proposals from another's outputs). The
+    oldest output leaves first and takes its own index entries with it."""
 
-    def __init__(self, max_requests: int, n_min: int, n_max: int):
+    def __init__(self, max_requests: int, n_min: int, n_max: int, max_tokens: int = 0):
         self.max_requests, self.n_min, self.n_max = max_requests, n_min, n_max
+        self.max_tokens = max_tokens or SUFFIX_MAX_TOKENS
         self.outputs: deque[int] = deque()
-        self.live: dict[int, list[int]] = {}
-        self.index: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.live: dict[int, tuple[Any, list[int]]] = {}   # id -> (salt, tokens)
+        self.index: dict[tuple, tuple[int, int]] = {}     # (salt, *gram) -> (id, where it continues)
+        self.num_tokens = 0
         self._ids = 0
-        self._grams = 0  # n-grams of the live outputs (the index's size when freshly built)
 
-    def add(self, tokens: list[int]) -> None:
-        if len(tokens) <= self.n_min:
-            return
-        gid, self._ids = self._ids, self._ids + 1
-        self.live[gid] = list(tokens)
-        self.outputs.append(gid)
-        self._index(gid)
-        while len(self.outputs) > self.max_requests:
-            old = self.live.pop(self.outputs.popleft())
-            self._grams -= self._count(old)
-        if len(self.index) > 2 * max(self._grams, 1024):
-            self.index.clear()
-            for g in self.outputs:
-                self._index(g, recount=False)
-
-    def _count(self, toks: list[int]) -> int:
-        return sum(max(0, len(toks) - n) for n in range(self.n_min, self.n_max + 1))
-
-    def _index(self, gid: int, recount: bool = True) -> None:
-        toks = self.live[gid]
+    def _grams(self, salt: Any, toks: list[int]):
         for n in range(self.n_min, self.n_max + 1):
             for i in range(n, len(toks)):  # the gram toks[i-n:i] continues at i
-                self.index[tuple(toks[i - n:i])] = (gid, i)
-        if recount:
-            self._grams += self._count(toks)
+                yield (salt, *toks[i - n:i]), i
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def add(self, tokens: list[int], salt: Any = None) -> None:
+        toks = list(tokens[-self.max_tokens:])
+        if len(toks) <= self.n_min:
+            return
+        gid, self._ids = self._ids, self._ids + 1
+        self.live[gid] = (salt, toks)
+        self.outputs.append(gid)
+        self.num_tokens += len(toks)
+        for key, i in self._grams(salt, toks):
+            self.index[key] = (gid, i)
+        while len(self.outputs) > self.max_requests or self.num_tokens > self.max_tokens:
+            old = self.outputs.popleft()
+            s, t = self.live.pop(old)
+            self.num_tokens -= len(t)
+            for key, _ in self._grams(s, t):
+                if self.index.get(key, (None,))[0] == old:  # (a later output's entry stays)
+                    del self.index[key]
+
+    def propose(self, tokens: list[int], k: int, salt: Any = None) -> list[int]:
         for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
-            hit = self.index.get(tuple(tokens[-n:]))
-            if hit is not None and hit[0] in self.live:
-                return self.live[hit[0]][hit[1]:hit[1] + k]
+            hit = self.index.get((salt, *tokens[-n:]))
+            if hit is not None:
+                return self.live[hit[0]][1][hit[1]:hit[1] + k]
         return []
 
 
@@ -137,11 +137,11 @@ class Proposer:
         own = propose_ngram(req.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
         if own or self.cache is None or room <= 0:
             return own
-        return self.cache.propose(req.token_ids, room)
+        return self.cache.propose(req.token_ids, room, req.cache_salt)
 
     def finished(self, req: Request) -> None:
         if self.cache is not None and req.params.speculative:
-            self.cache.add(req.output_ids)
+            self.cache.add(req.output_ids, req.cache_salt)
 
 
 def guided_proposals(matcher: Any, drafts: list[int], width: int) -> tuple[list[int], np.ndarray]:

@@ -187,6 +187,8 @@ def build_spec_input(seqs: Sequence[ScheduledSeq], S: int, T: int, K: int, qsl: 
         slot_token[:total] = (qsl[1:n + 1] - 1 - d)[rows] + offset
         row_slots[rows, offset] = np.arange(total, dtype=np.int32)
         guided = [i for i in np.flatnonzero(d) if seqs[i].draft_masks is not None]
+        if len(guided) > GUIDED_SPEC_ROWS:  # (the engine lets no more speculate: runtime/core/engine.py _propose)
+            raise ValueError(f"{len(guided)} structured outputs carry proposals; at most {GUIDED_SPEC_ROWS} may")
         if guided:
             masks = masks.copy()
             for g, i in enumerate(guided[:GUIDED_SPEC_ROWS]):

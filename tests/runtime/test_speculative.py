@@ -58,10 +58,17 @@ def test_suffix_cache_proposes_from_recent_outputs_and_stays_bounded():
     c.add([7, 8, 10, 11])
     c.add([20, 21, 22, 23])                                  # the first output leaves
     assert c.propose([2, 3], 3) == [] and c.propose([7, 8], 3) == [10, 11]
-    for i in range(200):                                     # the index is rebuilt, never grows unbounded
+    for i in range(200):                                     # evicted outputs take their entries along
         c.add([100 + i, 101 + i, 102 + i, 103 + i])
-    assert len(c.live) == 2 and len(c.index) <= 2 * 1024
+    live_grams = {k for salt, t in c.live.values() for k, _ in c._grams(salt, t)}
+    assert len(c.live) == 2 and set(c.index) == live_grams   # exactly the live outputs' grams
     assert c.propose([101 + 199, 102 + 199], 1) == [103 + 199]
+    c.add([1, 2, 3, 4, 5, 6], salt="tenant-a")                # kept apart by cache salt
+    assert c.propose([2, 3], 3) == [] and c.propose([2, 3], 3, salt="tenant-a") == [4, 5, 6]
+    small = speculative.SuffixCache(max_requests=100, n_min=2, n_max=2, max_tokens=10)
+    for i in range(5):
+        small.add([i, i + 1, i + 2, i + 3, i + 4])            # 5 tokens each: at most 2 outputs fit
+    assert small.num_tokens <= 10 and len(small.live) == 2
 
 
 def test_suffix_proposes_a_repeated_answer_from_the_cache(tiny_ckpt):
@@ -426,6 +433,12 @@ def test_draft_model_refusals(tiny_ckpt, tmp_path):
         SpeculativeConfig.parse('{"method": "draft_model"}')
     with pytest.raises(ValueError, match="not a pagedjax checkpoint"):
         make_engine(tiny_ckpt, speculative=SpeculativeConfig(method="draft_model", model=str(tmp_path)))
+    eng = make_engine(tiny_ckpt, speculative=SpeculativeConfig(method="draft_model", model=str(tiny_ckpt)))
+    with pytest.raises(ValueError, match="no draft KV beside it"):  # a decode replica: imports have no draft KV
+        eng.reserve([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_engine(tiny_ckpt, max_model_len=2048,
+                    speculative=SpeculativeConfig(method="draft_model", model=str(tiny_ckpt)))
 
 
 def test_console_shows_what_speculation_kept(tiny_ckpt):
@@ -446,3 +459,33 @@ def test_console_shows_what_speculation_kept(tiny_ckpt):
         assert f"{r.spec.accepted} of {r.spec.proposed} proposed kept" in page
     eng.abort(r.request_id)
     eng.run_until_done()
+
+
+def test_draft_model_with_structured_outputs_and_no_compilation_after_warmup(tiny_ckpt):
+    """A draft's proposals for a JSON-schema output are cut by the grammar after the draft
+    made them; the outputs are plain decoding's and valid; warm-up compiles the draft's
+    programs too, and nothing compiles after it."""
+    import json
+
+    import jsonschema
+
+    from runtime.model.structured import Guide
+    from tests.runtime.test_structured import SCHEMA
+
+    cfg = SpeculativeConfig(method="draft_model", model=str(tiny_ckpt), num_speculative_tokens=4,
+                            disable_by_batch_size=64)
+    plain = make_engine(tiny_ckpt)
+    tok = plain.tokenizer
+    prompt = tok.encode("Answer in JSON: ")
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=60, guide=Guide.json_schema(SCHEMA, "r"))
+              for t, s in ((0.0, 0), (1.0, 1))] + [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    want = [r.output_ids for r in plain.generate([prompt] * 3, params)]
+    eng = make_engine(tiny_ckpt, speculative=cfg, warmup=True)
+    before = compilations()
+    got = eng.generate([prompt] * 3, params)
+    assert [r.output_ids for r in got] == want
+    for r in got[:2]:
+        jsonschema.validate(json.loads(tok.decode(r.output_ids)), SCHEMA)
+    assert got[0].spec.proposed > 0 and got[2].spec.accepted == got[2].spec.proposed > 0
+    assert compilations() == before and eng.pool.num_used_blocks == 0
+    eng.pool.check_invariants()
