@@ -134,6 +134,9 @@ class EngineMetrics:
                                           ["method"], registry=r) for x in (P, V)]
         self.spec_accepted_tokens = [Counter(x + "spec_decode_num_accepted_tokens", "Proposed tokens kept",
                                              ["method"], registry=r) for x in (P, V)]
+        self.spec_accepted_per_pos = [Counter(x + "spec_decode_num_accepted_tokens_per_pos",
+                                              "Proposed tokens kept, by their position in the proposal",
+                                              ["method", "position"], registry=r) for x in (P, V)]
         self.vllm_cache_config = Gauge(V + "cache_config_info", "KV cache configuration (model-server protocol)",
                                        ["block_size", "num_gpu_blocks"], registry=r)
         self.window = RecentWindow()
@@ -145,6 +148,9 @@ class EngineMetrics:
             c.labels(method).inc(proposed)
         for c in self.spec_accepted_tokens:
             c.labels(method).inc(accepted)
+        for c in self.spec_accepted_per_pos:  # (kept proposals are a leading run: positions 0..accepted-1)
+            for pos in range(accepted):
+                c.labels(method, str(pos)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

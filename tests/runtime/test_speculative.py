@@ -156,6 +156,9 @@ def test_outputs_equal_plain_decoding_greedy_and_seeded(tiny_ckpt):
     text = eng.metrics.render().decode()
     assert f'vllm:spec_decode_num_accepted_tokens_total{{method="ngram"}} {float(c.spec_accepted)}' in text
     assert f'pagedjax:spec_decode_num_draft_tokens_total{{method="ngram"}} {float(c.spec_proposed)}' in text
+    per_pos = [float(x.split()[-1]) for x in text.splitlines()
+               if x.startswith('vllm:spec_decode_num_accepted_tokens_per_pos_total{method="ngram",position=')]
+    assert sum(per_pos) == c.spec_accepted and per_pos[0] == max(per_pos)
 
 
 def test_chunked_prefill_prefix_cache_and_stop_tokens_with_speculation(tiny_ckpt):
