@@ -728,6 +728,29 @@ def run_engine_tps(args: argparse.Namespace, rec: Recorder) -> bool:
   return failed
 
 
+def run_spec_verify(args: argparse.Namespace, rec: Recorder) -> bool:
+  """Speculative decoding: a verifying step (k=4 proposals a row) against a plain decode step
+  on the Llama-3-8B shape; returns True when it failed."""
+  from runtime.bench.gpu_engine import LLAMA3_8B, LLAMA3_SCALED, format_verify_cost, verify_step_cost
+
+  rec.step = "spec_verify"
+  try:
+    if args.dry_run:
+      r = verify_step_cost(LLAMA3_SCALED, (1, 4), k=4, context_len=200, steps=3, dtype="float32",
+                           kv_memory=64 << 20)
+    else:
+      r = verify_step_cost(LLAMA3_8B, (1, 8, 64), k=4, context_len=1000, steps=8)
+    rec.results["spec_verify"] = r
+    print(format_verify_cost(r), flush=True)
+    return False
+  except Exception as e:  # noqa: BLE001
+    rec.results["spec_verify"] = {"error": err(e)[:800]}
+    print(f"speculative verify check failed: {err(e)[:300]}")
+    return True
+  finally:
+    rec.save()
+
+
 def dry_run(args: argparse.Namespace) -> int:
   """Everything that does not need a GPU, at the real shapes where affordable."""
   xla_fn, xla_name = xla_path()
@@ -790,6 +813,7 @@ def dry_run(args: argparse.Namespace) -> int:
     print_summary({"engine": results.get("engine")})
   if args.engine_tps:
     failed |= run_engine_tps(args, rec)
+    failed |= run_spec_verify(args, rec)
   rec.save()
   print(f"dry run {'FAILED' if failed else 'ok'} in {results['seconds']:.0f}s;"
         f" wrote {args.out}")
@@ -891,6 +915,7 @@ def run_gpu_checks(args: argparse.Namespace, rec: Recorder, xla_fn, xla_name: st
 
   if args.engine_tps:
     failed |= run_engine_tps(args, rec)
+    failed |= run_spec_verify(args, rec)
 
   if args.tune and time_left() > 60:
     tb = Batch("tune_b32_ctx4096", (1,) * 32, (4096,) * 32)

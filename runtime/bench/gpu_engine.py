@@ -193,3 +193,62 @@ def format_engine_tps(r: dict[str, Any]) -> str:
                      f"{x['device_step_ms']:.2f}; exposed host {x['exposed_host_ms']:.2f} ms = "
                      f"{x['exposed_share'] * 100:.1f}%)  {x['tokens_per_s']:,.0f} tok/s{plan}")
     return "\n".join(lines)
+
+
+def verify_step_cost(cfg_kw: dict[str, Any], batches: tuple[int, ...], k: int = 4, *, context_len: int = 1000,
+                     steps: int = 8, dtype: str = "bfloat16", kv_memory: int | None = None) -> dict[str, Any]:
+    """Speculative decoding's premise on this device: the device time of a decode step whose
+    rows each verify k proposals (1 + k tokens a row) against a plain decode step, at each
+    batch size, on random weights. A verifying step pays when the tokens it keeps per row
+    exceed `ratio - 1` (`break_even_kept`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from runtime.bench.breakdown import _median_ms
+    from runtime.bench.step_rows import decode_rows
+    from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from runtime.core.engine import LLMEngine
+    from runtime.core.engine_args import _default_kv_memory
+    from runtime.model.batch import build_step_input
+
+    cfg = model_config(cfg_kw)
+    params = random_params_on_device(cfg, {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype])
+    max_len = 16 * math.ceil((context_len + k + 64) / 16)
+    cache = CacheConfig.from_memory(cfg, kv_memory or _default_kv_memory(cfg), 16, dtype)
+    b_cap = cache.num_blocks // (max_len // 16)
+    batches = tuple(sorted({min(b, b_cap) for b in batches}))
+    top = max(batches)
+    tokens = max(top * (k + 1), 64)
+    env = SchedulerConfig(top, tokens, max_len)
+    pol = AdmissionPolicy(max_num_seqs=top, max_num_batched_tokens=tokens, long_prefill_token_threshold=tokens)
+    eng = LLMEngine(EngineConfig(cfg, cache, env, pol, "auto", dtype, quantization="none",
+                                 speculative=SpeculativeConfig(num_speculative_tokens=k)), params,
+                    synthetic_tokenizer(cfg.vocab_size), warmup=False, progress=False)
+    r_ = eng.runner
+    rows = []
+    for B in batches:
+        res: dict[str, Any] = {"batch": B}
+        for name, d in (("decode_ms", 0), ("verify_ms", k)):
+            seqs = decode_rows(r_, B, context_len, drafts=d)
+            s_b, t_b = env.bucket_for(B, B * (1 + d))
+            inp = jax.device_put(build_step_input(seqs, s_b, t_b, r_.max_blocks_per_seq, 16, r_.scratch_row,
+                                                  r_.masks.all_allowed(s_b), spec_k=k))
+
+            def go():
+                r_.kv, r_.penalty, out, *_ = r_._step(r_.params, r_.kv, r_.penalty, inp)
+                return out.token_ids
+            res[name] = _median_ms(go, steps)
+        res["ratio"] = res["verify_ms"] / res["decode_ms"]
+        res["break_even_kept"] = res["ratio"] - 1.0
+        rows.append(res)
+    return {"model": cfg.name, "dtype": dtype, "k": k, "context_len": context_len,
+            "attention_backend": r_.attention_backend, "rows": rows}
+
+
+def format_verify_cost(r: dict[str, Any]) -> str:
+    lines = [f"== speculative verify step: {r['model']} ({r['dtype']}, {r['attention_backend']} attention), "
+             f"k={r['k']} proposals a row, context {r['context_len']} =="]
+    for x in r["rows"]:
+        lines.append(f"  B={x['batch']:<4} decode {x['decode_ms']:8.2f} ms  verify {x['verify_ms']:8.2f} ms  "
+                     f"= {x['ratio']:.2f}x: pays when more than {x['break_even_kept']:.2f} proposals a row are kept")
+    return "\n".join(lines)

@@ -27,17 +27,18 @@ class NoAttention(AttentionBackend):
 _noop_attention = NoAttention()
 
 
-def decode_rows(runner: Any, batch: int, context_len: int, shared_len: int = 0) -> list:
+def decode_rows(runner: Any, batch: int, context_len: int, shared_len: int = 0, drafts: int = 0) -> list:
     """`batch` requests that have computed all but their last token, as decode step rows. The
     first `shared_len` tokens (whole blocks) sit in the same blocks for all of them, as
-    prefix-cache hits on one system prompt put them; the rest are each request's own."""
+    prefix-cache hits on one system prompt put them; the rest are each request's own.
+    `drafts`: each row also carries that many proposals to verify (speculative decoding)."""
     from runtime.core.request import step_row
     from runtime.core.request import Request
     from runtime.model.sampling import SamplingParams
 
     bs = runner.cache_cfg.block_size
     shared_blocks = min(shared_len, context_len) // bs
-    own = math.ceil(context_len / bs) - shared_blocks
+    own = math.ceil((context_len + drafts) / bs) - shared_blocks
     # KV groups (runtime/kv_groups.py): each group gets its own pages, every block kept (a
     # sliding group's worst case, before anything slid out of its window)
     groups = runner.kv_groups.num_groups
@@ -56,7 +57,8 @@ def decode_rows(runner: Any, batch: int, context_len: int, shared_len: int = 0) 
         table = list(range(shared_blocks)) + list(range(start, start + own))
         req.block_tables = [[b + g * per_group for b in table] for g in range(groups)]
         req.state_row, req.num_computed_tokens = i, context_len - 1
-        rows.append(step_row(req, 1))
+        req.spec_token_ids = [3 + (7 * i + j) % (vocab - 3) for j in range(drafts)]
+        rows.append(step_row(req, 1 + drafts))
     return rows
 
 

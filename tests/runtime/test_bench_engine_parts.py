@@ -112,3 +112,17 @@ def test_mixtral_shaped_engine_run_counts_the_experts_a_step_reads():
     want = tokens_per_s(1, r["weight_bytes"] * cfg.params_touched(1) / cfg.param_count(),
                         kv_bytes_per_seq(cfg, "float32", 64), DEVICES["h100"].bandwidth_bytes_per_s)
     assert r["rows"][0]["planner_tokens_per_s"] == pytest.approx(want, rel=0.05)
+
+
+def test_verify_step_cost_times_a_verifying_step_beside_a_decode_step():
+    """gpu_check's speculative row (run on CPU here at a tiny shape): both steps timed at each
+    batch, the ratio and the break-even kept count reported."""
+    from runtime.bench.gpu_engine import format_verify_cost, verify_step_cost
+
+    cfg = {**LLAMA3_SCALED, "num_layers": 2}
+    r = verify_step_cost(cfg, (1, 4), k=3, context_len=40, steps=2, dtype="float32", kv_memory=8 << 20)
+    assert [x["batch"] for x in r["rows"]] == [1, 4] and r["k"] == 3
+    for x in r["rows"]:
+        assert x["decode_ms"] > 0 and x["verify_ms"] > 0
+        assert abs(x["ratio"] - x["verify_ms"] / x["decode_ms"]) < 1e-9 and x["break_even_kept"] == x["ratio"] - 1
+    assert "k=3 proposals a row" in format_verify_cost(r)
