@@ -407,26 +407,27 @@ def other_tiny(tmp_path_factory):
                                 tie_word_embeddings=False)
 
 
-def test_draft_model_drafting_for_itself_keeps_every_proposal(tiny_ckpt):
-    """The target as its own draft: greedy proposals are exactly the target's tokens, so every
-    one is kept (the upper bound); seeded sampled rows keep the plain tokens too."""
+def _draft_run(tiny_ckpt, draft):
+    """The workload with `draft` drafting for the tiny target: plain decoding's tokens."""
     prompts, params = _workload(6)
     want = [r.output_ids for r in make_engine(tiny_ckpt, num_blocks=96).generate(prompts, params)]
-    cfg = SpeculativeConfig(method="draft_model", model=str(tiny_ckpt), num_speculative_tokens=4,
+    cfg = SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=4,
                             disable_by_batch_size=64)
     eng, got = _run(tiny_ckpt, cfg, prompts, params)
     assert [r.output_ids for r in got] == want
+    return eng, got
+
+
+def test_draft_model_drafting_for_itself_keeps_every_proposal(tiny_ckpt):
+    """The target as its own draft: greedy proposals are exactly the target's tokens, so every
+    one is kept (the upper bound); seeded sampled rows keep the plain tokens too."""
+    _, got = _draft_run(tiny_ckpt, tiny_ckpt)
     greedy = [r for r in got if r.params.greedy and r.params.speculative and not r.params.presence_penalty]
     assert all(r.spec.proposed > 0 and r.spec.accepted == r.spec.proposed for r in greedy)
 
 
 def test_a_poor_draft_model_keeps_little_and_changes_nothing(tiny_ckpt, other_tiny):
-    prompts, params = _workload(6)
-    want = [r.output_ids for r in make_engine(tiny_ckpt, num_blocks=96).generate(prompts, params)]
-    cfg = SpeculativeConfig(method="draft_model", model=str(other_tiny), num_speculative_tokens=4,
-                            disable_by_batch_size=64)
-    eng, got = _run(tiny_ckpt, cfg, prompts, params)
-    assert [r.output_ids for r in got] == want
+    eng, _ = _draft_run(tiny_ckpt, other_tiny)
     c = eng.scheduler.counters
     assert c.spec_proposed > 0 and c.spec_accepted < c.spec_proposed // 2
 
