@@ -157,6 +157,8 @@ trap - EXIT
 step "speculative decoding: n-gram prompt lookup against plain decoding"
 run timeout 1800 "$PY" scripts/bench_spec.py --batches 1 2 4 8 64 --speculative-config '{"method": "ngram"}' \
     '{"method": "ngram", "disable_by_batch_size": 1000}' --json "$OUT/speculative.json"
+# (BENCHMARKS.md's suffix and draft-model rows came from two more runs of the same script, merged in:
+# bench-results/commands.txt)
 
 step "render BENCHMARKS.md"
 "$PY" scripts/render_benchmarks.py --results "$OUT" --commands "$COMMANDS" --out "$BENCH_MD"

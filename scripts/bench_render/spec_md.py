@@ -30,6 +30,10 @@ def render_speculative(results: str | Path) -> list[str]:
              f"{x['accepted']} / {x['proposed']}", x["same"], f"{x['load']:.2f}"] for x in r["rows"]]
     L += _table(("workload", "batch", "proposer", "plain tok/s", "spec tok/s", "ratio", "plain ITL ms",
                  "spec ITL ms", "kept / proposed", "same tokens", "load (1 min)"), rows)
+    if any(x["proposer"].startswith("suffix") for x in r["rows"]):
+        L += ["", "The `suffix` rows (a second run, with its own plain rows) measure its own case: the benchmark "
+                  "repeats its prompts (each round, each batch size), so after the first run of a prompt its answer "
+                  "is in the suffix cache and is proposed whole. The first row of each workload starts cold."]
     if any(x["proposer"].startswith("draft_model") for x in r["rows"]):
         L += ["", "The `draft_model` rows (a second run, with its own plain rows) use SmolLM2-135M-Instruct as its "
                   "own draft: every greedy proposal is the target's own token, so they are an upper bound for "
