@@ -83,10 +83,16 @@ def inspect_text(path: Path) -> str:
         ("architecture", cfg.architecture),
         ("layers", cfg.num_layers),
         ("hidden size", cfg.hidden_size),
-        ("heads / KV heads", f"{cfg.num_heads} / {cfg.num_kv_heads} (GQA {cfg.num_heads // cfg.num_kv_heads}:1)"),
-        ("head dim", cfg.head_dim),
+        *((("attention", f"multi-head latent: {cfg.num_heads} heads over one cached row of {cfg.kv_lora_rank} latent "
+                         f"+ {cfg.qk_rope_head_dim} RoPE columns per token (expanded K/V would be "
+                         f"{cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)})"),)
+          if cfg.mla else (("heads / KV heads", f"{cfg.num_heads} / {cfg.num_kv_heads} "
+                                                f"(GQA {cfg.num_heads // cfg.num_kv_heads}:1)"), ("head dim", cfg.head_dim))),
         *((("MLP", f"{cfg.num_experts} experts of width {cfg.moe_intermediate_size}, top {cfg.num_experts_per_tok}"
-               f"{' renormalised' if cfg.norm_topk_prob else ''} per token"),) if cfg.num_experts
+               f"{' renormalised' if cfg.norm_topk_prob else ''} per token"
+               + (f", {cfg.num_shared_experts} shared" if cfg.num_shared_experts else "")
+               + (f"; layers {', '.join(map(str, cfg.dense_layers))} dense of width {cfg.intermediate_size}"
+                  if cfg.dense_layers else "")),) if cfg.num_experts
           else (("MLP size", cfg.intermediate_size),)),
         ("vocab", cfg.vocab_size),
         ("context length", cfg.max_position_embeddings),

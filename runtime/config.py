@@ -132,9 +132,11 @@ class RopeScaling:
         return cls(**d)
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe")  # runtime/model/families FAMILIES
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "deepseek_v2")  # runtime/model/families FAMILIES
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU (tanh GELU)
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "deepseek_v2")
+TOPK_METHODS = ("greedy", "group_limited_greedy")  # DeepSeek-V2's router: over all experts, or the best groups'
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,22 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Layers whose MLP is a dense SwiGLU of intermediate_size in a mixture of experts
+    # (DeepSeek-V2's first_k_dense_replace, Qwen3-MoE's mlp_only_layers / decoder_sparse_step).
+    dense_layers: tuple[int, ...] = ()
+    num_shared_experts: int = 0  # DeepSeek-V2: a SwiGLU of num_shared * moe_intermediate_size every token runs
+    routed_scaling_factor: float = 1.0  # DeepSeek-V2: the routed experts' weights multiplied by it
+    topk_method: str = "greedy"  # TOPK_METHODS; group_limited_greedy: top experts of the topk_group best of n_group
+    n_group: int = 1
+    topk_group: int = 1
+    # Multi-head latent attention (deepseek_v2; runtime/model/families/deepseek.py): the KV cache
+    # holds one row of kv_lora_rank + qk_rope_head_dim per token and layer, stored as
+    # num_kv_heads = 1 of head_dim = that width; q_lora_rank 0 = a plain query projection.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -192,7 +210,23 @@ class ModelConfig:
         _check(not bad, "layer_types", f"{bad[:1]} not supported (supported: {', '.join(LAYER_TYPES)})")
         _check(self.sliding_window is not None or "sliding_attention" not in self.layer_types, "layer_types",
                "has sliding_attention layers but sliding_window is not set")
-        moe = self.architecture in ("mixtral", "qwen3_moe")
+        moe = self.architecture in MOE_ARCHITECTURES
+        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+        _check(all(0 <= i < self.num_layers for i in self.dense_layers) and len(set(self.dense_layers))
+               == len(self.dense_layers), "dense_layers", f"must be distinct layers 0..{self.num_layers - 1}")
+        _check(moe or not self.dense_layers, "dense_layers", f"{self.architecture} has no experts")
+        _check(self.topk_method in TOPK_METHODS, "topk_method",
+               f"{self.topk_method!r} not supported (supported: {', '.join(TOPK_METHODS)})")
+        _check(self.n_group > 0 and self.num_experts % self.n_group == 0 and 0 < self.topk_group <= self.n_group,
+               "n_group", f"{self.num_experts} experts in {self.n_group} groups, {self.topk_group} picked")
+        _check(self.topk_method == "greedy" or self.topk_group * (self.num_experts // self.n_group)
+               >= self.num_experts_per_tok, "topk_group", "its groups hold fewer experts than num_experts_per_tok")
+        mla = self.architecture == "deepseek_v2"
+        _check(not mla or min(self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) > 0,
+               "kv_lora_rank", "deepseek_v2 needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim")
+        _check(not mla or (self.num_kv_heads == 1 and self.head_dim == self.kv_lora_rank + self.qk_rope_head_dim),
+               "head_dim", "a latent cache is one head of kv_lora_rank + qk_rope_head_dim")
+        _check(mla or not self.kv_lora_rank, "kv_lora_rank", f"{self.architecture} has no latent attention")
         _check(not moe or self.num_experts > 0, "num_experts", f"{self.architecture} needs experts")
         _check(not moe or 0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
                f"must be 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}")
@@ -219,18 +253,31 @@ class ModelConfig:
         return tuple(w if t == "sliding_attention" else 0 for t in self.layer_types)
 
     # --- sizes used by inspect, the engine log and the planner -----------------
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention: the cache holds one latent row per token and layer."""
+        return self.kv_lora_rank > 0
+
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is the experts (every layer but dense_layers; none if dense)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers) if self.num_experts else ()
+
     def param_count(self) -> int:
         d, f, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.attention_bias else 0)
+        if self.mla:
+            H, c, r, qk = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim
+            q_proj = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * H * (qk + r) if self.q_lora_rank
+                      else d * H * (qk + r))
+            attn = q_proj + d * (c + r) + c + c * H * (qk + self.v_head_dim) + H * self.v_head_dim * d
         norms = 4 if self.architecture in ("gemma2", "gemma3") else 2  # Gemma: post-attention and post-MLP norms too
         qk_norms = 2 * self.head_dim if self.architecture in ("qwen3", "gemma3", "qwen3_moe") else 0
-        mlp = (self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts if self.num_experts
-               else 3 * d * f)
-        per_layer = attn + mlp + norms * d + qk_norms
+        moe = (self.num_experts + self.num_shared_experts) * 3 * d * self.moe_intermediate_size + d * self.num_experts
+        mlp = len(self.moe_layers()) * moe + (L - len(self.moe_layers())) * 3 * d * f
         emb = v * d * (1 if self.tie_word_embeddings else 2)
-        return L * per_layer + emb + d
+        return L * (attn + norms * d + qk_norms) + mlp + emb + d
 
     def expert_param_count(self) -> int:
         """Parameters of one expert of one layer (0 for a dense model)."""
@@ -246,11 +293,14 @@ class ModelConfig:
             return float(p)
         E, k = self.num_experts, self.num_experts_per_tok
         distinct = E * (1.0 - (1.0 - k / E) ** max(tokens, 0.0))
-        return p - self.num_layers * (E - distinct) * self.expert_param_count()
+        return p - len(self.moe_layers()) * (E - distinct) * self.expert_param_count()
 
     def kv_bytes_per_token(self, kv_dtype: str = "bfloat16") -> int:
         """Layers x KV heads x (2 (K and V) x head dim x bytes per element, plus a quantized
-        cache's scales and zeros: kv_scale_bytes)."""
+        cache's scales and zeros: kv_scale_bytes). Latent attention: layers x one latent row
+        (it is the keys and, through its first kv_lora_rank columns, the values)."""
+        if self.mla:
+            return self.num_layers * self.head_dim * DTYPE_BYTES[kv_dtype]
         scale = kv_scale_bytes(kv_dtype, self.head_dim)
         return self.num_layers * self.num_kv_heads * (2 * self.head_dim * DTYPE_BYTES[kv_dtype] + scale)
 
@@ -258,6 +308,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
+        d["dense_layers"] = list(self.dense_layers)
         d["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_json()
         return d
 
@@ -271,6 +322,7 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling.from_json(d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         d["layer_types"] = tuple(d.get("layer_types") or ())
+        d["dense_layers"] = tuple(d.get("dense_layers") or ())
         return cls(**d)
 
     def save(self, path: Path) -> None:

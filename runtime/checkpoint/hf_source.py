@@ -17,7 +17,7 @@ from runtime.config import ModelConfig, RopeScaling
 ARCHS = {"LlamaForCausalLM": ("llama", "llama"), "MistralForCausalLM": ("llama", "mistral"),
          "Qwen2ForCausalLM": ("qwen2", "qwen2"), "Qwen3ForCausalLM": ("qwen3", "qwen3"),
          "Phi3ForCausalLM": ("phi3", "phi3"), "MixtralForCausalLM": ("mixtral", "mixtral"),
-         "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe")}
+         "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe"), "DeepseekV2ForCausalLM": ("deepseek_v2", "deepseek_v2")}
 
 # config.json keys that never change the model's outputs: bookkeeping, training-only knobs
 # (dropout is off at inference, pretraining_tp only split the matmuls), generation defaults
@@ -65,10 +65,18 @@ FAMILY_KEYS = {  # each family's own keys, implemented or checked (transformers'
                             "layer_types", "num_experts", "num_local_experts", "num_experts_per_tok",  # (saved as either)
                             "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
                             "output_router_logits", "router_aux_loss_coef"}),
+    # latent attention + experts (runtime/model/families/deepseek.py); aux_loss_alpha and
+    # seq_aux act in training only, qk_head_dim is qk_nope + qk_rope (checked)
+    "deepseek_v2": frozenset({"attention_bias", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank",
+                              "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim", "n_routed_experts",
+                              "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+                              "routed_scaling_factor", "topk_method", "n_group", "topk_group", "norm_topk_prob",
+                              "scoring_func", "moe_layer_freq", "output_router_logits", "router_aux_loss_coef",
+                              "aux_loss_alpha", "seq_aux", "ep_size", "mlp_bias"}),
 }
 # Defaults of transformers' config classes where a key is absent and the default matters.
 MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "phi3": 4096,
-                 "mixtral": 4096 * 32, "qwen3_moe": 32768}
+                 "mixtral": 4096 * 32, "qwen3_moe": 32768, "deepseek_v2": 2048}
 MISTRAL_SLIDING_WINDOW = 4096  # MistralConfig's default: a config.json without the key slides
 # Where config.json lacks a key, the config class's default, where it is not the one used for all
 KV_HEADS = {"mixtral": 8, "qwen3_moe": 4}  # (else num_attention_heads)
@@ -148,10 +156,26 @@ class HFSource:
             ("quantization_config", c.get("quantization_config") is not None,
              "pre-quantized weights are not supported; convert an unquantized checkpoint"),
             ("pruned_heads", bool(c.get("pruned_heads")), "pruned attention heads are not supported"),
-            ("decoder_sparse_step", c.get("decoder_sparse_step", 1) != 1,
-             "dense MLP layers among the expert layers are not implemented"),
-            ("mlp_only_layers", bool(c.get("mlp_only_layers")),
-             "dense MLP layers among the expert layers are not implemented"),
+            ("decoder_sparse_step", isinstance(c.get("decoder_sparse_step", 1), bool)
+             or not isinstance(c.get("decoder_sparse_step", 1), int) or c.get("decoder_sparse_step", 1) < 1,
+             "expected a positive integer"),
+            ("mlp_only_layers", not isinstance(c.get("mlp_only_layers") or [], list)
+             or not all(isinstance(i, int) and 0 <= i < c.get("num_hidden_layers", 0) for i in c.get("mlp_only_layers") or []),
+             "expected a list of layer indices"),
+            # DeepSeek-V2: what transformers' DeepseekV2 implements, and pagedjax with it
+            ("scoring_func", fam == "deepseek_v2" and c.get("scoring_func", "softmax") != "softmax",
+             "supported: softmax"),
+            ("moe_layer_freq", c.get("moe_layer_freq", 1) != 1, "supported: 1 (every layer from first_k_dense_replace)"),
+            ("norm_topk_prob", fam == "deepseek_v2" and bool(c.get("norm_topk_prob")),
+             "DeepSeek-V2's router does not renormalise its top-k weights (transformers ignores the key)"),
+            ("ep_size", c.get("ep_size", 1) != 1, "supported: 1 (a training layout)"),
+            ("num_key_value_heads", fam == "deepseek_v2" and c.get("num_key_value_heads", c.get("num_attention_heads"))
+             != c.get("num_attention_heads"), "latent attention expands to one key and value per query head"),
+            ("qk_head_dim", fam == "deepseek_v2" and c.get("qk_head_dim") not in (
+                None, c.get("qk_nope_head_dim", 128) + c.get("qk_rope_head_dim", 64)),
+             "must be qk_nope_head_dim + qk_rope_head_dim"),
+            ("head_dim", fam == "deepseek_v2" and c.get("head_dim") not in (None, c.get("qk_rope_head_dim", 64)),
+             "DeepSeek-V2's RoPE width is qk_rope_head_dim"),
             ("router_jitter_noise", not isinstance(c.get("router_jitter_noise", 0.0), (int, float)),
              "expected a number (it acts in training only)"),
             ("auto_map", any(k.startswith("AutoModel") and v != UPSTREAMED_CODE.get(fam)
@@ -237,6 +261,7 @@ class HFSource:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         try:
             heads = int(c["num_attention_heads"])
+            latent = self._latent_attention(scaling)
             return ModelConfig(
                 architecture=self.arch,
                 vocab_size=int(c["vocab_size"]),
@@ -244,8 +269,9 @@ class HFSource:
                 intermediate_size=int(c["intermediate_size"]),
                 num_layers=int(c["num_hidden_layers"]),
                 num_heads=heads,
-                num_kv_heads=int(c.get("num_key_value_heads") or KV_HEADS.get(self.family, heads)),
-                head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+                num_kv_heads=latent.pop("num_kv_heads", int(c.get("num_key_value_heads") or KV_HEADS.get(self.family, heads))),
+                head_dim=latent.pop("head_dim", int(c.get("head_dim") or c["hidden_size"] // heads)),
+                **latent,
                 max_position_embeddings=int(max_pos),
                 rope_theta=theta,
                 rope_scaling=scaling,
@@ -269,9 +295,46 @@ class HFSource:
         except ValueError as exc:  # ModelConfig's own checks name the field
             raise self._refuse(str(exc)) from None
 
+    def _latent_attention(self, scaling: RopeScaling | None) -> dict:
+        """DeepSeek-V2's MLA fields (the cache: one head of kv_lora_rank + qk_rope_head_dim), and
+        its softmax scale where YaRN's mscale_all_dim widens it (transformers' yarn_apply_mscale);
+        none for other families. Absent keys: DeepseekV2Config's defaults."""
+        c = self.hf
+        if self.family != "deepseek_v2":
+            return {}
+        lora, rope, nope = int(c.get("kv_lora_rank", 512)), int(c.get("qk_rope_head_dim", 64)), int(c.get("qk_nope_head_dim", 128))
+        out = {"num_kv_heads": 1, "head_dim": lora + rope, "kv_lora_rank": lora, "q_lora_rank": int(c.get("q_lora_rank") or 0),
+               "qk_rope_head_dim": rope, "qk_nope_head_dim": nope, "v_head_dim": int(c.get("v_head_dim", 128))}
+        rp = c.get("rope_scaling") or c.get("rope_parameters") or {}
+        all_dim = rp.get("mscale_all_dim") if scaling is not None and scaling.rope_type == "yarn" else None
+        if all_dim:
+            from runtime.checkpoint.hf_rope import _yarn_mscale
+
+            out["query_pre_attn_scalar"] = (nope + rope) / _yarn_mscale(scaling.factor, float(all_dim)) ** 4
+        return out
+
+    def _dense_layers(self) -> tuple[int, ...]:
+        """The layers of a mixture of experts whose MLP is dense: Qwen3-MoE's mlp_only_layers
+        and those decoder_sparse_step skips, DeepSeek-V2's first first_k_dense_replace."""
+        c, n = self.hf, int(self.hf.get("num_hidden_layers", 0))
+        if self.family == "deepseek_v2":
+            return tuple(range(min(int(c.get("first_k_dense_replace", 0)), n)))
+        if self.family == "qwen3_moe":
+            only, step = set(c.get("mlp_only_layers") or ()), int(c.get("decoder_sparse_step", 1))
+            return tuple(i for i in range(n) if i in only or (i + 1) % step)
+        return ()
+
     def _experts(self) -> dict:
         """The ModelConfig fields of a mixture of experts (none for a dense family)."""
         c, fam = self.hf, self.family
+        if fam == "deepseek_v2":  # (absent keys: DeepseekV2Config's defaults)
+            return {"num_experts": int(c.get("n_routed_experts", 64)), "num_experts_per_tok": int(c.get("num_experts_per_tok", 6)),
+                    "moe_intermediate_size": int(c.get("moe_intermediate_size", 1407)),
+                    "num_shared_experts": int(c.get("n_shared_experts") or 0),
+                    "routed_scaling_factor": float(c.get("routed_scaling_factor", 1.0)),
+                    "topk_method": str(c.get("topk_method", "greedy")), "n_group": int(c.get("n_group") or 1),
+                    "topk_group": int(c.get("topk_group") or 1), "norm_topk_prob": False,
+                    "dense_layers": self._dense_layers()}
         if fam not in ("mixtral", "qwen3_moe"):
             return {}
         moe3 = fam == "qwen3_moe"  # absent keys: the config classes' defaults
@@ -279,7 +342,8 @@ class HFSource:
         return {"num_experts": int(n), "num_experts_per_tok": int(c.get("num_experts_per_tok", 8 if moe3 else 2)),
                 "moe_intermediate_size": int(c["moe_intermediate_size"] if fam == "qwen3_moe"
                                              else c["intermediate_size"]),
-                "norm_topk_prob": fam == "mixtral" or bool(c.get("norm_topk_prob", False))}
+                "norm_topk_prob": fam == "mixtral" or bool(c.get("norm_topk_prob", False)),
+                "dense_layers": self._dense_layers()}
 
     def _tokenizer_config(self) -> dict:
         p = self.path / "tokenizer_config.json"

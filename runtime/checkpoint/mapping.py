@@ -48,6 +48,9 @@ class Rule:
     path: str            # e.g. "layers/wq" (layered) or "embed"
     transform: str = "copy"
     optional: bool = False
+    # "dense" / "moe": stacked over only those layers of a mixture of experts (ModelConfig
+    # dense_layers / moe_layers()); per-expert rules are always "moe"
+    subset: str = ""
 
     @property
     def layered(self) -> bool:
@@ -148,13 +151,38 @@ HF_QWEN3_MOE_RULES = (
     *_ATTENTION_RULES,
     Rule("model.layers.{i}.self_attn.q_norm.weight", "layers/q_norm"),
     Rule("model.layers.{i}.self_attn.k_norm.weight", "layers/k_norm"),
-    Rule("model.layers.{i}.mlp.gate.weight", "layers/router", "t"),
+    Rule("model.layers.{i}.mlp.gate.weight", "layers/router", "t", subset="moe"),
     Rule("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "layers/experts_gate", "t"),
     Rule("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers/experts_up", "t"),
     Rule("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "layers/experts_down", "t"),
 )
+HF_QWEN3_MOE_RULES += (  # the dense MLP of mlp_only_layers / decoder_sparse_step
+    Rule("model.layers.{i}.mlp.gate_proj.weight", "layers/dense_gate", "t", subset="dense"),
+    Rule("model.layers.{i}.mlp.up_proj.weight", "layers/dense_up", "t", subset="dense"),
+    Rule("model.layers.{i}.mlp.down_proj.weight", "layers/dense_down", "t", subset="dense"),
+)
+# DeepSeek-V2 (runtime/model/families/deepseek.py): latent attention, shared experts beside the
+# routed ones, the first first_k_dense_replace layers dense. Which of the query's two forms
+# (q_proj, or q_a_proj + norm + q_b_proj) a checkpoint has, its config says: param_shapes checks.
+_DS = "model.layers.{i}."
+HF_DEEPSEEK_V2_RULES = (
+    *(r for r in _ATTENTION_RULES if "self_attn" not in r.source),
+    Rule(_DS + "self_attn.q_proj.weight", "layers/wq", "t", optional=True),
+    Rule(_DS + "self_attn.q_a_proj.weight", "layers/wq_a", "t", optional=True),
+    Rule(_DS + "self_attn.q_a_layernorm.weight", "layers/q_a_norm", optional=True),
+    Rule(_DS + "self_attn.q_b_proj.weight", "layers/wq_b", "t", optional=True),
+    Rule(_DS + "self_attn.kv_a_proj_with_mqa.weight", "layers/wkv_a", "t"),
+    Rule(_DS + "self_attn.kv_a_layernorm.weight", "layers/kv_a_norm"),
+    Rule(_DS + "self_attn.kv_b_proj.weight", "layers/wkv_b", "t"),
+    Rule(_DS + "self_attn.o_proj.weight", "layers/wo", "t"),
+    *(Rule(_DS + f"mlp.{n}_proj.weight", f"layers/dense_{n}", "t", subset="dense") for n in ("gate", "up", "down")),
+    Rule(_DS + "mlp.gate.weight", "layers/router", "t", subset="moe"),
+    *(Rule(_DS + f"mlp.experts.{{e}}.{n}_proj.weight", f"layers/experts_{n}", "t") for n in ("gate", "up", "down")),
+    *(Rule(_DS + f"mlp.shared_experts.{n}_proj.weight", f"layers/shared_{n}", "t", optional=True, subset="moe")
+      for n in ("gate", "up", "down")),
+)
 HF_RULES_BY_ARCH = {"gemma2": HF_GEMMA_RULES, "gemma3": HF_GEMMA_RULES, "mixtral": HF_MIXTRAL_RULES,
-                    "qwen3_moe": HF_QWEN3_MOE_RULES}
+                    "qwen3_moe": HF_QWEN3_MOE_RULES, "deepseek_v2": HF_DEEPSEEK_V2_RULES}
 
 
 def hf_rules(architecture: str) -> tuple[Rule, ...]:
@@ -200,13 +228,26 @@ class ParamAssembler:
             if layer >= self.cfg.num_layers or expert >= self.cfg.num_experts:
                 raise CheckpointError(f"tensor {name!r} names layer {layer}, expert {expert}; the model has "
                                       f"{self.cfg.num_layers} layers of {self.cfg.num_experts} experts")
+            self._check_subset(name, "moe", layer)
             self.layered.setdefault(rule.path, {})[layer * self.cfg.num_experts + expert] = np.ascontiguousarray(w)
         elif layer is None:
             self.flat[rule.path] = w
         else:
             if layer >= self.cfg.num_layers:
                 raise CheckpointError(f"tensor {name!r} names layer {layer}, model has {self.cfg.num_layers}")
+            self._check_subset(name, rule.subset, layer)
             self.layered.setdefault(rule.path, {})[layer] = np.ascontiguousarray(w)
+
+    def subset_layers(self, subset: str) -> tuple[int, ...]:
+        """The layers a rule's tensors stack over (all for subset "")."""
+        if subset == "dense":
+            return self.cfg.dense_layers
+        return self.cfg.moe_layers() if subset == "moe" else tuple(range(self.cfg.num_layers))
+
+    def _check_subset(self, name: str, subset: str, layer: int) -> None:
+        if subset and layer not in self.subset_layers(subset):
+            kind = "dense MLP" if subset == "moe" else "mixture of experts"
+            raise CheckpointError(f"tensor {name!r}: layer {layer} has a {kind} in this model's config")
 
     def finish_layers(self) -> dict:
         """The per-layer tensors stacked [L, ...] by their name under layers/."""
@@ -216,18 +257,22 @@ class ParamAssembler:
                 got = self.layered.get(rule.path, {})
                 if not got and rule.optional:
                     continue
-                L, E = self.cfg.num_layers, self.cfg.num_experts
-                if rule.per_expert:  # [L, E, ...], experts of a layer side by side
-                    missing = sorted(set(range(L * E)) - set(got))
+                E = self.cfg.num_experts
+                if rule.per_expert:  # [moe layers, E, ...], experts of a layer side by side
+                    want = [i * E + e for i in self.cfg.moe_layers() for e in range(E)]
+                    missing = sorted(set(want) - set(got))
                     if missing:
                         raise CheckpointError(f"missing tensor {rule.source.format(i=missing[0] // E, e=missing[0] % E)!r}")
-                    layers[rule.path.split("/")[1]] = np.stack([got[i] for i in range(L * E)]).reshape(
-                        L, E, *got[0].shape)
+                    layers[rule.path.split("/")[1]] = np.stack([got[i] for i in want]).reshape(
+                        len(want) // E, E, *got[want[0]].shape)
                     continue
-                missing = sorted(set(range(L)) - set(got))
+                over = self.subset_layers(rule.subset)
+                if not over:  # (no layer of that kind in this model)
+                    continue
+                missing = sorted(set(over) - set(got))
                 if missing:
                     raise CheckpointError(f"missing tensor {rule.source.format(i=missing[0])!r}")
-                layers[rule.path.split("/")[1]] = np.stack([got[i] for i in range(L)])
+                layers[rule.path.split("/")[1]] = np.stack([got[i] for i in over])
         return layers
 
     def finish(self, expected_shapes: dict) -> dict:

@@ -104,16 +104,18 @@ def resolve(name: str) -> str:
 
 
 def make_backend(name: str, kv_dtype: str, cpu_kernels: bool, windowed: bool = False,
-                 soft_cap: float | None = None, head_dim: int | None = None) -> AttentionBackend:
+                 soft_cap: float | None = None, head_dim: int | None = None, latent: bool = False) -> AttentionBackend:
     """The backend for `name` (auto | xla | pallas). `cpu_kernels`: the C++ CPU kernels may
     serve the XLA path (the runner says no under tensor parallelism); they do where they are
     built and enabled and the cache is float32 or int8. `windowed` / `soft_cap`: the model has
     sliding-window layers / an attention logit soft-cap (the Pallas kernel has neither; the
-    C++ CPU kernel has no soft-cap); `head_dim`: the C++ CPU kernel serves only its HEAD_DIMS.
-    What the Pallas kernel lacks: asked for by name, refused in one line; under `auto` on a
+    C++ CPU kernel has no soft-cap); `head_dim`: the C++ CPU kernel serves only its HEAD_DIMS;
+    `latent`: a multi-head latent attention cache (one row per token: keys and values), which
+    only the plain XLA path reads. What the Pallas kernel lacks: asked for by name, refused in one line; under `auto` on a
     GPU, the XLA path, said in the log."""
     asked, name = name, resolve(name)
-    missing = ("sliding-window attention" if windowed else "attention logit soft-capping" if soft_cap is not None
+    missing = ("multi-head latent attention (a latent cache)" if latent else
+               "sliding-window attention" if windowed else "attention logit soft-capping" if soft_cap is not None
                else "the int8 cache's scales and zeros per group of channels (it reads fp8_e4m3's per-token scales)"
                if kv_dtype == "int8" else None)
     if name == "pallas" and missing:
@@ -124,7 +126,7 @@ def make_backend(name: str, kv_dtype: str, cpu_kernels: bool, windowed: bool = F
     if name == "xla":
         from runtime.kernels.cpu import attention as cpu_attention
 
-        kernel = cpu_kernels and kv_dtype in ("float32", "int8") and cpu_attention.available()
+        kernel = cpu_kernels and kv_dtype in ("float32", "int8") and not latent and cpu_attention.available()
         if kernel and soft_cap is not None:
             log.info("attention: the XLA path without the C++ CPU kernel (it has no attention logit soft-cap)")
             kernel = False
@@ -144,7 +146,7 @@ def make_backend(name: str, kv_dtype: str, cpu_kernels: bool, windowed: bool = F
 
 
 def paged_attention(backend: AttentionBackend, num_blocks: int, sm_scale: float, windows: tuple[int, ...],
-                    soft_cap: float | None, inp: Any, q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array,
+                    soft_cap: float | None, inp: Any, q: jax.Array, k: jax.Array, v: jax.Array | None, layer: jax.Array,
                     cache: tuple[Any, Any], *, groups: KVGroups | None = None) -> tuple[jax.Array, Any]:
     """One layer's KV write (slot mapping) and paged attention: the `attention(q, k, v, layer,
     cache)` a family calls, once `inp` is bound. `windows`: every layer's window
@@ -161,8 +163,11 @@ def paged_attention(backend: AttentionBackend, num_blocks: int, sm_scale: float,
         row = jnp.asarray(groups.layer_index, jnp.int32)[layer]
     inp = _group_view(inp, group)
     slots = jnp.where(inp.slot_mapping >= 0, inp.slot_mapping + row * num_blocks * bs, -1)
-    cache = backend.write_kv(cache, k, v, slots)
     window = jnp.asarray(windows, jnp.int32)[layer] if any(windows) else 0
+    if v is None:  # a latent cache (MLA): each token's one row is its key and its value; V is [..., 0]
+        cache = backend.write_kv(cache, k, k[..., :0], slots)
+        return backend.attend(q, (cache[0], cache[0]), inp, row * num_blocks, sm_scale, window, soft_cap), cache
+    cache = backend.write_kv(cache, k, v, slots)
     return backend.attend(q, cache, inp, row * num_blocks, sm_scale, window, soft_cap), cache
 
 

@@ -273,12 +273,43 @@ class StackedExperts(HeldPerLayer):
     CPU kernel's form, runtime/kernels/cpu/experts.py PackedExperts, the runner makes)."""
     w: jax.Array
     index: jax.Array | None = None
+    rows: tuple[int, ...] = static(())  # per layer its row of w (-1: none) where only some layers have experts
 
     def at(self, index: jax.Array) -> "StackedExperts":
-        return dataclasses.replace(self, index=index)
+        return dataclasses.replace(self, index=layer_row(self.rows, index))
 
     def product(self, x: jax.Array, sizes: jax.Array) -> jax.Array:
         return expert_products(x, self.w, sizes, self.index)
+
+
+def layer_row(rows: tuple[int, ...], layer: jax.Array) -> jax.Array:
+    """The row of a weight stacked over some layers only (`rows`: per layer its row, -1 for
+    none; () = every layer, in order) that `layer` reads; a layer without one reads row 0
+    (its family never runs that branch: LayerSubset)."""
+    if not rows:
+        return layer
+    return jnp.maximum(jnp.asarray(rows, jnp.int32)[layer], 0)
+
+
+def subset_rows(layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """`rows` for a weight stacked over `layers` (in order) of num_layers; () when all are."""
+    if tuple(layers) == tuple(range(num_layers)):
+        return ()
+    where = {layer: i for i, layer in enumerate(layers)}
+    return tuple(where.get(i, -1) for i in range(num_layers))
+
+
+@pytree
+class LayerSubset(HeldPerLayer):
+    """A weight only some layers have, stacked over them [n, ...] (a mixture of experts' dense
+    MLP layers, or its routers and shared experts beside those): the layer scan does not slice
+    it; `at(layer)` is that layer's array (row 0 for a layer without one: the family runs the
+    other branch there)."""
+    w: jax.Array
+    rows: tuple[int, ...] = static(())
+
+    def at(self, index: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self.w, layer_row(self.rows, index), keepdims=False)
 
 
 @pytree
@@ -386,7 +417,8 @@ def from_stored(w: Any) -> Any:
     return Dense(w)
 
 
-PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "qkv", "gate_up")
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "qkv", "gate_up",
+               "wq_a", "wq_b", "wkv_a")  # (the last three: latent attention's)
 
 
 def typed(params: dict[str, Any]) -> dict[str, Any]:

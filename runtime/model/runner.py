@@ -39,10 +39,17 @@ STEP_FN_NAME = "pagedjax_step"
 KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}
 
 
-def allocate_kv(shape: tuple[int, ...], kv_dtype: str) -> tuple[Any, Any]:
+def allocate_kv(shape: tuple[int, ...], kv_dtype: str, latent: bool = False) -> tuple[Any, Any]:
     """Empty K and V caches [L*NB, BS, Hkv, D]: plain arrays, or QuantizedPages (values plus
-    their scales, and zeros for int8: runtime/model/kv_pages.py) for int8 / fp8_e4m3."""
+    their scales, and zeros for int8: runtime/model/kv_pages.py) for int8 / fp8_e4m3.
+    `latent` (multi-head latent attention): the K cache's rows are the keys and the values,
+    so V is [..., 0]: no bytes, the same tree for every caller."""
     dtype = KV_DTYPES[kv_dtype]
+    if latent:
+        if kv_dtype in QUANTIZED_KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {kv_dtype} is not implemented for a latent (MLA) cache "
+                             "(use float32, bfloat16 or float16)")
+        return jnp.zeros(shape, dtype), jnp.zeros((*shape[:-1], 0), dtype)
     if kv_dtype in QUANTIZED_KV_DTYPES:
         return tuple(QuantizedPages.empty(shape, dtype, kv_scale_groups(kv_dtype, shape[-1], part)) for part in "kv")
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
@@ -81,6 +88,8 @@ def pack_float_for(cfg: ModelConfig, params: Params) -> Params:
         return cpu_matmul.pack_float_params(params, cfg.tie_word_embeddings)
     layers = dict(params["layers"])
     names = tuple(n for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down") if n in layers)
+    if not all(n in layers for n in ("wq", "wk", "wv")):  # (latent attention: no q|k|v to fuse)
+        return params
     if any(np.shape(layers[n])[-1] % cpu_matmul.F32_STRIP for n in names):
         return params
     layers["qkv"] = cpu_matmul.pack_float(np.concatenate([np.asarray(layers.pop(n), np.float32)
@@ -351,7 +360,7 @@ class ModelRunner:
             self.params = unstack_weights(self.params, LINEAR_WEIGHTS)
         hold = getattr(family(cfg), "hold_weights", None)  # a family's weights the layer scan must not slice
         if hold is not None:
-            self.params = hold(self.params)
+            self.params = hold(cfg, self.params)
             if (jax.default_backend() == "cpu" and self.tp == 1 and jnp.dtype(dtype) == jnp.float32
                     and cpu_kernels.enabled(kernels)):  # a mixture of experts' products: the C++ kernel
                 from runtime.kernels.cpu import experts as cpu_experts
@@ -372,7 +381,7 @@ class ModelRunner:
         self.kv_groups = KVGroups.of(cfg, cache.kv_groups)
         shape = (self.kv_groups.group_size * cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
         if self.mesh is None:
-            self.kv = allocate_kv(shape, cache.kv_dtype)
+            self.kv = allocate_kv(shape, cache.kv_dtype, latent=cfg.mla)
             from runtime.kernels.cpu import hugepages
 
             hugepages.collapse(self.kv, kernels)
@@ -389,7 +398,7 @@ class ModelRunner:
         self.attention = make_backend(attention_backend, cache.kv_dtype,
                                       cpu_kernels=self.tp == 1 and kernels.cpu_kernels,
                                       windowed=any(cfg.layer_windows()), soft_cap=cfg.attn_logit_softcapping,
-                                      head_dim=cfg.head_dim)
+                                      head_dim=cfg.head_dim, latent=cfg.mla)
         self.attention_backend = self.attention.name
         self.attention_kernel = bool(getattr(self.attention, "cpu_kernel", False))  # decode rows on the C++ kernel
         fn = partial(_step, cfg, self.attention, cache.num_blocks, self.mesh, groups=self.kv_groups)

@@ -59,6 +59,18 @@ MODELS: dict[str, ModelConfig] = {m.name: m for m in (
     # 30.5 B parameters, 3.3 B active (top 8 of 128)
     dataclasses.replace(_llama("qwen3-30b-a3b", 151936, 2048, 6144, 48, 32, 4, max_pos=40960, theta=1e6),
                         architecture="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    # multi-head latent attention: one cached row of 512 + 64 per token and layer
+    # (DeepSeek-V2-Lite: 15.7 B parameters, 2.7 B active; first layer dense, 2 shared experts)
+    dataclasses.replace(_llama("deepseek-v2-lite", 102400, 2048, 10944, 27, 16, 1, head_dim=576, max_pos=32768),
+                        architecture="deepseek_v2", num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+                        num_shared_experts=2, dense_layers=(0,), norm_topk_prob=False, kv_lora_rank=512,
+                        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+    # DeepSeek-V2: 236 B parameters, 21 B active; top 6 of 160 from the best 3 of 8 groups
+    dataclasses.replace(_llama("deepseek-v2", 102400, 5120, 12288, 60, 128, 1, head_dim=576, max_pos=32768),
+                        architecture="deepseek_v2", num_experts=160, num_experts_per_tok=6, moe_intermediate_size=1536,
+                        num_shared_experts=2, dense_layers=(0,), norm_topk_prob=False, kv_lora_rank=512,
+                        q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                        topk_method="group_limited_greedy", n_group=8, topk_group=3, routed_scaling_factor=16.0),
 )}
 
 
@@ -220,7 +232,7 @@ class CapacityPlan:
     head_dim: int
     weight_bytes: int
     kv_bytes_per_token: int
-    kv_bytes_per_token_mha: int  # same model with N_kv = N_heads, to show what GQA saves
+    kv_bytes_per_token_mha: int  # same model with N_kv = N_heads (MLA: the expanded K/V), to show what GQA / MLA save
     kv_bytes_per_seq: int
     kv_bytes_per_block: int
     kv_budget_bytes: int  # memory - weights - overhead (may be negative: does not fit)
@@ -234,6 +246,7 @@ class CapacityPlan:
     min_devices_for_weights: int
     fleet: int | None
     fleet_with_headroom: int | None
+    latent: bool = False  # multi-head latent attention: kv_bytes_per_token is one latent row per layer
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -278,7 +291,11 @@ def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_
     weights = int(params * WEIGHT_DTYPE_BYTES[wd])
     read = lambda b: weights_read(model, b, WEIGHT_DTYPE_BYTES[wd])  # noqa: E731  (a MoE reads the experts B touches)
     per_token = model.kv_bytes_per_token(kd)
-    mha = dataclasses.replace(model, num_kv_heads=model.num_heads).kv_bytes_per_token(kd)
+    if model.mla:  # the keys and values the latent expands to, per head
+        mha = model.num_layers * model.num_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim
+                                                    + model.v_head_dim) * DTYPE_BYTES[kd]
+    else:
+        mha = dataclasses.replace(model, num_kv_heads=model.num_heads).kv_bytes_per_token(kd)
     c_seq = kv_bytes_per_seq(model, kd, context_len)
     budget = device.memory_bytes - weights - int(overhead_bytes)
     b_max = max(0, budget // c_seq)
@@ -303,7 +320,7 @@ def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_
         step_time_b1_s=step_time_s(1, read(1), c_seq, bw), tps_ceiling=ceiling,
         tps_asymptote=bw / c_seq, prefill_time_s=2 * active * context_len / device.peak_flops,
         min_devices_for_weights=math.ceil((weights + overhead_bytes) / device.memory_bytes),
-        fleet=fleet, fleet_with_headroom=fleet_h)
+        fleet=fleet, fleet_with_headroom=fleet_h, latent=model.mla)
 
 
 # --- output -----------------------------------------------------------------------------
@@ -317,11 +334,16 @@ def _bin(n: float) -> str:
 def format_plan(p: CapacityPlan) -> str:
     d = p.device
     group = p.num_heads // p.num_kv_heads
-    attn = "MHA" if group == 1 else f"GQA {group}:1"
-    kv_note = (f"MHA ({p.num_heads} KV heads) would be {_bin(p.kv_bytes_per_token_mha)}, {group}x more"
+    latent = p.latent
+    attn = "MLA" if latent else "MHA" if group == 1 else f"GQA {group}:1"
+    more = p.kv_bytes_per_token_mha / p.kv_bytes_per_token
+    kv_note = (f"the expanded K/V would be {_bin(p.kv_bytes_per_token_mha)}, {more:.1f}x more" if latent else
+               f"MHA ({p.num_heads} KV heads) would be {_bin(p.kv_bytes_per_token_mha)}, {group}x more"
                if group > 1 else "no GQA: every query head has its own K/V")
     scale_note = (f" + {kv_scale_bytes(p.kv_dtype, p.head_dim) / 2:g} B scales" if p.kv_dtype in QUANTIZED_KV_DTYPES
                   else "")
+    kv_formula = (f"{p.num_layers} x (one latent row of {p.head_dim} x {DTYPE_BYTES[p.kv_dtype]} B)" if latent else
+                  f"2 x {p.num_layers} x {p.num_kv_heads} x ({p.head_dim} x {DTYPE_BYTES[p.kv_dtype]} B{scale_note})")
     lines = [
         f"Capacity plan: {p.model} on {d.name}, weights {p.weight_dtype}, KV {p.kv_dtype}, "
         f"context {p.context_len} tokens",
@@ -331,8 +353,7 @@ def format_plan(p: CapacityPlan) -> str:
         f"  device        {d.memory_bytes / GB:.1f} GB ({_bin(d.memory_bytes)}), "
         f"{d.bandwidth_bytes_per_s / 1e12:.3g} TB/s, {d.peak_flops / 1e12:.3g} TFLOP/s",
         f"  weights       {p.weight_bytes / GB:.2f} GB  (+ overhead {p.overhead_bytes / GB:.2f} GB)",
-        f"  KV / token    {_bin(p.kv_bytes_per_token)} = 2 x {p.num_layers} x {p.num_kv_heads} x "
-        f"({p.head_dim} x {DTYPE_BYTES[p.kv_dtype]} B{scale_note})  [{kv_note}]",
+        f"  KV / token    {_bin(p.kv_bytes_per_token)} = {kv_formula}  [{kv_note}]",
         f"  KV / block    {_bin(p.kv_bytes_per_block)} ({BLOCK_SIZE} tokens)",
         f"  KV / seq      {p.kv_bytes_per_seq / GB:.3f} GB ({_bin(p.kv_bytes_per_seq)}) at "
         f"{p.context_len} tokens",

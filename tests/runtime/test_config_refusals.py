@@ -29,10 +29,13 @@ CONFIG_CLASSES = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "Mist
                   "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
                   "Phi3ForCausalLM": "Phi3Config", "Gemma2ForCausalLM": "Gemma2Config",
                   "Gemma3ForCausalLM": "Gemma3TextConfig", "MixtralForCausalLM": "MixtralConfig",
-                  "Qwen3MoeForCausalLM": "Qwen3MoeConfig"}
+                  "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "DeepseekV2ForCausalLM": "DeepseekV2Config"}
 # beside SIZES: few, narrow experts (the config classes' defaults would make 128 of width 768)
 EXTRA = {"MixtralForCausalLM": {"num_local_experts": 4},
-         "Qwen3MoeForCausalLM": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
+         "Qwen3MoeForCausalLM": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+         "DeepseekV2ForCausalLM": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8,
+                                   "qk_nope_head_dim": 16, "v_head_dim": 16, "num_key_value_heads": 4}}
 ARCHS = [a for a in CONFIG_CLASSES if a in hf_source.ARCHS]
 
 
@@ -43,7 +46,7 @@ def test_every_supported_architecture_is_covered():
 def config_dir(tmp_path: Path, arch: str, **changes) -> Path:
     """config.json as transformers writes it for `arch` (tiny sizes) plus `changes`, and what
     the directory needs to open; no weights are read before the config is checked."""
-    c = getattr(transformers, CONFIG_CLASSES[arch])(architectures=[arch], **SIZES, **EXTRA.get(arch, {})).to_dict()
+    c = getattr(transformers, CONFIG_CLASSES[arch])(architectures=[arch], **{**SIZES, **EXTRA.get(arch, {})}).to_dict()
     return write_hf_config_dir(tmp_path / arch, {**c, **changes}, TOK_JSON)
 
 

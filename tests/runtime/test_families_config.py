@@ -53,7 +53,8 @@ def build_hf(out: Path, arch: str = "llama", seed: int = 0, **kw) -> Path:
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
-           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[arch]
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+           "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM)}[arch]
     sizes = dict(SIZES)
     if arch == "qwen2":
         sizes.pop("head_dim")  # Qwen2Config derives it

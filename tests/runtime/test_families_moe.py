@@ -27,11 +27,14 @@ QWEN3_MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
                  mlp_only_layers=[])
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen3_moe_norm"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen3_moe_norm", "qwen3_moe_dense"])
 def moe(request, tmp_path_factory):
+    """qwen3_moe_dense: layer 1 of 2 a dense MLP (mlp_only_layers), after an expert layer."""
     tmp = tmp_path_factory.mktemp(request.param)
-    arch = request.param.removesuffix("_norm")
+    arch = request.param.removesuffix("_norm").removesuffix("_dense")
     kw = dict(MIXTRAL) if arch == "mixtral" else dict(QWEN3_MOE, norm_topk_prob=request.param.endswith("_norm"))
+    if request.param.endswith("_dense"):
+        kw["mlp_only_layers"] = [1]
     src = build_hf(tmp / "hf", arch, **kw)
     convert(HFSource(src), tmp / "ck", progress=False)
     return request.param, src, tmp / "ck"
@@ -42,10 +45,15 @@ def test_moe_converts_its_router_and_stacked_experts(moe):
     cfg, params, _ = load_checkpoint(ck)
     lay = params["layers"]
     E, f = (8, 48) if name == "mixtral" else (6, 40)
-    assert cfg.architecture == name.removesuffix("_norm") and cfg.num_experts == E and cfg.num_experts_per_tok == 2
-    assert cfg.norm_topk_prob == (name != "qwen3_moe")
-    assert lay["router"].shape == (2, 64, E) and lay["experts_gate"].shape == (2, E, 64, f)
-    assert lay["experts_down"].shape == (2, E, f, 64) and "w_gate" not in lay
+    assert cfg.architecture == name.split("_norm")[0].split("_dense")[0] and cfg.num_experts == E
+    assert cfg.num_experts_per_tok == 2 and cfg.norm_topk_prob == (name in ("mixtral", "qwen3_moe_norm"))
+    Ls = 1 if name.endswith("_dense") else 2  # the experts are stacked over the expert layers only
+    assert cfg.dense_layers == ((1,) if name.endswith("_dense") else ())
+    assert lay["router"].shape == (Ls, 64, E) and lay["experts_gate"].shape == (Ls, E, 64, f)
+    assert lay["experts_down"].shape == (Ls, E, f, 64) and "w_gate" not in lay
+    assert ("dense_gate" in lay) == name.endswith("_dense")
+    if name.endswith("_dense"):
+        assert lay["dense_gate"].shape == (1, 64, 128) and lay["dense_down"].shape == (1, 128, 64)
     assert ("q_norm" in lay) == (name != "mixtral")
     assert cfg.param_count() == sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
 
@@ -143,8 +151,8 @@ def test_expert_products_multiply_each_row_by_its_experts_matrix_only(tokens):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("mlp_only_layers", [1], "mlp_only_layers \\[1\\] is not supported \\(dense MLP layers among the expert layers"),
-    ("decoder_sparse_step", 2, "decoder_sparse_step 2 is not supported"),
+    ("mlp_only_layers", [7], "mlp_only_layers \\[7\\] is not supported \\(expected a list of layer indices"),
+    ("decoder_sparse_step", 0, "decoder_sparse_step 0 is not supported \\(expected a positive integer"),
     ("router_scoring", "sigmoid", "unknown field 'router_scoring'"),
 ])
 def test_moe_fields_it_does_not_implement_are_refused(tmp_path, field, value, message):
@@ -180,7 +188,7 @@ def test_inspect_shows_the_experts_and_the_active_parameters(moe, capsys):
     assert f"{cfg.num_experts} experts of width {cfg.moe_intermediate_size}, top 2" in out
     assert f"{int(cfg.params_touched(1)):,} active per token" in out
     # active: everything but the unpicked experts (E - k of them per layer)
-    assert cfg.params_touched(1) == cfg.param_count() - 2 * (cfg.num_experts - 2) * 3 * 64 * cfg.moe_intermediate_size
+    assert cfg.params_touched(1) == cfg.param_count() - len(cfg.moe_layers()) * (cfg.num_experts - 2) * 3 * 64 * cfg.moe_intermediate_size
 
 
 def test_console_model_page_shows_the_experts(moe):
@@ -211,3 +219,12 @@ def test_absent_keys_take_the_config_classes_defaults(tmp_path, arch, defaults):
     (src / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 8}))
     got = HFSource(src).model_config()
     assert {"rope_theta": got.rope_theta, "rms_norm_eps": got.rms_norm_eps, "num_kv_heads": got.num_kv_heads} == defaults
+
+
+def test_decoder_sparse_step_makes_the_skipped_layers_dense(tmp_path):
+    """Qwen3-MoE's decoder_sparse_step 2: layer i has experts when (i + 1) % 2 == 0, so layer 0
+    of 2 is dense; with mlp_only_layers both are, and the config names them."""
+    src = build_hf(tmp_path / "hf", "qwen3_moe", **dict(QWEN3_MOE, decoder_sparse_step=2))
+    assert HFSource(src).model_config().dense_layers == (0,)
+    convert(HFSource(src), tmp_path / "ck", progress=False)
+    assert_engine_matches(tmp_path / "ck", src, PROMPT, 8)

@@ -125,7 +125,7 @@ def test_model_that_does_not_fit():
 def test_named_configs():
     assert {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b",
             "smollm2-135m"} <= set(MODELS)
-    assert {m.architecture for m in MODELS.values()} == {"llama", "mixtral", "qwen3_moe"}
+    assert {m.architecture for m in MODELS.values()} == {"llama", "mixtral", "qwen3_moe", "deepseek_v2"}
     s = MODELS["smollm2-135m"]
     assert (s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim) == (30, 576, 9, 3, 64)
     assert s.tie_word_embeddings and s.param_count() == pytest.approx(134.5e6, rel=0.01)
@@ -319,3 +319,21 @@ def test_moe_plan_reads_the_experts_a_batch_touches():
     # B*: a step's KV bytes equal the weight bytes that step reads (more experts at larger B)
     assert p.b_star * p.kv_bytes_per_seq == pytest.approx(weights_read(m, p.b_star, 2), rel=1e-3)
     assert plan(m, DEVICES["h100"], context_len=4096).b_max == 0  # 93 GB of bfloat16 weights: not on one H100
+
+
+def test_mla_plan_counts_one_latent_row_per_token():
+    """DeepSeek-V2: the cache holds kv_lora_rank + qk_rope = 576 numbers per token and layer
+    (67.5 KiB in bfloat16 over 60 layers) where the expanded K/V would be 128 heads x
+    (128 + 64 + 128): 71x more; B_max follows the latent size. Parameters as published:
+    236 B, 21 B active per token (V2-Lite: 15.7 B)."""
+    m = MODELS["deepseek-v2"]
+    assert m.param_count() == pytest.approx(236e9, rel=5e-3) and m.params_touched(1) == pytest.approx(21.4e9, rel=1e-2)
+    assert MODELS["deepseek-v2-lite"].param_count() == pytest.approx(15.7e9, rel=5e-3)
+    assert m.kv_bytes_per_token("bfloat16") == 60 * 576 * 2
+    p = plan(m, DEVICES["h200"], weight_dtype="int4", context_len=4096)
+    assert p.latent and p.kv_bytes_per_token_mha == 60 * 128 * 320 * 2
+    assert p.kv_bytes_per_seq == 60 * 576 * 2 * 4096
+    assert p.b_max == (DEVICES["h200"].memory_bytes - p.weight_bytes - 3 * GB) // p.kv_bytes_per_seq
+    text = format_plan(p)
+    assert "N_kv=1 (MLA)" in text and "= 60 x (one latent row of 576 x 2 B)" in text
+    assert "the expanded K/V would be 4.69 MiB, 71.1x more" in text

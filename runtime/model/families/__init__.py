@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from runtime.config import ModelConfig
-from runtime.model.families import gemma, llama, moe, qwen3
+from runtime.model.families import deepseek, gemma, llama, moe, qwen3
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": llama, "qwen3": qwen3, "gemma2": gemma, "gemma3": gemma,
                                    "phi3": llama,  # Phi-3: Llama's math (fused weights split at convert)
-                                   "mixtral": moe, "qwen3_moe": moe}
+                                   "mixtral": moe, "qwen3_moe": moe, "deepseek_v2": deepseek}
 
 
 def family(cfg: ModelConfig) -> ModuleType:

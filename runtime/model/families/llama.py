@@ -66,7 +66,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     One array of one shape, so every family passes it through (and picks between tables, as
     Gemma's sliding and full layers do) without knowing which scaling the model has."""
     s = cfg.rope_scaling
-    inv = _scaled_inv_freq(cfg.head_dim, cfg.rope_theta, s)
+    inv = _scaled_inv_freq(cfg.qk_rope_head_dim if cfg.mla else cfg.head_dim, cfg.rope_theta, s)
     return np.stack([inv, np.full_like(inv, 1.0 if s is None else s.attention_factor)]).astype(np.float32)
 
 
@@ -179,8 +179,9 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
     """Run the decoder over flattened tokens [T]; returns final-normed hidden [T, d] and the
     cache as threaded through `attention(q, k, v, layer, cache) -> (out, cache)`. A family
     that differs only in how q, k, v are made passes its own `attention_inputs` (the
-    signature of qkv_projection), one that differs after attention its own
-    `after_attention(cfg, lp, a, h, norm)` (post_attention's, with the config first)."""
+    signature of qkv_projection; it may return v None: the keys are the values, as a latent
+    cache's rows are), one that differs after attention its own `after_attention(cfg, lp, a,
+    h, norm, layer)` (post_attention's, with the config first and the scanned layer last)."""
     params = typed(params)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][token_ids]
@@ -196,7 +197,7 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
         if after_attention is None:
             h, made = post_attention(lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps))
         else:
-            h, made = after_attention(cfg, lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps))
+            h, made = after_attention(cfg, lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps), layer)
         return (h, cache, made), None
 
     (x, cache, _), _ = scan_layers(layer_step, (x, cache, made), layers, cfg.num_layers)
@@ -254,8 +255,9 @@ def lm_head(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
 
 def attention_scale(cfg: ModelConfig) -> float:
     """The factor on q.k: query_pre_attn_scalar ** -0.5 where the model sets it (Gemma), else
-    head_dim ** -0.5."""
-    return 1.0 / math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)
+    head_dim ** -0.5 (latent attention: the query-key width, qk_nope + qk_rope, ** -0.5)."""
+    width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.mla else cfg.head_dim
+    return 1.0 / math.sqrt(cfg.query_pre_attn_scalar or width)
 
 
 def causal_mask(T: int, window: jax.Array | int = 0) -> jax.Array:
@@ -268,7 +270,9 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, num_segment
                            sm_scale: float | None = None, soft_cap: float | None = None) -> jax.Array:
     """Plain softmax attention for one sequence: q [T,Hq,D], k/v [T,Hkv,D]; scores scaled by
     `sm_scale` (default head_dim ** -0.5), soft-capped (cap * tanh(s / cap)) when `soft_cap`,
-    then masked by num_segments_mask [T, T] (causal_mask: causal, optionally windowed)."""
+    then masked by num_segments_mask [T, T] (causal_mask: causal, optionally windowed).
+    v None: the keys are the values (a latent cache's rows)."""
+    v = k if v is None else v
     T, Hq, D = q.shape
     group = Hq // k.shape[1]
     k = jnp.repeat(k, group, axis=1)

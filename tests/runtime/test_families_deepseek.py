@@ -1,0 +1,174 @@
+"""DeepSeek-V2 (runtime/model/families/deepseek.py) against transformers on tiny random
+checkpoints transformers builds: multi-head latent attention over a latent paged cache, shared
+and routed experts, the first layer dense. Two variants: a plain query projection with greedy
+routing; a low-rank query (q_lora_rank), group-limited routing, routed_scaling_factor and YaRN
+with DeepSeek's mscale_all_dim (which widens the softmax scale)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from runtime.checkpoint.hf_source import HFSource
+from runtime.checkpoint.mapping import CheckpointError
+from runtime.checkpoint.store import convert, load_checkpoint
+from runtime.model.sampling import SamplingParams
+from tests.engine_util import make_engine
+from tests.runtime.test_families_config import PROMPT, assert_engine_matches, build_hf, hf_reference
+
+pytest.importorskip("transformers", reason="transformers not installed (pip install -e .[peer])")
+
+C, R, DN, DV, H = 32, 8, 16, 16, 4  # kv_lora_rank, qk_rope, qk_nope, v_head, heads (tests' SIZES)
+DEEPSEEK = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=C, q_lora_rank=None,
+                qk_rope_head_dim=R, qk_nope_head_dim=DN, v_head_dim=DV, topk_method="greedy", n_group=1,
+                topk_group=1, num_key_value_heads=H)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707,
+        "mscale_all_dim": 1.0, "rope_theta": 10000.0, "beta_fast": 32, "beta_slow": 1}
+VARIANTS = {
+    "plain": {},
+    "lora_grouped_yarn": dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, rope_parameters=YARN, max_position_embeddings=256),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def ds(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    src = build_hf(tmp / "hf", "deepseek_v2", **{**DEEPSEEK, **VARIANTS[request.param]})
+    convert(HFSource(src), tmp / "ck", progress=False)
+    return request.param, src, tmp / "ck"
+
+
+def test_deepseek_converts_to_a_latent_cache_and_experts_over_the_moe_layers(ds):
+    name, _, ck = ds
+    cfg, params, _ = load_checkpoint(ck)
+    lay = params["layers"]
+    assert cfg.architecture == "deepseek_v2" and cfg.mla and cfg.dense_layers == (0,)
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (1, C + R, C, R)
+    assert lay["wkv_a"].shape == (2, 64, C + R) and lay["wkv_b"].shape == (2, C, H * (DN + DV))
+    assert lay["router"].shape == (1, 64, 8) and lay["experts_gate"].shape == (1, 8, 64, 32)
+    assert lay["shared_gate"].shape == (1, 64, 32) and lay["dense_gate"].shape == (1, 64, 96)
+    assert ("wq_a" in lay) == (name != "plain") and ("wq" in lay) == (name == "plain")
+    assert cfg.param_count() == sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+    if name != "plain":  # yarn's mscale_all_dim multiplies the softmax scale by mscale(4, 1.0) ** 2
+        m = 0.1 * np.log(4.0) + 1.0
+        assert cfg.query_pre_attn_scalar == pytest.approx((DN + R) / m ** 4)
+        assert cfg.topk_method == "group_limited_greedy" and cfg.routed_scaling_factor == 2.5
+
+
+def test_deepseek_matches_transformers_through_the_engine(ds):
+    """80 prompt tokens in 32-token chunks through the latent cache, then decode: greedy tokens
+    equal transformers', logprobs within 1e-3."""
+    _, src, ck = ds
+    assert_engine_matches(ck, src, PROMPT, 16)
+
+
+def test_the_cache_holds_one_latent_row_per_token_and_layer(ds):
+    """kv_lora_rank + qk_rope_head_dim numbers per token and layer, nothing for V: the pool's
+    bytes, the block bytes and the planner's per-token figure agree, and are the expanded K/V's
+    H (dn + r + dv) / (c + r) = 4 x 40 / 40 = 4x smaller here."""
+    _, _, ck = ds
+    eng = make_engine(ck, num_blocks=32, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    cfg = eng.config.model
+    per_token = 2 * (C + R) * 4  # 2 layers, float32
+    assert cfg.kv_bytes_per_token("float32") == per_token
+    assert eng.runner.kv_cache_bytes() == 32 * 16 * per_token
+    assert eng.config.cache.bytes_per_block(cfg) == 16 * per_token
+    expanded = 2 * H * (DN + R + DV) * 4
+    assert expanded / per_token == 4
+
+
+def test_deepseek_prefix_cache_and_batch_invariance(ds):
+    """A prompt sharing 64 tokens with a cached one reads their latent rows from the cache and
+    still gives transformers' tokens; each prompt alone gives what it gives in a batch."""
+    _, src, ck = ds
+    other = PROMPT[:64] + [int(t) for t in np.random.default_rng(3).integers(3, 200, 12)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    eng = make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    first = eng.generate([PROMPT], sp)[0]
+    second = eng.generate([other], sp)[0]
+    assert second.num_cached_tokens >= 48
+    assert second.output_ids == hf_reference(src, other, 8)[0]
+    fresh = make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    both = fresh.generate([PROMPT, other], sp)
+    assert [r.output_ids for r in both] == [first.output_ids, second.output_ids]
+
+
+def test_group_limited_routing_keeps_only_the_best_groups_experts():
+    """route(): 8 experts in 4 groups of 2. The two best experts (2 and 6) sit in groups 1 and 3;
+    keeping the best 2 groups picks them, keeping only the best group (1) picks 2 and its group
+    mate 3 although 6 scores higher. Weights are the softmax over all 8, times
+    routed_scaling_factor, not renormalised."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from runtime.config import ModelConfig
+    from runtime.model.families.moe import route
+
+    cfg = ModelConfig("deepseek_v2", 50, 8, 8, 1, 2, 1, 12, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=8, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                      norm_topk_prob=False, routed_scaling_factor=3.0, kv_lora_rank=8, qk_rope_head_dim=4,
+                      qk_nope_head_dim=4, v_head_dim=4)
+    logits = jnp.asarray([[0.0, 0.0, 5.0, 1.0, 0.0, 0.0, 4.99, 0.0]])
+    p = np.exp(np.asarray(logits[0])) / np.exp(np.asarray(logits[0])).sum()
+    weights, experts = route(cfg, jnp.eye(8), logits)
+    assert np.asarray(experts)[0].tolist() == [2, 6]
+    np.testing.assert_allclose(np.asarray(weights)[0], 3.0 * p[[2, 6]], rtol=1e-6)
+    weights, experts = route(dataclasses.replace(cfg, topk_group=1), jnp.eye(8), logits)
+    assert np.asarray(experts)[0].tolist() == [2, 3]
+    np.testing.assert_allclose(np.asarray(weights)[0], 3.0 * p[[2, 3]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("scoring_func", "sigmoid", "scoring_func 'sigmoid' is not supported \\(supported: softmax"),
+    ("norm_topk_prob", True, "norm_topk_prob True is not supported"),
+    ("moe_layer_freq", 2, "moe_layer_freq 2 is not supported"),
+    ("num_key_value_heads", 2, "num_key_value_heads 2 is not supported \\(latent attention"),
+    ("index_topk", 8, "unknown field 'index_topk'"),
+])
+def test_deepseek_fields_it_does_not_implement_are_refused(tmp_path, field, value, message):
+    src = build_hf(tmp_path / "hf", "deepseek_v2", **DEEPSEEK)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(CheckpointError, match=message):
+        HFSource(src).model_config()
+
+
+def test_latent_cache_refuses_what_it_does_not_implement(ds):
+    """A quantized KV cache and the Pallas kernel by name are refused in one line; under auto
+    the XLA path serves it."""
+    from runtime.model.attention_backend import XlaAttention, make_backend
+
+    _, _, ck = ds
+    with pytest.raises(ValueError, match="kv_cache_dtype: int8 is not implemented for a latent \\(MLA\\) cache"):
+        make_engine(ck, num_blocks=16, kv_dtype="int8")
+    with pytest.raises(ValueError, match="pallas does not implement multi-head latent attention"):
+        make_backend("pallas", "float32", cpu_kernels=True, latent=True)
+    assert make_backend("xla", "float32", cpu_kernels=True, head_dim=64, latent=True) == XlaAttention(cpu_kernel=False)
+
+
+def test_inspect_and_the_console_show_the_latent_cache(ds):
+    from runtime.cli import main
+    from tests.console.admin_util import console_client, logged_in
+    from tests.console.test_admin_pages import text_of
+
+    _, _, ck = ds
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["inspect", str(ck)]) == 0
+    assert f"multi-head latent: {H} heads over one cached row of {C} latent + {R} RoPE columns" in out.getvalue()
+    assert "1 shared; layers 0 dense of width 96" in out.getvalue()
+    eng = make_engine(ck, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    with console_client(eng) as c:
+        logged_in(c)
+        page = c.get("/admin/model").text
+    assert text_of(page, "attention").startswith(f"multi-head latent: {H} heads read one cached row of {C} latent")
+    assert "one latent row of 40" in text_of(page, "kv-per-token")
