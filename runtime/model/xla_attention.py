@@ -1,4 +1,6 @@
 """Paged attention in plain XLA: the CPU path, same signature as the Pallas kernel.
+Given the same array as K and V cache (a latent cache, runtime/model/families/deepseek.py),
+each chunk is gathered once and serves as both.
 
 One call serves a ragged batch of decode tokens and prefill chunks. It is split in two
 so each part gives XLA large, regular products and touches only the KV blocks in use:
@@ -133,7 +135,7 @@ def _last_token_attention(qg, k_cache, v_cache, kv_lens, block_tables, start, cb
         m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(block_tables, c * cb, cb, axis=1)  # [S, CB]
         k = k_cache[ids].reshape(S, chunk, hkv, D).astype(jnp.float32)
-        v = v_cache[ids].reshape(S, chunk, hkv, D).astype(jnp.float32)
+        v = k if v_cache is k_cache else v_cache[ids].reshape(S, chunk, hkv, D).astype(jnp.float32)
         s = _cap(jnp.einsum("skgd,sckd->skgc", qg, k), soft_cap)
         pos = start[:, None] + c * chunk + jnp.arange(chunk)[None, :]
         s = jnp.where(((pos < kv_lens[:, None]) & (pos >= lo[:, None]))[:, None, None, :], s, NEG)
@@ -157,7 +159,7 @@ def _shared_prefix_attention(qg, k_cache, v_cache, shared_blocks, shared_len, me
         m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(shared_blocks, c * cb, cb)  # [CB]
         k = k_cache[ids].reshape(chunk, hkv, D).astype(jnp.float32)
-        v = v_cache[ids].reshape(chunk, hkv, D).astype(jnp.float32)
+        v = k if v_cache is k_cache else v_cache[ids].reshape(chunk, hkv, D).astype(jnp.float32)
         s = _cap(jnp.einsum("skgd,ckd->skgc", qg, k), soft_cap)
         pos = c * chunk + jnp.arange(chunk)
         visible = (pos[None, :] < shared_len) & member[:, None] & (pos[None, :] >= lo[:, None])  # [S, C]
@@ -171,7 +173,7 @@ def _head_major_chunk(carry, qh, k_cache, v_cache, block_ids, visible, soft_cap)
     """One online-softmax step of head-major query rows qh [Hkv, R, D] over the KV chunk in
     `block_ids` [CB]; visible [R, C] masks (row, position) pairs."""
     k = _gather_chunk(k_cache, block_ids)  # [Hkv, C, D]
-    v = _gather_chunk(v_cache, block_ids)
+    v = k if v_cache is k_cache else _gather_chunk(v_cache, block_ids)
     sc = jnp.where(visible[None], _cap(jnp.einsum("krd,kcd->krc", qh, k), soft_cap), NEG)
     return _online_update(*carry, sc, lambda p: jnp.einsum("krc,kcd->krd", p, v))
 

@@ -82,20 +82,26 @@ def test_the_cache_holds_one_latent_row_per_token_and_layer(ds):
     assert expanded / per_token == 4
 
 
-def test_deepseek_prefix_cache_and_batch_invariance(ds):
-    """A prompt sharing 64 tokens with a cached one reads their latent rows from the cache and
-    still gives transformers' tokens; each prompt alone gives what it gives in a batch."""
+def test_deepseek_prefix_cache_preemption_and_batch_invariance(ds):
+    """A prompt sharing 64 tokens with a cached one reads their latent rows from the cache;
+    four requests of 90-120 tokens in a pool of 16 blocks force a preemption (their latent rows
+    recomputed); every request still gives transformers' tokens, alone or batched."""
     _, src, ck = ds
-    other = PROMPT[:64] + [int(t) for t in np.random.default_rng(3).integers(3, 200, 12)]
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    rng = np.random.default_rng(3)
+    prompts = [PROMPT, PROMPT[:64] + [int(t) for t in rng.integers(3, 200, 12)],
+               [int(t) for t in rng.integers(3, 200, 50)], [int(t) for t in rng.integers(3, 200, 70)]]
+    want = [hf_reference(src, p, 40)[0] for p in prompts]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     eng = make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
-    first = eng.generate([PROMPT], sp)[0]
-    second = eng.generate([other], sp)[0]
+    first = eng.generate([prompts[0]], sp)[0]
+    second = eng.generate([prompts[1]], sp)[0]
     assert second.num_cached_tokens >= 48
-    assert second.output_ids == hf_reference(src, other, 8)[0]
-    fresh = make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
-    both = fresh.generate([PROMPT, other], sp)
-    assert [r.output_ids for r in both] == [first.output_ids, second.output_ids]
+    assert [first.output_ids, second.output_ids] == want[:2]
+    tight = make_engine(ck, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                        watermark=0.0)
+    got = tight.generate(prompts, sp)
+    assert tight.scheduler.counters.preemptions > 0
+    assert [r.output_ids for r in got] == want
 
 
 def test_group_limited_routing_keeps_only_the_best_groups_experts():
@@ -172,3 +178,31 @@ def test_inspect_and_the_console_show_the_latent_cache(ds):
         page = c.get("/admin/model").text
     assert text_of(page, "attention").startswith(f"multi-head latent: {H} heads read one cached row of {C} latent")
     assert "one latent row of 40" in text_of(page, "kv-per-token")
+
+
+def test_deepseek_through_the_openai_api(ds):
+    """/v1/completions (the prompt as token ids) on the HTTP app: each answered token's logprob
+    is the logprob transformers gives its own greedy token there, within 1e-3 (a different token
+    would carry a lower one: no near-ties in these weights)."""
+    from pathlib import Path
+
+    from litestar.testing import TestClient
+
+    from console.app import create_app
+    from console.settings import ServerSettings
+    from runtime.core.async_engine import AsyncEngine
+
+    _, src, ck = ds
+    gen, logp = hf_reference(src, PROMPT, 12)
+    settings = ServerSettings(admin_token="tadmin", api_key="k", model_name="ds", checkpoint=Path("ds"),
+                              access_log=False, warmup=False)
+    eng = make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    with TestClient(create_app(settings, engine=AsyncEngine(eng)), timeout=120) as c:
+        r = c.post("/v1/completions", headers={"Authorization": "Bearer k"},
+                   json={"model": "ds", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 1,
+                         "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert len(choice["logprobs"]["token_logprobs"]) == 12
+    theirs = [logp[len(PROMPT) - 1 + i, t] for i, t in enumerate(gen)]
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], theirs, atol=1e-3)
