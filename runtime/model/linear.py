@@ -274,6 +274,7 @@ class StackedExperts(HeldPerLayer):
     w: jax.Array
     index: jax.Array | None = None
     rows: tuple[int, ...] = static(())  # per layer its row of w (-1: none) where only some layers have experts
+    mesh: Any = static(None)  # expert parallelism: w split by expert over this mesh (runtime/model/tp.py)
 
     def at(self, index: jax.Array) -> "StackedExperts":
         return dataclasses.replace(self, index=layer_row(self.rows, index))

@@ -366,6 +366,10 @@ class ModelRunner:
                 from runtime.kernels.cpu import experts as cpu_experts
 
                 self.params = cpu_experts.pack_held(self.params)
+            if self.mesh is not None:  # expert parallelism: each device runs its share of the experts
+                from runtime.model.tp import hold_expert_shards
+
+                self.params = hold_expert_shards(self.params, self.mesh)
         if self.mesh is None:
             from runtime.kernels.cpu import hugepages
 

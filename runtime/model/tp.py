@@ -11,6 +11,12 @@ One mesh axis "tp" over the first N devices; the engine step stays one jitted pr
   wk/wv gain the copies and the runner's config says Hkv*r heads, one group per device.
 * MLP Megatron-style: w_gate/w_up column-sharded, w_down row-sharded (XLA inserts the one
   all-reduce per block, as after wo).
+* a mixture of experts: expert parallelism on the same axis. Each device holds E/N whole
+  experts of every expert layer (the stacks [L, E, in, out] split on E), routes every token
+  (the router is replicated, the tokens already on every device), runs the picks of its own
+  experts and one all-reduce sums the devices' parts (expert_parallel); shared experts and
+  dense MLP layers Megatron-style like w_gate / w_down. No token is dropped: there is no
+  capacity to exceed. Latent attention (MLA) is not sharded yet.
 * embeddings / LM head by vocabulary (replicated, and logged, when the vocabulary does not
   divide); norms replicated; the KV cache [L*NB, BS, Hkv, D] sharded on its KV-head axis.
 
@@ -56,9 +62,14 @@ def validate(cfg: ModelConfig, n: int, *, attention_backend: str = "auto", quant
         raise ValueError(f"tensor_parallel_size: must be at least 1, got {n}")
     if n == 1:
         return
-    if cfg.num_experts:  # expert weights have no sharding rule (nor expert parallelism) yet
-        raise ValueError("tensor_parallel_size: a mixture of experts is not sharded yet (no expert parallelism); "
-                         "serve it with --tensor-parallel-size 1")
+    if cfg.mla:
+        raise ValueError("tensor_parallel_size: multi-head latent attention is not sharded yet (its cache is one "
+                         "latent row per token, no KV heads to split); serve it with --tensor-parallel-size 1")
+    if cfg.num_experts and quantization not in ("none", "auto"):
+        raise ValueError(f"tensor_parallel_size: {quantization} expert weights are not sharded yet")
+    if cfg.num_experts % n:
+        raise ValueError(f"tensor_parallel_size: {n} does not divide the model's {cfg.num_experts} experts "
+                         "(expert parallelism gives each device whole experts)")
     if quantization == "w4a16":  # its packed nibbles and group scales have no sharding rule yet
         raise ValueError("tensor_parallel_size: w4a16 weights are not sharded yet; serve w4a16 with "
                          "--tensor-parallel-size 1, or shard float32 / w8a8 weights")
@@ -75,9 +86,12 @@ def validate(cfg: ModelConfig, n: int, *, attention_backend: str = "auto", quant
                          f"of them (KV heads can only be replicated a whole number of times)")
     if n <= hkv and hkv % n:
         raise ValueError(f"tensor_parallel_size: {n} does not divide the model's {hkv} KV heads")
-    if cfg.intermediate_size % n:
+    if (not cfg.num_experts or cfg.dense_layers) and cfg.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size: {n} does not divide the model's MLP size "
                          f"{cfg.intermediate_size}")
+    if (cfg.num_shared_experts * cfg.moe_intermediate_size) % n:
+        raise ValueError(f"tensor_parallel_size: {n} does not divide the shared experts' width "
+                         f"{cfg.num_shared_experts * cfg.moe_intermediate_size}")
     if attention_backend == "pallas" and jax.default_backend() != "gpu":
         # On GPUs the kernel runs per shard under the step's shard_map (its lowering for two
         # GPUs is checked by tests/runtime/test_tp.py); on CPU only the Mosaic GPU interpreter
@@ -136,7 +150,12 @@ def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int, *, stored: boo
              "bq": P(None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS), "wo": P(None, AXIS, None),
              "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
              "attn_norm": P(), "mlp_norm": P(), "q_norm": P(), "k_norm": P(),
-             "post_attn_norm": P(), "post_mlp_norm": P()}  # (Gemma's norms after attention and the MLP)
+             "post_attn_norm": P(), "post_mlp_norm": P(),  # (Gemma's norms after attention and the MLP)
+             # a mixture of experts: whole experts per device (expert parallelism), the router
+             # replicated, shared experts and dense layers Megatron-style like w_gate / w_down
+             "router": P(), "experts_gate": P(None, AXIS), "experts_up": P(None, AXIS), "experts_down": P(None, AXIS),
+             "shared_gate": P(None, None, AXIS), "shared_up": P(None, None, AXIS), "shared_down": P(None, AXIS, None),
+             "dense_gate": P(None, None, AXIS), "dense_up": P(None, None, AXIS), "dense_down": P(None, AXIS, None)}
     if rep_kv:
         layer.update(wk=P(), wv=P(), bk=P(), bv=P())
     specs: dict[str, Any] = {}
@@ -237,6 +256,37 @@ def shard_attention(fn: Any, mesh: Mesh) -> Any:
                              out_specs=(heads, cache_specs), check_vma=False)(inp, q, k, v, layer, cache)
 
     return wrapped
+
+
+def hold_expert_shards(params: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """The held experts (linear.StackedExperts, split by expert over the mesh by param_specs)
+    marked with the mesh: the family then runs them through expert_parallel."""
+    from runtime.model.linear import StackedExperts
+
+    layers = {k: dataclasses.replace(v, mesh=mesh) if isinstance(v, StackedExperts) else v
+              for k, v in params["layers"].items()}
+    return {**params, "layers": layers}
+
+
+def expert_parallel(fn: Any, x: jax.Array, weights: jax.Array, experts: jax.Array, gate: Any, up: Any,
+                    down: Any) -> jax.Array:
+    """Expert parallelism: fn(x, weights, experts, gate, up, down, first) -> [T, d] float32 (the
+    sum over each token's picks among the experts held, ids from `first`), run per device on its
+    E / N experts and summed across devices. Every device already holds every token (attention
+    is tensor-parallel and its output all-reduced), so dispatch is each device selecting the
+    (token, expert) pairs routed to its own experts: none is dropped, no capacity is fixed, and
+    the combine is one all-reduce of [T, d] per layer (an all-to-all would move tokens that are
+    already everywhere)."""
+    mesh = gate.mesh
+    spec = P(None, AXIS)
+
+    def local(x, weights, experts, gw, uw, dw, index):
+        first = jax.lax.axis_index(AXIS) * gw.shape[1]
+        held = [dataclasses.replace(h, w=w, index=index, mesh=None) for h, w in ((gate, gw), (up, uw), (down, dw))]
+        return jax.lax.psum(fn(x, weights, experts, *held, first=first), AXIS)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), spec, spec, spec, P()), out_specs=P(),
+                         check_vma=False)(x, weights, experts, gate.w, up.w, down.w, gate.index)
 
 
 def gather_logits(cfg: ModelConfig, mesh: Mesh, logits: jax.Array) -> jax.Array:

@@ -169,13 +169,17 @@ def test_moe_weight_quantization_is_refused_in_one_line(moe):
         make_engine(ck, num_blocks=16, quantization="w8a8")
 
 
-def test_moe_tensor_parallelism_is_refused_in_one_line():
+def test_mla_tensor_parallelism_is_refused_in_one_line():
     from runtime.config import ModelConfig
     from runtime.model import tp
 
-    cfg = ModelConfig("mixtral", 50, 16, 8, 1, 2, 2, 8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
-    with pytest.raises(ValueError, match="tensor_parallel_size: a mixture of experts is not sharded yet"):
+    cfg = ModelConfig("deepseek_v2", 50, 16, 8, 1, 2, 1, 12, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size: multi-head latent attention is not sharded yet"):
         tp.validate(cfg, 2, num_devices=2)
+    w8 = ModelConfig("mixtral", 50, 16, 8, 1, 2, 2, 8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    with pytest.raises(ValueError, match="tensor_parallel_size: w8a8 expert weights are not sharded yet"):
+        tp.validate(w8, 2, quantization="w8a8", num_devices=2)
 
 
 def test_inspect_shows_the_experts_and_the_active_parameters(moe, capsys):
@@ -228,3 +232,39 @@ def test_decoder_sparse_step_makes_the_skipped_layers_dense(tmp_path):
     assert HFSource(src).model_config().dense_layers == (0,)
     convert(HFSource(src), tmp_path / "ck", progress=False)
     assert_engine_matches(tmp_path / "ck", src, PROMPT, 8)
+
+
+def test_expert_parallel_2_and_4_give_1s_tokens(tmp_path):
+    """--tensor-parallel-size 2 / 4 on a mixture of experts: attention by heads, the experts
+    split whole across the devices (each device routes every token and runs the picks of its
+    own experts; one all-reduce combines them), shared / dense MLPs Megatron-style. Mixtral
+    (8 experts) and Qwen3-MoE (8 experts, layer 1 dense) give TP 1's tokens with the prefix
+    cache, chunked prefill and preemptions, logprobs within 1e-4, nothing compiled after
+    warm-up, and each device holds E / N experts."""
+    from tests.runtime.test_tp import _assert_parity, _run_check
+
+    for arch, kw in (("mixtral", MIXTRAL), ("qwen3_moe", dict(QWEN3_MOE, num_experts=8, mlp_only_layers=[1]))):
+        src = build_hf(tmp_path / arch / "hf", arch, **kw)
+        convert(HFSource(src), tmp_path / arch / "ck", progress=False)
+        res = _run_check(tmp_path / arch / "ck", "2", "4")
+        _assert_parity(res, [2, 4])
+        assert res[2]["expert_shard_shape"][:2] == [1 if arch == "qwen3_moe" else 2, 4]
+        assert res[4]["expert_shard_shape"][1] == 2
+
+
+def test_expert_parallel_sizes_that_do_not_divide_are_one_line(tmp_path):
+    """6 experts over 4 devices: refused at start with the reason, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    convert(HFSource(build_hf(tmp_path / "hf", "qwen3_moe", **QWEN3_MOE)), tmp_path / "ck", progress=False)
+    ck = tmp_path / "ck"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    p = subprocess.run([sys.executable, "-m", "runtime.cli", "generate", "--checkpoint", str(ck), "--prompt", "hi",
+                        "--max-tokens", "2", "--tensor-parallel-size", "4"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].endswith(
+        "tensor_parallel_size: 4 does not divide the model's 6 experts (expert parallelism gives each device "
+        "whole experts)")

@@ -160,6 +160,9 @@ def main(argv: list[str]) -> None:
                    kv_shard_shape=list(shard.shard_shape(eng.runner.kv[0].shape)),
                    kv_heads=eng.runner.cfg.num_kv_heads, quantization=eng.config.quantization,
                    lm_head_int8="head" in eng.runner.params)
+        experts = eng.runner.params["layers"].get("experts_gate")
+        if experts is not None:  # a mixture of experts: the experts each device holds
+            res["expert_shard_shape"] = list(experts.w.sharding.shard_shape(experts.w.shape)) if tp > 1 else None
         results[tp] = res
         ref = results[1]
         if tp != 1:

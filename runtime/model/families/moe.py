@@ -85,20 +85,39 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
     return (jax.nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))) @ down.astype(dt)
 
 
-def experts_mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
-    """The MoE MLP of x [T, d] (already normed) -> [T, d]."""
-    T, k, E = x.shape[0], cfg.num_experts_per_tok, cfg.num_experts
-    weights, experts = route(cfg, lp["router"], x)
-    flat = experts.reshape(-1)                       # [T*k] (token t's picks at t*k .. t*k+k-1)
-    order = jnp.argsort(flat, stable=True)           # (token, expert) pairs grouped by expert
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+def routed_products(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: StackedExperts,
+                    up: StackedExperts, down: StackedExperts, first: Any = 0) -> jax.Array:
+    """sum over each token's picks of weight x expert(x), for the picks whose expert is one of
+    the E' experts `gate` / `up` / `down` hold (ids first .. first + E' - 1; the others add 0):
+    all of them on one device, a device's share under expert parallelism."""
+    T, k = experts.shape
+    E = gate.w.shape[1]  # ([L, E, ...], also the C++ kernel's packed form)
+    local = experts.reshape(-1) - first              # [T*k] (token t's picks at t*k .. t*k+k-1)
+    mine = (local >= 0) & (local < E)
+    local = jnp.where(mine, local, E)                # others sort last, in no expert's rows
+    order = jnp.argsort(local, stable=True)          # (token, expert) pairs grouped by expert
+    sizes = jnp.bincount(jnp.where(mine, local, 0), weights=mine.astype(jnp.int32), length=E).astype(jnp.int32)
     rows = x[order // k]                             # [T*k, d]
     dt = x.dtype
-    gate = lp["experts_gate"].product(rows, sizes)
-    up = lp["experts_up"].product(rows, sizes)
-    out = lp["experts_down"].product((jax.nn.silu(gate) * up).astype(dt), sizes)  # [T*k, d]
+    g = gate.product(rows, sizes)
+    u = up.product(rows, sizes)
+    out = down.product((jax.nn.silu(g) * u).astype(dt), sizes)  # [T*k, d]; rows past sum(sizes) unused
     per_pick = jnp.zeros_like(out).at[order].set(out).reshape(T, k, -1)  # back to (token, pick) order
-    y = jnp.einsum("tkd,tk->td", per_pick.astype(jnp.float32), weights).astype(dt)
+    w = jnp.where(mine.reshape(T, k), weights, 0.0)
+    return jnp.einsum("tkd,tk->td", jnp.where(mine.reshape(T, k, 1), per_pick, 0).astype(jnp.float32), w)
+
+
+def experts_mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
+    """The MoE MLP of x [T, d] (already normed) -> [T, d]."""
+    weights, experts = route(cfg, lp["router"], x)
+    held = (lp["experts_gate"], lp["experts_up"], lp["experts_down"])
+    if held[0].mesh is not None:  # expert parallelism: each device its experts' picks, summed across devices
+        from runtime.model.tp import expert_parallel
+
+        y = expert_parallel(routed_products, x, weights, experts, *held)
+    else:
+        y = routed_products(x, weights, experts, *held)
+    y = y.astype(x.dtype)
     if "shared_gate" in lp:
         y = y + swiglu(x, lp["shared_gate"], lp["shared_up"], lp["shared_down"])
     return y
