@@ -251,5 +251,20 @@ def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
         "buckets": env.bucket_pairs(), "compilations": now_compiled,
         "compilations_at_ready": info.compilations_at_ready,
         "compilations_since_ready": now_compiled - info.compilations_at_ready,
-        "warmup_s": info.warmup_s, "plans": plans,
+        "warmup_s": info.warmup_s, "plans": plans, "expert_load": expert_load_view(engine),
     }
+
+
+def expert_load_view(engine: LLMEngine) -> dict[str, Any] | None:
+    """A mixture of experts' routing balance (runtime/core/metrics.py ExpertLoad), copied under
+    the engine lock; None for a dense model."""
+    load = getattr(engine, "expert_load", None)
+    if load is None:
+        return None
+    with engine.lock:
+        view = load.view()
+    per_expert = view["per_expert"]
+    total = sum(per_expert)
+    view["hottest"] = sorted(range(len(per_expert)), key=lambda e: -per_expert[e])[:8]
+    view["shares"] = [n / total if total else 0.0 for n in per_expert]
+    return view

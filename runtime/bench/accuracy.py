@@ -106,7 +106,7 @@ def kv_roundtrip_logits(cfg: Any, params: Any, token_ids: Any, kv_dtype: str) ->
     def attention(q, k, v, layer, cache):
         return dense_causal_attention(q, roundtrip(k, "k"), roundtrip(v, "v"), mask), cache
 
-    hidden, _ = fam.forward_hidden(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
+    hidden, *_ = fam.forward_hidden(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
     return fam.lm_head(cfg, params, hidden)
 
 

@@ -36,7 +36,7 @@ from runtime.core import disagg, speculative
 from runtime.kv_groups import KVGroups
 from runtime.core.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
-from runtime.core.metrics import EngineMetrics, EngineState, StepSample
+from runtime.core.metrics import EngineMetrics, EngineState, ExpertLoad, StepSample
 from runtime.model.runner import ModelRunner, StepHandle, compilations
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.request import Request
@@ -124,6 +124,9 @@ class LLMEngine:
             self.draft = DraftModel(config, config.model.vocab_size, self.kv_groups.num_groups, tokenizer)
         self.metrics = EngineMetrics(lambda: EngineState.read(self.scheduler, self.pool, compilations))
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
+        model = config.model  # a mixture of experts: the steps' routing balance (console, /metrics)
+        self.expert_load = (ExpertLoad(model.num_layers, model.num_experts, model.moe_layers())
+                            if model.num_experts else None)
         self.lock = threading.RLock()
         self._tracked: dict[str, _Tracked] = {}
         # Requests to end at the next step boundary: (id, reason, stop string) -- aborts, and
@@ -452,6 +455,9 @@ class LLMEngine:
                     if out is not None:
                         outputs.append(out)
             self.metrics.generation_tokens.inc(new_tokens)
+            if self.expert_load is not None and "expert_load" in result:
+                self.expert_load.add(result["expert_load"])
+                self.metrics.count_expert_load(self.expert_load)
             t = time.perf_counter()
             dt = t - max(done.launched_at, self._last_read_back)  # the pipeline's beat
             self._last_read_back = t

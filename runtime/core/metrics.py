@@ -20,6 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from runtime.core.block_pool import BlockPool
     from runtime.core.scheduler import Scheduler
 
@@ -137,6 +139,12 @@ class EngineMetrics:
         self.spec_accepted_per_pos = [Counter(x + "spec_decode_num_accepted_tokens_per_pos",
                                               "Proposed tokens kept, by their position in the proposal",
                                               ["method", "position"], registry=r) for x in (P, V)]
+        # A mixture of experts (runtime/model/families/moe.py): routing balance per step.
+        self.expert_imbalance = Gauge(P + "moe_expert_load_imbalance",
+                                      "Last step's max / mean tokens per expert, averaged over the expert layers "
+                                      "(1 = even)", registry=r)
+        self.expert_tokens = Counter(P + "moe_expert_tokens", "(token, layer) pairs routed to each expert",
+                                     ["expert"], registry=r)
         self.vllm_cache_config = Gauge(V + "cache_config_info", "KV cache configuration (model-server protocol)",
                                        ["block_size", "num_gpu_blocks"], registry=r)
         self.window = RecentWindow()
@@ -152,8 +160,58 @@ class EngineMetrics:
             for pos in range(accepted):
                 c.labels(method, str(pos)).inc()
 
+    def count_expert_load(self, load: ExpertLoad) -> None:
+        """After a step of a mixture of experts: its balance, and the tokens each expert took."""
+        self.expert_imbalance.set(load.imbalance())
+        for e, n in enumerate(load.last[list(load.moe_layers)].sum(axis=0).tolist()):
+            if n:
+                self.expert_tokens.labels(str(e)).inc(n)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ExpertLoad:
+    """A mixture of experts' routing, as the steps report it (runtime/model/runner.py
+    expert_load): tokens per expert of each layer in the last step and since start, and the
+    balance the console and the `moe_expert_load_imbalance` gauge show. Host-side numpy,
+    updated under the engine lock at each step's read-back."""
+
+    def __init__(self, num_layers: int, num_experts: int, moe_layers: tuple[int, ...]) -> None:
+        import numpy as np
+
+        self.moe_layers = moe_layers
+        self.last = np.zeros((num_layers, num_experts), np.int64)
+        self.total = np.zeros((num_layers, num_experts), np.int64)
+        self.steps = 0
+
+    def add(self, load: "np.ndarray") -> None:
+        self.last = load.astype(self.total.dtype)
+        self.total += self.last
+        self.steps += 1
+
+    def imbalance(self, load: "np.ndarray | None" = None) -> float:
+        """max / mean tokens per expert, averaged over the expert layers (1.0: perfectly even;
+        E / k at worst, every token on the same k experts); 0 before any token."""
+        import numpy as np
+
+        rows = (self.last if load is None else load)[list(self.moe_layers)]
+        mean = rows.mean(axis=1)
+        ok = mean > 0
+        return float(np.mean(rows.max(axis=1)[ok] / mean[ok])) if ok.any() else 0.0
+
+    def view(self) -> dict:
+        """Copies for the console (under the engine lock): per expert layer its last-step
+        and total balance, and every expert's total over the layers."""
+        per_layer = [(layer, self.imbalance_row(self.last[layer]), self.imbalance_row(self.total[layer]))
+                     for layer in self.moe_layers]
+        return {"steps": self.steps, "last": self.imbalance(), "total": self.imbalance(self.total),
+                "per_layer": per_layer, "per_expert": self.total[list(self.moe_layers)].sum(axis=0).tolist()}
+
+    @staticmethod
+    def imbalance_row(row: "np.ndarray") -> float:
+        mean = float(row.mean())
+        return float(row.max()) / mean if mean > 0 else 0.0
 
 
 @dataclass

@@ -192,7 +192,8 @@ def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: An
         attention = partial(shard_attention(local, mesh), inp)
 
     fam = family(cfg)
-    hidden, kv = fam.forward_hidden(cfg, params, token_ids, inp.positions, attention, kv)
+    hidden, kv, *stats = fam.forward_hidden(cfg, params, token_ids, inp.positions, attention, kv)
+    load = expert_load(cfg, stats[0]["expert_ids"], inp) if stats and "expert_ids" in stats[0] else None
     T = token_ids.shape[0]
     plp = jax.lax.cond(jnp.any(inp.prompt_targets >= 0),
                        lambda: prompt_logprobs(cfg, params, hidden, inp.prompt_targets),
@@ -221,7 +222,17 @@ def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: An
     kept_rows = jnp.where(inp.sample_mask, inp.state_rows, scratch)
     counts = counts.at[kept_rows, out.token_ids].add(1)
     last_token = last_token.at[kept_rows].set(out.token_ids)
-    return kv, (counts, prompt_mask, last_token), out, plp, spec
+    return kv, (counts, prompt_mask, last_token), out, plp, spec, load
+
+
+def expert_load(cfg: ModelConfig, expert_ids: jax.Array, inp: StepInput) -> jax.Array:
+    """[L, E] int32: the step's real tokens routed to each expert of each layer (padding rows
+    not counted; a dense layer's row stays 0), from the family's expert_ids [L, T, k]."""
+    L, T, k = expert_ids.shape
+    real = jnp.arange(T) < inp.query_start_loc[inp.num_seqs[0]]
+    layer = jnp.broadcast_to(jnp.arange(L)[:, None, None], expert_ids.shape)
+    add = jnp.broadcast_to(real[None, :, None], expert_ids.shape).astype(jnp.int32)
+    return jnp.zeros((L, cfg.num_experts), jnp.int32).at[layer, expert_ids].add(add, mode="drop")
 
 
 @jax.tree_util.register_dataclass
@@ -267,8 +278,8 @@ class StepHandle:
     """A launched step's outputs, still on (or coming back from) the device."""
 
     def __init__(self, out: SampleOutput, num_rows: int, plp: PromptLogprobs | None = None,
-                 spec: "SpecOutput | None" = None):
-        self._out, self.num_rows, self._plp, self._spec = out, num_rows, plp, spec
+                 spec: "SpecOutput | None" = None, load: jax.Array | None = None):
+        self._out, self.num_rows, self._plp, self._spec, self._load = out, num_rows, plp, spec, load
         self._host: dict[str, np.ndarray] | None = None
 
     def result(self) -> dict[str, np.ndarray]:
@@ -283,6 +294,9 @@ class StepHandle:
             if self._spec is not None:
                 self._host["accepted"] = np.asarray(host.accepted)[:n]
             self._spec = None
+            if self._load is not None:  # a mixture of experts: the step's tokens per expert [L, E]
+                self._host["expert_load"] = np.asarray(jax.device_get(self._load))
+                self._load = None
             if self._plp is not None:  # only steps that computed prompt logprobs bring them back
                 plp = jax.device_get(self._plp)
                 self._host.update(prompt_logprobs=np.asarray(plp.logprobs), prompt_top_ids=np.asarray(plp.top_ids),
@@ -414,7 +428,7 @@ class ModelRunner:
             pshard = tp.param_shardings(cfg, self.params, self.mesh)
             self.params = jax.device_put(self.params, pshard)  # (a cast to the compute dtype keeps them)
             self._step = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(pshard, self.kv_shardings, rep, rep),
-                                 out_shardings=(self.kv_shardings, rep, rep, rep, rep))
+                                 out_shardings=(self.kv_shardings, rep, rep, rep, rep, rep))
             log.info("tensor parallel: %d devices (%s), %d query / %d KV heads per device, embeddings/LM head %s; "
                      "attention on the XLA path (C++ CPU kernels off under TP)", self.tp,
                      ", ".join(str(d) for d in self.mesh.devices.flat), cfg.num_heads // self.tp,
@@ -463,7 +477,7 @@ class ModelRunner:
         if self.fail_next_step is not None:
             exc, self.fail_next_step = self.fail_next_step, None
             raise exc
-        self.kv, self.penalty, out, plp, spec = self._step(self.params, self.kv, self.penalty, inp)
+        self.kv, self.penalty, out, plp, spec, load = self._step(self.params, self.kv, self.penalty, inp)
         self.last_input = inp
         wants_prompt = any(sq.prompt_next for sq in seqs)
         if not any(sq.drafts for sq in seqs):
@@ -471,16 +485,17 @@ class ModelRunner:
         res = spec if spec is not None else out
         for a in (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs,
                   *((spec.accepted,) if spec is not None else ()),
-                  *((plp.logprobs, plp.top_ids, plp.top_logprobs) if wants_prompt else ())):
+                  *((plp.logprobs, plp.top_ids, plp.top_logprobs) if wants_prompt else ()),
+                  *((load,) if load is not None else ())):
             a.copy_to_host_async()
-        return StepHandle(out, len(seqs), plp if wants_prompt else None, spec)
+        return StepHandle(out, len(seqs), plp if wants_prompt else None, spec, load)
 
     def replay(self, inp: StepInput) -> float:
         """Benchmarks: run the step program once more on a launched step's input (`last_input`)
         and wait; seconds. It advances the device state as a step would (the KV slots and the
         rows' last tokens), so the requests of that step are garbage afterwards: abort them."""
         t0 = time.perf_counter()
-        self.kv, self.penalty, out, _, _ = self._step(self.params, self.kv, self.penalty, inp)
+        self.kv, self.penalty, out, *_ = self._step(self.params, self.kv, self.penalty, inp)
         jax.block_until_ready(out)
         return time.perf_counter() - t0
 

@@ -107,7 +107,7 @@ def test_experts_run_as_grouped_products_of_the_routed_rows(cpu_kernel):
     stacked = hold({"layers": {n: StackedExperts(jnp.asarray(np.stack([-lp[n], lp[n]]))) for n in names}})["layers"]
     assert all(isinstance(v, cpu_experts.PackedExperts) == cpu_kernel for v in stacked.values())
     held = {"router": jnp.asarray(lp["router"]), **{n: stacked[n].at(jnp.int32(1)) for n in names}}
-    got = np.asarray(jax.jit(lambda held, x: fam.experts_mlp(cfg, held, x))(held, jnp.asarray(x)))
+    got = np.asarray(jax.jit(lambda held, x: fam.experts_mlp(cfg, held, x)[0])(held, jnp.asarray(x)))
     logits = x @ lp["router"]
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -268,3 +268,30 @@ def test_expert_parallel_sizes_that_do_not_divide_are_one_line(tmp_path):
     assert p.stderr.strip().splitlines()[-1].endswith(
         "tensor_parallel_size: 4 does not divide the model's 6 experts (expert parallelism gives each device "
         "whole experts)")
+
+
+def test_expert_load_counts_every_real_token_once_per_expert_layer(moe):
+    """Each step reports its tokens per expert of each layer: 21 prompt tokens (one 32-token
+    step, 11 padding rows not counted) and 2 decode tokens give 23 x k routed pairs in every
+    expert layer and none in a dense one; the console's model page and /metrics show the
+    balance it makes."""
+    from tests.console.admin_util import console_client, logged_in
+    from tests.console.test_admin_pages import text_of
+
+    name, _, ck = moe
+    eng = make_engine(ck, num_blocks=32, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    eng.generate([PROMPT[:21]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    cfg, load = eng.config.model, eng.expert_load
+    per_layer = load.total.sum(axis=1).tolist()
+    assert per_layer == [0 if i in cfg.dense_layers else 23 * cfg.num_experts_per_tok for i in range(cfg.num_layers)]
+    assert load.steps == 3 and 1.0 <= load.imbalance(load.total) <= cfg.num_experts / cfg.num_experts_per_tok
+    metrics = eng.metrics.render().decode()
+    gauge = next(x for x in metrics.splitlines() if x.startswith("pagedjax:moe_expert_load_imbalance "))
+    assert float(gauge.split()[-1]) == pytest.approx(load.imbalance())
+    routed = sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("pagedjax:moe_expert_tokens_total{"))
+    assert routed == 23 * cfg.num_experts_per_tok * len(cfg.moe_layers())
+    with console_client(eng) as c:
+        logged_in(c)
+        page = c.get("/admin/model").text
+    assert text_of(page, "expert-imbalance-total") == f"{load.imbalance(load.total):.2f}"
+    assert page.count("<tr><td>") >= len(cfg.moe_layers())

@@ -90,21 +90,22 @@ def latent_projection(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax
             jnp.concatenate([latent[:, None, :], k_rope.astype(latent.dtype)], -1), None)
 
 
-def after_attention(cfg: ModelConfig, lp: Params, a: jax.Array, h: jax.Array, norm: Norm, layer: jax.Array
-                    ) -> tuple[jax.Array, None]:
+def after_attention(cfg: ModelConfig, lp: Params, a: jax.Array, h: jax.Array, norm: Norm, layer: jax.Array,
+                    cache: Any) -> tuple[jax.Array, None, Any]:
     """a [T, H (c + r)]: each head's weighted sum of cached rows; its latent columns times
     kv_b's value part are the head's output, then o_proj and the MLP (moe.after_attention)."""
     T, H, c = a.shape[0], cfg.num_heads, cfg.kv_lora_rank
     _, w_v = _kv_b(cfg, lp)
     out = jnp.einsum("thc,chv->thv", a.reshape(T, H, -1)[..., :c], w_v.astype(a.dtype))
-    return moe.after_attention(cfg, lp, out.reshape(T, -1), h, norm, layer)
+    return moe.after_attention(cfg, lp, out.reshape(T, -1), h, norm, layer, cache)
 
 
 def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, positions: jax.Array,
                    attention: llama.AttentionFn, cache: Any) -> tuple[jax.Array, Any]:
     params = hold_weights(cfg, params)
-    return llama.forward_hidden(cfg, params, token_ids, positions, attention, cache,
-                                attention_inputs=latent_projection, after_attention=after_attention)
+    return moe.with_routing(cfg, lambda att, c: llama.forward_hidden(
+        cfg, params, token_ids, positions, att, c, attention_inputs=latent_projection, after_attention=after_attention),
+        token_ids, attention, cache)
 
 
 def dense_logits(cfg: ModelConfig, params: Params, token_ids: jax.Array) -> jax.Array:

@@ -181,7 +181,10 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
     that differs only in how q, k, v are made passes its own `attention_inputs` (the
     signature of qkv_projection; it may return v None: the keys are the values, as a latent
     cache's rows are), one that differs after attention its own `after_attention(cfg, lp, a,
-    h, norm, layer)` (post_attention's, with the config first and the scanned layer last)."""
+    h, norm, layer, cache) -> (h, made, cache)` (post_attention's, with the config first and
+    the scanned layer and the threaded cache last: a mixture of experts records its routing
+    there). A family's forward_hidden may return a third value, a dict of the step's own
+    device statistics (moe.py: "expert_ids")."""
     params = typed(params)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][token_ids]
@@ -197,7 +200,7 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
         if after_attention is None:
             h, made = post_attention(lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps))
         else:
-            h, made = after_attention(cfg, lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps), layer)
+            h, made, cache = after_attention(cfg, lp, attn.reshape(T, -1), h, (lp["mlp_norm"], eps), layer, cache)
         return (h, cache, made), None
 
     (x, cache, _), _ = scan_layers(layer_step, (x, cache, made), layers, cfg.num_layers)
@@ -299,7 +302,7 @@ def dense_logits(cfg: ModelConfig, params: Params, token_ids: jax.Array, forward
         return dense_causal_attention(q, k, v, causal_mask(T, windows[layer]), attention_scale(cfg),
                                       cfg.attn_logit_softcapping), cache
 
-    hidden, _ = (forward or forward_hidden)(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
+    hidden, *_ = (forward or forward_hidden)(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
     return (head or lm_head)(cfg, params, hidden)
 
 

@@ -107,8 +107,8 @@ def routed_products(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: 
     return jnp.einsum("tkd,tk->td", jnp.where(mine.reshape(T, k, 1), per_pick, 0).astype(jnp.float32), w)
 
 
-def experts_mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
-    """The MoE MLP of x [T, d] (already normed) -> [T, d]."""
+def experts_mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The MoE MLP of x [T, d] (already normed) -> ([T, d], each token's experts [T, k])."""
     weights, experts = route(cfg, lp["router"], x)
     held = (lp["experts_gate"], lp["experts_up"], lp["experts_down"])
     if held[0].mesh is not None:  # expert parallelism: each device its experts' picks, summed across devices
@@ -120,23 +120,43 @@ def experts_mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
     y = y.astype(x.dtype)
     if "shared_gate" in lp:
         y = y + swiglu(x, lp["shared_gate"], lp["shared_up"], lp["shared_down"])
-    return y
+    return y, experts
 
 
-def mlp(cfg: ModelConfig, lp: Params, x: jax.Array, layer: jax.Array) -> jax.Array:
-    """The layer's MLP of x [T, d] (normed): the experts, or on dense_layers the dense SwiGLU."""
+def mlp(cfg: ModelConfig, lp: Params, x: jax.Array, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The layer's MLP of x [T, d] (normed): the experts, or on dense_layers the dense SwiGLU
+    (its tokens' experts then num_experts: none)."""
     if not cfg.dense_layers:
         return experts_mlp(cfg, lp, x)
     is_moe = jnp.asarray([i not in cfg.dense_layers for i in range(cfg.num_layers)])[layer]
+    none = jnp.full((x.shape[0], cfg.num_experts_per_tok), cfg.num_experts, jnp.int32)
     return jax.lax.cond(is_moe, lambda x: experts_mlp(cfg, lp, x),
-                        lambda x: swiglu(x, lp["dense_gate"], lp["dense_up"], lp["dense_down"]), x)
+                        lambda x: (swiglu(x, lp["dense_gate"], lp["dense_up"], lp["dense_down"]), none), x)
 
 
-def after_attention(cfg: ModelConfig, lp: Params, a: jax.Array, h: jax.Array, norm: Norm, layer: jax.Array
-                    ) -> tuple[jax.Array, None]:
-    """h1 = h + a @ wo; h1 + mlp(rms_norm(h1))."""
+def after_attention(cfg: ModelConfig, lp: Params, a: jax.Array, h: jax.Array, norm: Norm, layer: jax.Array,
+                    cache: tuple[Any, jax.Array]) -> tuple[jax.Array, None, tuple[Any, jax.Array]]:
+    """h1 = h + a @ wo; h1 + mlp(rms_norm(h1)). `cache` is (the attention's, every layer's
+    tokens' experts [L, T, k]): this layer's routing goes into the second."""
     h = lp["wo"].apply(a, residual=h)
-    return h + mlp(cfg, lp, rms_norm(h, *norm), layer), None
+    y, experts = mlp(cfg, lp, rms_norm(h, *norm), layer)
+    inner, ids = cache
+    return h + y, None, (inner, ids.at[layer].set(experts.astype(jnp.int32)))
+
+
+def with_routing(cfg: ModelConfig, forward: Any, token_ids: jax.Array, attention: llama.AttentionFn,
+                 cache: Any) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """forward(attention', cache') with the cache threaded as (cache, experts [L, T, k]) so each
+    layer's after_attention records its tokens' experts; returns (hidden, cache, {"expert_ids":
+    [L, T, k] int32}), num_experts where a dense layer or none picked: the runner counts the
+    expert load from it (runtime/model/runner.py expert_load)."""
+    def attend(q, k, v, layer, c):
+        out, inner = attention(q, k, v, layer, c[0])
+        return out, (inner, c[1])
+
+    ids = jnp.full((cfg.num_layers, token_ids.shape[0], cfg.num_experts_per_tok), cfg.num_experts, jnp.int32)
+    hidden, (cache, ids) = forward(attend, (cache, ids))
+    return hidden, cache, {"expert_ids": ids}
 
 
 def hold_weights(cfg: ModelConfig, params: Params) -> Params:
@@ -159,8 +179,9 @@ def forward_hidden(cfg: ModelConfig, params: Params, token_ids: jax.Array, posit
                    attention: llama.AttentionFn, cache: Any) -> tuple[jax.Array, Any]:
     params = hold_weights(cfg, params)  # (a tree the runner already held keeps its choice)
     inputs = qwen3.qkv_projection if cfg.architecture == "qwen3_moe" else llama.qkv_projection
-    return llama.forward_hidden(cfg, params, token_ids, positions, attention, cache, attention_inputs=inputs,
-                                after_attention=after_attention)
+    return with_routing(cfg, lambda att, c: llama.forward_hidden(
+        cfg, params, token_ids, positions, att, c, attention_inputs=inputs, after_attention=after_attention),
+        token_ids, attention, cache)
 
 
 def dense_logits(cfg: ModelConfig, params: Params, token_ids: jax.Array) -> jax.Array:
