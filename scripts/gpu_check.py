@@ -101,12 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="engine decode TPS of a Llama-3-8B-shaped model with random bf16 weights made on"
                  " the device, at B in 1,16,64,B_max, against the planner, with exposed host time"
                  " (dry run: a scaled-down shape in float32 on CPU)")
-  p.add_argument("--engine-variants", default="bf16,w8a16,w4a16,fp8kv,int8kv,llama31,gemma3,mixtral",
+  p.add_argument("--engine-variants", default="bf16,w8a16,w4a16,fp8kv,int8kv,llama31,gemma3,mixtral,deepseek",
                  help="engine TPS runs: bf16 weights; w8a16 (int8 weights); w4a16 (4-bit weights, the Pallas "
                       "w4a16 kernel); fp8kv (fp8_e4m3 KV cache, read by the Pallas kernel); int8kv "
                       "(int8 KV cache with a scale and zero per 8 (K) or 32 (V) channels: the XLA attention path); llama31 (Llama 3.1 8B: llama3 RoPE); "
                       "gemma3 (a Gemma-3-1B shape: sliding-window KV groups, XLA attention); mixtral (8 of "
-                      "Mixtral 8x7B's layers: 8 experts, top 2, through ragged_dot)")
+                      "Mixtral 8x7B's layers: 8 experts, top 2, through ragged_dot); deepseek (8 of "
+                      "DeepSeek-V2-Lite's layers: the latent MLA cache on the XLA path, 64 experts top 6 + 2 shared)")
   args = p.parse_args(argv)
   if args.reps < 1:
     p.error("--reps must be >= 1")
@@ -683,8 +684,9 @@ def run_engine_step(args: argparse.Namespace, rec: Recorder, backends: tuple[str
 
 def run_engine_tps(args: argparse.Namespace, rec: Recorder) -> bool:
   """The Llama-3-8B-shaped engine run; returns True when it failed."""
-  from runtime.bench.gpu_engine import (GEMMA3_1B, GEMMA3_SCALED, LLAMA3_8B, LLAMA3_SCALED, LLAMA31_ROPE, MIXTRAL_8L,
-                                        MIXTRAL_SCALED, engine_decode_tps, format_engine_tps)
+  from runtime.bench.gpu_engine import (DEEPSEEK_SCALED, DEEPSEEK_V2_LITE_8L, GEMMA3_1B, GEMMA3_SCALED, LLAMA3_8B,
+                                        LLAMA3_SCALED, LLAMA31_ROPE, MIXTRAL_8L, MIXTRAL_SCALED, engine_decode_tps,
+                                        format_engine_tps)
 
   rec.step = "engine_tps"
   failed = False
@@ -694,11 +696,13 @@ def run_engine_tps(args: argparse.Namespace, rec: Recorder) -> bool:
   # scales and zeros: the XLA attention path, which the Pallas kernel does not read yet).
   # Then the model-families issue's rows: Llama 3.1 8B (llama3 RoPE scaling) and a Gemma-3-1B
   # shape (sliding-window KV groups, 262k vocabulary; the XLA attention path); and the MoE
-  # issue's: Mixtral 8x7B's layers (8 of them; the experts through ragged_dot).
+  # issue's: Mixtral 8x7B's layers (8 of them; the experts through ragged_dot) and
+  # DeepSeek-V2-Lite's (the latent MLA cache, shared experts).
   variants = {"bf16": {}, "w8a16": {"quantization": "w8a16"}, "w4a16": {"quantization": "w4a16"},
               "fp8kv": {"kv_dtype": "fp8_e4m3"},
               "int8kv": {"kv_dtype": "int8"}, "llama31": {"rope_scaling": LLAMA31_ROPE},
-              "gemma3": {"model": "gemma3", "attention_backend": "xla"}, "mixtral": {"model": "mixtral"}}
+              "gemma3": {"model": "gemma3", "attention_backend": "xla"}, "mixtral": {"model": "mixtral"},
+              "deepseek": {"model": "deepseek", "attention_backend": "xla"}}
   for name in args.engine_variants.split(","):
     if name not in variants:
       print(f"--engine-variants: unknown {name!r} (known: {', '.join(variants)})")
@@ -708,7 +712,7 @@ def run_engine_tps(args: argparse.Namespace, rec: Recorder) -> bool:
     model = kw.pop("model", "llama")
     rope = {"rope_scaling": kw.pop("rope_scaling")} if "rope_scaling" in kw else {}
     scaled, full = {"gemma3": (GEMMA3_SCALED, GEMMA3_1B), "mixtral": (MIXTRAL_SCALED, MIXTRAL_8L),
-                    "llama": (LLAMA3_SCALED, LLAMA3_8B)}[model]
+                    "deepseek": (DEEPSEEK_SCALED, DEEPSEEK_V2_LITE_8L), "llama": (LLAMA3_SCALED, LLAMA3_8B)}[model]
     try:
       if args.dry_run:
         shape = {**scaled, **rope}

@@ -39,6 +39,22 @@ MIXTRAL_8L = dict(architecture="mixtral", vocab_size=32000, hidden_size=4096, in
 MIXTRAL_SCALED = {**MIXTRAL_8L, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
                   "moe_intermediate_size": 512, "num_layers": 2, "num_heads": 8, "num_kv_heads": 2, "head_dim": 32,
                   "name": "mixtral-shaped-scaled"}
+# DeepSeek-V2-Lite's layer at 8 of its 27 layers (the first dense): MLA with a 512 + 64 latent
+# row per token and layer, 16 heads, 64 routed experts of width 1408 (top 6) + 2 shared; the
+# latent cache read on the XLA attention path (the Pallas kernel has no latent mode yet), the
+# experts through ragged_dot. 3.9 B parameters, 7.8 GB in bfloat16.
+DEEPSEEK_V2_LITE_8L = dict(architecture="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                           num_layers=8, num_heads=16, num_kv_heads=1, head_dim=576, max_position_embeddings=32768,
+                           rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=100000, eos_token_ids=(100001,),
+                           pad_token_id=100001, num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+                           num_shared_experts=2, dense_layers=(0,), norm_topk_prob=False, kv_lora_rank=512,
+                           qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                           name="deepseek-v2-lite-8-layers-random")
+DEEPSEEK_SCALED = {**DEEPSEEK_V2_LITE_8L, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+                   "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2, "num_layers": 2,
+                   "num_heads": 4, "head_dim": 80, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+                   "qk_nope_head_dim": 32, "v_head_dim": 32, "bos_token_id": 1, "eos_token_ids": (2,),
+                   "pad_token_id": 0, "name": "deepseek-v2-shaped-scaled"}
 GEMMA3_SCALED = {**GEMMA3_1B, "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 256, "num_layers": 6,
                  "head_dim": 32, "sliding_window": 64, "query_pre_attn_scalar": 32.0, "name": "gemma-3-shaped-scaled",
                  "layer_types": tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6))}

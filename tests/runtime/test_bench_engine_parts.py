@@ -126,3 +126,15 @@ def test_verify_step_cost_times_a_verifying_step_beside_a_decode_step():
         assert x["decode_ms"] > 0 and x["verify_ms"] > 0
         assert abs(x["ratio"] - x["verify_ms"] / x["decode_ms"]) < 1e-9 and x["break_even_kept"] == x["ratio"] - 1
     assert "k=3 proposals a row" in format_verify_cost(r)
+
+
+def test_deepseek_shaped_engine_run_caches_one_latent_row():
+    """gpu_check's deepseek variant, scaled down on CPU: the engine decodes a random DeepSeek-V2
+    shape on the XLA attention path, and the KV bytes it plans with are the latent rows'."""
+    from runtime.bench.gpu_engine import DEEPSEEK_SCALED, model_config
+
+    r = engine_decode_tps(DEEPSEEK_SCALED, (1, 4), context_len=64, steps=2, dtype="float32", kv_memory=16 << 20,
+                          device_name="h100", attention_backend="xla")
+    cfg = model_config(DEEPSEEK_SCALED)
+    assert r["model"] == "deepseek-v2-shaped-scaled" and all(x["tokens_per_s"] > 0 for x in r["rows"])
+    assert cfg.kv_bytes_per_token("float32") == 2 * (64 + 16) * 4
