@@ -214,7 +214,7 @@ def _jax_device() -> str:
 
 def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
     from runtime import planner
-    from runtime.config import DTYPE_BYTES, INT8_KV_GROUP, QUANTIZED_KV_DTYPES, kv_scale_bytes
+    from runtime.config import DTYPE_BYTES, INT8_KV_GROUP, QUANTIZED_KV_DTYPES, kv_scale_bytes, kv_scale_groups
     from runtime.model.runner import compilations
 
     cfg, info = engine.config, read.model_info(engine)
@@ -238,8 +238,12 @@ def model_view(engine: LLMEngine, settings: Any) -> dict[str, Any]:
         + ("; int8 products: C++ kernel, runtime/kernels/cpu/cpu_matmul.cc" if info.matmul_kernel else ""),
         "quantization": _quantization_text(cfg, getattr(settings, "checkpoint", None)),
         "kv_quantized": c.kv_dtype in QUANTIZED_KV_DTYPES,
-        "kv_elem_bytes": DTYPE_BYTES[c.kv_dtype], "kv_scale_bytes": kv_scale_bytes(c.kv_dtype, m.head_dim),
-        "kv_layout": (f"a float16 scale and zero per {INT8_KV_GROUP['k']} channels of K and {INT8_KV_GROUP['v']} of V"
+        "kv_elem_bytes": DTYPE_BYTES[c.kv_dtype],
+        "kv_scale_bytes": (kv_scale_groups(c.kv_dtype, m.head_dim, "latent") * 4 if m.mla
+                           else kv_scale_bytes(c.kv_dtype, m.head_dim)),
+        "kv_layout": (f"a float16 scale and zero per {INT8_KV_GROUP['latent']} columns of the latent row" if m.mla
+                      and c.kv_dtype == "int8" else
+                      f"a float16 scale and zero per {INT8_KV_GROUP['k']} channels of K and {INT8_KV_GROUP['v']} of V"
                       if c.kv_dtype == "int8" else "one float32 scale per token and KV head"),
         "device": _jax_device(), "params": m.param_count(), "active_params": int(m.params_touched(1)),
         "tensor_parallel": info.tensor_parallel,

@@ -18,7 +18,7 @@ GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
 QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
 # Channels per int8 KV scale and zero, for K and for V (why: runtime/model/kv_pages.py).
-INT8_KV_GROUP = {"k": 8, "v": 32}
+INT8_KV_GROUP = {"k": 8, "v": 32, "latent": 32}  # latent: an MLA cache's one row per token (keys and values)
 
 
 def kv_scale_groups(kv_dtype: str, head_dim: int, part: str) -> int:
@@ -299,8 +299,9 @@ class ModelConfig:
         """Layers x KV heads x (2 (K and V) x head dim x bytes per element, plus a quantized
         cache's scales and zeros: kv_scale_bytes). Latent attention: layers x one latent row
         (it is the keys and, through its first kv_lora_rank columns, the values)."""
-        if self.mla:
-            return self.num_layers * self.head_dim * DTYPE_BYTES[kv_dtype]
+        if self.mla:  # (a quantized latent row: its scales and zeros, or its fp8 scale, beside it)
+            scale = kv_scale_groups(kv_dtype, self.head_dim, "latent") * 4
+            return self.num_layers * (self.head_dim * DTYPE_BYTES[kv_dtype] + scale)
         scale = kv_scale_bytes(kv_dtype, self.head_dim)
         return self.num_layers * self.num_kv_heads * (2 * self.head_dim * DTYPE_BYTES[kv_dtype] + scale)
 

@@ -45,11 +45,10 @@ def allocate_kv(shape: tuple[int, ...], kv_dtype: str, latent: bool = False) -> 
     `latent` (multi-head latent attention): the K cache's rows are the keys and the values,
     so V is [..., 0]: no bytes, the same tree for every caller."""
     dtype = KV_DTYPES[kv_dtype]
-    if latent:
-        if kv_dtype in QUANTIZED_KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype: {kv_dtype} is not implemented for a latent (MLA) cache "
-                             "(use float32, bfloat16 or float16)")
-        return jnp.zeros(shape, dtype), jnp.zeros((*shape[:-1], 0), dtype)
+    if latent:  # (quantized: the latent row with its own scale groups, INT8_KV_GROUP["latent"])
+        k = (QuantizedPages.empty(shape, dtype, kv_scale_groups(kv_dtype, shape[-1], "latent"))
+             if kv_dtype in QUANTIZED_KV_DTYPES else jnp.zeros(shape, dtype))
+        return k, jnp.zeros((*shape[:-1], 0), jnp.float32)
     if kv_dtype in QUANTIZED_KV_DTYPES:
         return tuple(QuantizedPages.empty(shape, dtype, kv_scale_groups(kv_dtype, shape[-1], part)) for part in "kv")
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

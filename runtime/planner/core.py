@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.config import DTYPE_BYTES, QUANTIZED_KV_DTYPES, GiB, ModelConfig, kv_scale_bytes
+from runtime.config import DTYPE_BYTES, QUANTIZED_KV_DTYPES, GiB, ModelConfig, kv_scale_bytes, kv_scale_groups
 from runtime.kv_groups import KVGroups
 
 GB = 10**9
@@ -342,7 +342,9 @@ def format_plan(p: CapacityPlan) -> str:
                if group > 1 else "no GQA: every query head has its own K/V")
     scale_note = (f" + {kv_scale_bytes(p.kv_dtype, p.head_dim) / 2:g} B scales" if p.kv_dtype in QUANTIZED_KV_DTYPES
                   else "")
-    kv_formula = (f"{p.num_layers} x (one latent row of {p.head_dim} x {DTYPE_BYTES[p.kv_dtype]} B)" if latent else
+    if latent and p.kv_dtype in QUANTIZED_KV_DTYPES:
+        scale_note = f" + {kv_scale_groups(p.kv_dtype, p.head_dim, 'latent') * 4} B scales"
+    kv_formula = (f"{p.num_layers} x (one latent row of {p.head_dim} x {DTYPE_BYTES[p.kv_dtype]} B{scale_note})" if latent else
                   f"2 x {p.num_layers} x {p.num_kv_heads} x ({p.head_dim} x {DTYPE_BYTES[p.kv_dtype]} B{scale_note})")
     lines = [
         f"Capacity plan: {p.model} on {d.name}, weights {p.weight_dtype}, KV {p.kv_dtype}, "

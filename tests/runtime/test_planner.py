@@ -337,3 +337,7 @@ def test_mla_plan_counts_one_latent_row_per_token():
     text = format_plan(p)
     assert "N_kv=1 (MLA)" in text and "= 60 x (one latent row of 576 x 2 B)" in text
     assert "the expanded K/V would be 4.69 MiB, 71.1x more" in text
+
+    q = plan(m, DEVICES["h200"], weight_dtype="int4", kv_dtype="int8", context_len=4096)
+    assert q.kv_bytes_per_token == 60 * (576 + 18 * 4)  # int8 values + a scale and zero per 32 columns
+    assert "= 60 x (one latent row of 576 x 1 B + 72 B scales)" in format_plan(q)
