@@ -126,6 +126,10 @@ def quantize_for_checkpoint(cfg: ModelConfig, params: dict[str, Any], method: st
     from runtime.model.quant import prepare
     from runtime.tokenizer import TextTokenizer
 
+    if cfg.num_experts:
+        raise CheckpointError(f"--quantize {method}: a mixture of experts is not stored quantized yet; convert it "
+                              f"as float and serve it with --quantization {method}")
+
     tok = TextTokenizer(Tokenizer.from_str(tokenizer_json), chat_template, cfg.bos_token_id, cfg.eos_token_ids,
                         cfg.add_bos_token)
     return jax.tree.map(np.asarray, prepare(params, method, cfg, tok, lm_head=lm_head))

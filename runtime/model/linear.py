@@ -188,7 +188,8 @@ class Int4Grouped(Linear):
         return self.q4.shape[-1]
 
 
-def expert_products(x: jax.Array, w: jax.Array, sizes: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+def expert_products(x: jax.Array, w: jax.Array, sizes: jax.Array, layer: jax.Array | None = None,
+                    scale: jax.Array | None = None, int8_acts: bool = False) -> jax.Array:
     """x [M, K] with its rows sorted by expert (sizes [E] rows each, summing to M) times each
     row's expert's matrix -> [M, N]: w [E, K, N], or every layer's [L, E, K, N] with `layer`
     (StackedExperts: only the used experts' matrices are read). Only the experts' own rows, as
@@ -203,9 +204,15 @@ def expert_products(x: jax.Array, w: jax.Array, sizes: jax.Array, layer: jax.Arr
     which are written after it, so nothing is masked. R follows the step's row count, so this
     loop's sums may differ in the last bits between batch sizes; the C++ kernel
     (runtime/kernels/cpu/experts.py PackedExperts, the float32 engine's path) sums every row
-    the same way and copies no matrix out of the stack."""
+    the same way and copies no matrix out of the stack.
+
+    Quantized experts (runtime/model/quant.py quantize_experts): w int8 with `scale` [(L,) E, N]
+    per expert and output channel; `int8_acts` (w8a8) quantizes each row by its absmax / 127 and
+    multiplies int8 by int8 (int32 sums), else (w8a16) the expert's matrix is dequantized and
+    multiplied in the rows' dtype."""
     if jax.default_backend() != "cpu":
-        return jax.lax.ragged_dot(x, w if layer is None else w[layer], sizes)
+        return _ragged_products(x, w if layer is None else w[layer], sizes,
+                                None if scale is None else scale if layer is None else scale[layer], int8_acts)
     M, K = x.shape
     E, N = w.shape[-3], w.shape[-1]
     R = min(64, 1 << max(0, (-(-M // E) - 1).bit_length()))  # an expert's even share of the rows, to 64
@@ -218,10 +225,12 @@ def expert_products(x: jax.Array, w: jax.Array, sizes: jax.Array, layer: jax.Arr
                 we = jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
             else:
                 we = jax.lax.dynamic_slice(w, (layer, e, 0, 0), (1, 1, K, N))[0, 0]
+            se = None if scale is None else (scale[e] if layer is None else scale[layer, e])
 
             def tile(j, out):
                 r0 = starts[e] + j * R
-                y = jax.lax.dynamic_slice_in_dim(xpad, r0, R) @ we.astype(x.dtype)
+                rows = jax.lax.dynamic_slice_in_dim(xpad, r0, R)
+                y = _expert_tile(rows, we, se, int8_acts)
                 return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), r0, 0)
 
             return jax.lax.fori_loop(0, (sizes[e] + R - 1) // R, tile, out)
@@ -229,6 +238,40 @@ def expert_products(x: jax.Array, w: jax.Array, sizes: jax.Array, layer: jax.Arr
         return jax.lax.cond(sizes[e] > 0, run, lambda o: o, out)
 
     return jax.lax.fori_loop(0, E, expert, jnp.zeros((M + R, N), x.dtype))[:M]
+
+
+def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w8a8's activations: each row as int8 with its own absmax / 127 scale [M, 1]."""
+    x32 = x.astype(jnp.float32)
+    sx = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / 127.0
+    sx = jnp.where(sx > 0, sx, 1.0)
+    return jnp.clip(jnp.round(x32 / sx), -127, 127).astype(jnp.int8), sx
+
+
+def _expert_tile(rows: jax.Array, we: jax.Array, se: jax.Array | None, int8_acts: bool) -> jax.Array:
+    """rows [R, K] times one expert's matrix [K, N] (float, or int8 with scales se [N])."""
+    if se is None:
+        return rows @ we.astype(rows.dtype)
+    if int8_acts:
+        xq, sx = _quantize_rows(rows)
+        return jax.lax.dot(xq, we, preferred_element_type=jnp.int32).astype(jnp.float32) * sx * se
+    return (rows @ we.astype(rows.dtype)) * se.astype(rows.dtype)
+
+
+def _ragged_products(x: jax.Array, w: jax.Array, sizes: jax.Array, scale: jax.Array | None,
+                     int8_acts: bool) -> jax.Array:
+    """expert_products off CPU: jax.lax.ragged_dot over one layer's [E, K, N], int8 x int8 into
+    int32 for w8a8, the int8 matrices dequantized for w8a16; each row then takes its expert's
+    output scales."""
+    if scale is None:
+        return jax.lax.ragged_dot(x, w, sizes)
+    group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")  # each row's expert
+    se = scale[jnp.minimum(group, scale.shape[0] - 1)]                                # [M, N]
+    if int8_acts:
+        xq, sx = _quantize_rows(x)
+        acc = jax.lax.ragged_dot(xq, w, sizes, preferred_element_type=jnp.int32)
+        return (acc.astype(jnp.float32) * sx * se).astype(x.dtype)
+    return (jax.lax.ragged_dot(x, w.astype(x.dtype), sizes) * se.astype(x.dtype)).astype(x.dtype)
 
 
 def dequantize_int4(q4: jax.Array, s4: jax.Array, m4: jax.Array) -> jax.Array:
@@ -275,12 +318,14 @@ class StackedExperts(HeldPerLayer):
     index: jax.Array | None = None
     rows: tuple[int, ...] = static(())  # per layer its row of w (-1: none) where only some layers have experts
     mesh: Any = static(None)  # expert parallelism: w split by expert over this mesh (runtime/model/tp.py)
+    s: jax.Array | None = None  # quantized experts: w int8, s [L, E, N] per expert and output channel
+    int8_acts: bool = static(False)  # w8a8 (else w8a16: the matrices dequantized)
 
     def at(self, index: jax.Array) -> "StackedExperts":
         return dataclasses.replace(self, index=layer_row(self.rows, index))
 
     def product(self, x: jax.Array, sizes: jax.Array) -> jax.Array:
-        return expert_products(x, self.w, sizes, self.index)
+        return expert_products(x, self.w, sizes, self.index, self.s, self.int8_acts)
 
 
 def layer_row(rows: tuple[int, ...], layer: jax.Array) -> jax.Array:

@@ -90,7 +90,8 @@ def is_quantized(w: Any) -> bool:
 
 def quantization_of(params: dict[str, Any]) -> str:
     """Which method a parameter tree was quantized with ("none" for float weights)."""
-    w = params["layers"].get("wq", params["layers"].get("qkv"))
+    lay = params["layers"]
+    w = lay.get("wq", lay.get("qkv", lay.get("experts_gate")))
     if isinstance(w, tuple):  # held per layer (models/llama.py unstack_weights)
         w = w[0]
     if not is_quantized(w):
@@ -332,6 +333,22 @@ def quantize_params(params: dict[str, Any], method: str, act_absmax: dict[str, n
     return out
 
 
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
+
+
+def quantize_experts(params: dict[str, Any], method: str) -> dict[str, Any]:
+    """A mixture of experts' expert stacks [L, E, in, out] as int8 with one scale per expert and
+    output channel (absmax / 127): {"w8", "s"} for w8a16, {"q", "s"} for w8a8 (the rows then
+    quantized per row in the product: linear.expert_products). Routers, shared experts and
+    dense layers stay float."""
+    layers = dict(params["layers"])
+    for k in EXPERT_WEIGHTS:
+        if k in layers and not is_quantized(layers[k]):
+            qw = quantize_weight(np.asarray(layers[k], np.float32))
+            layers[k] = {"w8": qw["q"], "s": qw["s"]} if method == "w8a16" else qw
+    return {**params, "layers": layers}
+
+
 def _tied_over_kv_heads(x_max: np.ndarray, kv_heads: int, head_dim: int) -> np.ndarray:
     """Per-row maxima of wo's input side [L, H*D] (of x or of W) with the query heads of each
     KV head sharing one value per dimension (their max): then s is the same for them and 1/s folds into that KV head's wv
@@ -385,9 +402,9 @@ def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any, lm_he
     `lm_head` adds the int8 head). A tree that is already quantized by `method` (a `convert
     --quantize` checkpoint) is returned as it is: start-up never requantizes; one quantized
     otherwise is an error."""
-    if method != "none" and cfg.num_experts:
-        raise ValueError(f"quantization: {method} of a mixture of experts: its expert weights are not quantized "
-                         "yet (serve it with --quantization none)")
+    if method == "w4a16" and cfg.num_experts:
+        raise ValueError("quantization: w4a16 of a mixture of experts is not implemented (its experts have no "
+                         "4-bit form yet); serve it with --quantization w8a16, w8a8 or none")
     have = quantization_of(params)
     if have == method:
         if lm_head and "head" not in params:
@@ -399,6 +416,11 @@ def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any, lm_he
                          f"(serve it with --quantization {have} or auto, or convert the float source again)")
     if lm_head and method != "w8a8":
         raise ValueError(f"quantize_lm_head: needs --quantization w8a8 (got {method})")
+    if cfg.num_experts and method != "none":
+        if lm_head:
+            raise ValueError("quantize_lm_head: not implemented for a mixture of experts (its calibration run is "
+                             "a dense model's)")
+        return quantize_experts(quantize_params(params, method, grouped=False), method)
     if method in ("none", "w8a16", "w4a16"):
         return quantize_params(params, method)
     return quantize_params(params, method,

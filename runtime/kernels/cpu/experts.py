@@ -50,6 +50,6 @@ class PackedExperts(StackedExperts):
 def pack_held(params: dict) -> dict:
     """Every StackedExperts of the layers as PackedExperts (host side, once at start)."""
     layers = {k: PackedExperts(jnp.asarray(pack(np.asarray(v.w, np.float32))), rows=v.rows, n=int(v.w.shape[-1]))
-              if isinstance(v, StackedExperts) and not isinstance(v, PackedExperts) else v
+              if isinstance(v, StackedExperts) and not isinstance(v, PackedExperts) and v.s is None else v
               for k, v in params["layers"].items()}
     return {**params, "layers": layers}

@@ -149,7 +149,8 @@ def pack_params(params: dict[str, Any]) -> dict[str, Any]:
     """A w8a8 tree -> the same model with packed (and fused) projections and int8 head."""
     layers = dict(params["layers"])
     for name, names in PACKED.items():
-        layers[name] = _pack([layers.pop(n) for n in names])
+        if all(n in layers for n in names):  # (a mixture of experts has no dense MLP to pack)
+            layers[name] = _pack([layers.pop(n) for n in names])
     out = {**params, "layers": layers}
     if "head" in params:
         out["head"] = _pack([params["head"]])

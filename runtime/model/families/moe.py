@@ -166,8 +166,11 @@ def hold_weights(cfg: ModelConfig, params: Params) -> Params:
     layers = dict(params["layers"])
     moe_rows = subset_rows(cfg.moe_layers(), cfg.num_layers)
     for k in EXPERT_WEIGHTS:
-        if not isinstance(layers[k], StackedExperts):
-            layers[k] = StackedExperts(layers[k], rows=moe_rows)
+        w = layers[k]
+        if isinstance(w, dict):  # int8 experts (runtime/model/quant.py quantize_experts): w8a16 {"w8", "s"}, w8a8 {"q", "s"}
+            layers[k] = StackedExperts(w.get("w8", w.get("q")), rows=moe_rows, s=w["s"], int8_acts="q" in w)
+        elif not isinstance(w, StackedExperts):
+            layers[k] = StackedExperts(w, rows=moe_rows)
     for names, rows in ((MOE_LAYER_WEIGHTS, moe_rows), (DENSE_WEIGHTS, subset_rows(cfg.dense_layers, cfg.num_layers))):
         for k in names:
             if rows and k in layers and not isinstance(layers[k], LayerSubset):
