@@ -90,6 +90,7 @@ SLOW = (
     "tests/runtime/test_families_deepseek.py::test_deepseek_prefix_cache_preemption_and_batch_invariance",
     "tests/runtime/test_families_deepseek.py::test_deepseek_through_the_openai_api",
     "tests/runtime/test_families_deepseek.py::test_a_quantized_latent_cache",
+    "tests/runtime/test_families_deepseek.py::test_latent_blocks_transfer_between_prefill_and_decode_engines",
     # yarn / dynamic / longrope through the engine against transformers (the tables stay fast)
     "tests/runtime/test_rope_scaling.py::test_yarn_matches_transformers",
     "tests/runtime/test_rope_scaling.py::test_dynamic_is_default_rope_within_max_positions_and_refused_past_them",

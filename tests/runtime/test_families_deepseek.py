@@ -231,3 +231,18 @@ def test_deepseek_through_the_openai_api(ds):
     assert len(choice["logprobs"]["token_logprobs"]) == 12
     theirs = [logp[len(PROMPT) - 1 + i, t] for i, t in enumerate(gen)]
     np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], theirs, atol=1e-3)
+
+
+def test_latent_blocks_transfer_between_prefill_and_decode_engines(ds):
+    """Disaggregated prefill/decode carries the latent rows (and V's empty arrays): the decode
+    engine computes only the tail and answers the colocated engine's tokens."""
+    from runtime.core.disagg import prefill_then_decode
+    from runtime.core.kv_transfer import InProcessConnector
+
+    _, _, ck = ds
+    pre, dec = (make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+                for _ in range(2))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = pre.generate([PROMPT[:50]], sp)[0]
+    req = prefill_then_decode(pre, dec, InProcessConnector(), PROMPT[:50], sp)
+    assert req.output_ids == want.output_ids and req.num_cached_tokens == 48
