@@ -19,6 +19,7 @@ import numpy as np
 from console import charts
 from runtime.core import snapshot as read
 from runtime.core.snapshot import BLOCK_STATES, BlockView
+from runtime.core.metrics import eviction_signal
 
 if TYPE_CHECKING:
     from runtime.core.engine import LLMEngine
@@ -102,6 +103,7 @@ def dashboard(engine: LLMEngine) -> dict[str, Any]:
     rh = (last.prefix_hits - base.prefix_hits) if (last and base) else 0
     span = (last.t - base.t) if (last and base and last.t > base.t) else RECENT_S
     ev_rate = ((last.evictions - base.evictions) / span) if (last and base) else 0.0
+    eviction = eviction_signal(steps, now, engine.config.eviction)
     rttft = [v for t, v in ttft if t >= now - RECENT_S]
     ritl = [v for t, v in itl if t >= now - RECENT_S]
     states = [r.state for r in snap.requests]
@@ -119,6 +121,7 @@ def dashboard(engine: LLMEngine) -> dict[str, Any]:
         "pct": {k: (v / n if n else 0.0) for k, v in occ.items()},
         "recent_s": int(RECENT_S),
         "recent_hit_rate": rh / rq if rq else None, "evictions_per_s": ev_rate,
+        "eviction": eviction, "eviction_cfg": engine.config.eviction,
         "evicted_age_p50": _p(ages, 50), "evicted_age_max": max(ages) if ages else None,
         "running": states.count("running"), "waiting": states.count("waiting"),
         "preempted": states.count("preempted"),

@@ -617,6 +617,23 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class EvictionAlert:
+    """The KV eviction rate as a capacity signal (the seeds: alert at 5% under normal load,
+    underprovisioned above 10%): over the last `window_s` seconds, the blocks of in-flight or
+    recently used prefixes the pool lost (a preempted request's uncached blocks; cached blocks
+    evicted within `window_s` of their last use) over the blocks it allocated. `warn` and
+    `alert` are the rates that change its state (runtime/core/metrics.py eviction_signal)."""
+    window_s: float = 60.0
+    warn: float = 0.05
+    alert: float = 0.10
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.window_s) and self.window_s > 0, "eviction_window", "must be a positive number of seconds")
+        _check(0 < self.warn <= self.alert <= 1, "eviction_warn",
+               f"need 0 < warn <= alert <= 1, got warn {self.warn} and alert {self.alert}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -630,3 +647,4 @@ class EngineConfig:
     tensor_parallel_size: int = 1    # devices the model is sharded over (runtime/model/tp.py); 1: one device
     kernels: KernelConfig = field(default_factory=KernelConfig)  # the CPU kernels' switches
     speculative: SpeculativeConfig | None = None  # speculative decoding (runtime/core/speculative.py); None: off
+    eviction: EvictionAlert = field(default_factory=EvictionAlert)  # the eviction-rate signal's window and thresholds

@@ -137,6 +137,11 @@ class BlockPool:
         self._num_used = 0
         self._num_cached = 0
         self.num_evictions = 0
+        self.num_allocated = 0  # blocks handed out, ever (the eviction rate's denominator)
+        # Evictions of blocks used within the last `recent_s` seconds (a prefix still in play:
+        # the eviction rate's numerator, with preemptions' lost blocks; EvictionAlert.window_s)
+        self.recent_s = 60.0
+        self.num_recent_evictions = 0
         self.evicted_ages: deque[float] = deque(maxlen=EVICTED_AGES_MAXLEN)
         self.evicted_age_total = 0.0
         # Residency events (None = not recorded): ("stored", hash, parent, tokens) | ("removed", hash).
@@ -196,6 +201,7 @@ class BlockPool:
                     now = self._clock()
                 age = now - info.last_used
                 self.num_evictions += 1
+                self.num_recent_evictions += age <= self.recent_s
                 self.evicted_ages.append(age)
                 self.evicted_age_total += age
                 del self._index[(info.group, info.block_hash)]
@@ -209,6 +215,7 @@ class BlockPool:
             info.hits = 0
             out.append(block_id)
         self._num_used += n
+        self.num_allocated += n
         return out
 
     def free(self, block_ids: Sequence[int]) -> None:

@@ -36,7 +36,8 @@ from runtime.core import disagg, speculative
 from runtime.kv_groups import KVGroups
 from runtime.core.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
-from runtime.core.metrics import EngineMetrics, EngineState, ExpertLoad, StepSample
+from runtime.core.metrics import (EVICTION_STATES, EngineMetrics, EngineState, ExpertLoad, StepSample,
+                                  eviction_signal)
 from runtime.model.runner import ModelRunner, StepHandle, compilations
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.request import Request
@@ -100,6 +101,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.envelope = config.scheduler
         self.pool = BlockPool(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
+        self.pool.recent_s = config.eviction.window_s  # (a prefix used within the window counts as live)
         self._policy = config.policy
         self._policy.validate(self.envelope)
         self.kv_groups = KVGroups.of(config.model, config.cache.kv_groups)  # (runtime/kv_groups.py)
@@ -582,9 +584,13 @@ class LLMEngine:
             return  # idle loop iterations: one chart sample a second is enough
         if not num_tokens:
             self._last_idle_sample = now
-        m.window.add_step(StepSample(time.monotonic(), step_time, num_tokens, len(s.running), s.num_waiting,
+        m.window.add_step(StepSample(now, step_time, num_tokens, len(s.running), s.num_waiting,
                                      new_tokens, c.prefix_queries, c.prefix_hits, pool.num_evictions,
-                                     pool.num_used_blocks, pool.num_cached_blocks))
+                                     pool.num_used_blocks, pool.num_cached_blocks, pool.num_allocated,
+                                     pool.num_recent_evictions + c.preempted_blocks_lost))
+        sig = eviction_signal(m.window.steps, now, self.config.eviction)
+        m.eviction_rate.set(sig.rate or 0.0)
+        m.eviction_state.set(EVICTION_STATES.index(sig.state))
 
     # --- views -------------------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, GiB, KernelConfig, ModelConfig,
+from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, EvictionAlert, GiB, KernelConfig, ModelConfig,
                             SchedulerConfig, SpeculativeConfig, parse_memory)
 
 CPU_DEFAULT_KV_MEMORY = 2 * GiB  # 64 streams of ~700 unshared tokens (SmolLM2, float32) without preemption
@@ -68,6 +68,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     k.add_argument("--no-huge-pages", action="store_true", help="weights and KV cache on ordinary 4 KB pages")
     k.add_argument("--linger-us", type=int, default=KernelConfig.linger_us,
                    help="microseconds a kernel pool helper waits for the next call's work (0: sleep at once)")
+    e = p.add_argument_group("KV eviction signal (the console's dashboard and /metrics kv_eviction_rate)")
+    e.add_argument("--eviction-window", type=float, default=EvictionAlert.window_s, metavar="SECONDS",
+                   help="the rate's window; a cached block used within it counts as a live prefix when evicted")
+    e.add_argument("--eviction-warn", type=float, default=EvictionAlert.warn, metavar="RATE",
+                   help="lost / allocated blocks at which the signal warns (the seeds: 5%%)")
+    e.add_argument("--eviction-alert", type=float, default=EvictionAlert.alert, metavar="RATE",
+                   help="... and alerts: underprovisioned (the seeds: 10%%)")
     a = p.add_argument_group("admission policy (live-tunable from the console)")
     a.add_argument("--watermark", type=float, default=0.05)
     a.add_argument("--admission-mode", choices=("reserve", "optimistic"), default="optimistic")
@@ -138,7 +145,10 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
                             quantize_lm_head=getattr(args, "quantize_lm_head", False),
                             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                             kernels=kernel_config_from_args(args),
-                            speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)))
+                            speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
+                            eviction=EvictionAlert(getattr(args, "eviction_window", EvictionAlert.window_s),
+                                                   getattr(args, "eviction_warn", EvictionAlert.warn),
+                                                   getattr(args, "eviction_alert", EvictionAlert.alert)))
 
     # LLMEngine.from_checkpoint reads it before the weights (TP restores them into their shards).
     build.tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)  # type: ignore[attr-defined]

@@ -20,7 +20,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import numpy as np
+
+    from runtime.config import EvictionAlert
 
     from runtime.core.block_pool import BlockPool
     from runtime.core.scheduler import Scheduler
@@ -139,6 +143,11 @@ class EngineMetrics:
         self.spec_accepted_per_pos = [Counter(x + "spec_decode_num_accepted_tokens_per_pos",
                                               "Proposed tokens kept, by their position in the proposal",
                                               ["method", "position"], registry=r) for x in (P, V)]
+        # The eviction rate over its window (runtime/core/metrics.py eviction_signal) and its state.
+        self.eviction_rate = Gauge(P + "kv_eviction_rate", "Blocks of in-flight or recently used prefixes lost / "
+                                   "blocks allocated, over the eviction window", registry=r)
+        self.eviction_state = Gauge(P + "kv_eviction_state", "0 ok, 1 warn, 2 alert (the eviction rate against "
+                                    "its thresholds)", registry=r)
         # A mixture of experts (runtime/model/families/moe.py): routing balance per step.
         self.expert_imbalance = Gauge(P + "moe_expert_load_imbalance",
                                       "Last step's max / mean tokens per expert, averaged over the expert layers "
@@ -169,6 +178,43 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+EVICTION_STATES = ("ok", "warn", "alert")
+EVICTION_ADVICE = {
+    "ok": "",
+    "warn": "KV blocks of live prefixes are being evicted: watch TTFT; raise the KV budget (--kv-cache-memory) "
+            "or tighten admission (watermark, max sequences) before it reaches the alert level.",
+    "alert": "Underprovisioned for this context-length mix: raise the KV budget (--kv-cache-memory), tighten "
+             "admission (watermark, max sequences, reserve mode), or add a replica.",
+}
+
+
+@dataclass(frozen=True)
+class EvictionSignal:
+    rate: float | None   # lost / allocated over the window; None: nothing allocated in it
+    lost: int
+    allocated: int
+    state: str           # EVICTION_STATES
+
+    @property
+    def advice(self) -> str:
+        return EVICTION_ADVICE[self.state]
+
+
+def eviction_signal(steps: "Sequence[StepSample]", now: float, alert: "EvictionAlert") -> EvictionSignal:
+    """The eviction rate over the last alert.window_s seconds of step samples (the blocks lost
+    since the last sample before the window over the blocks allocated since then) and its
+    state against alert.warn / alert.alert."""
+    if not steps:
+        return EvictionSignal(None, 0, 0, "ok")
+    last = steps[-1]
+    base = next((s for s in reversed(steps) if s.t < now - alert.window_s), steps[0])
+    lost, allocated = last.lost - base.lost, last.allocated - base.allocated
+    rate = lost / allocated if allocated > 0 else None
+    state = ("alert" if rate is not None and rate >= alert.alert else
+             "warn" if rate is not None and rate >= alert.warn else "ok")
+    return EvictionSignal(rate, lost, allocated, state)
 
 
 class ExpertLoad:
@@ -244,6 +290,8 @@ class StepSample:
     evictions: int            # cumulative
     used_blocks: int
     cached_blocks: int
+    allocated: int = 0        # cumulative blocks allocated
+    lost: int = 0             # cumulative blocks of in-flight or recent prefixes lost (eviction_signal)
 
     def __getitem__(self, i: int):  # (t, ...) tuple-like access for RecentWindow.recent
         return (self.t,)[i]

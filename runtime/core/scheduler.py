@@ -57,6 +57,7 @@ class SchedulerCounters:
     rejections: dict[str, int] = field(default_factory=dict)
     spec_proposed: int = 0      # speculative decoding: proposed tokens verified
     spec_accepted: int = 0      # of which kept
+    preempted_blocks_lost: int = 0  # blocks preemptions dropped (not in the prefix cache: their KV is gone)
 
 
 class Scheduler:
@@ -159,6 +160,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        infos = self.pool.infos
+        self.counters.preempted_blocks_lost += sum(infos[b].block_hash is None for b in req.held_blocks())
         self._release(req)
         req.spec_token_ids = []
         req.num_computed_tokens = 0
