@@ -648,3 +648,4 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)  # the CPU kernels' switches
     speculative: SpeculativeConfig | None = None  # speculative decoding (runtime/core/speculative.py); None: off
     eviction: EvictionAlert = field(default_factory=EvictionAlert)  # the eviction-rate signal's window and thresholds
+    kv_offload_memory: int = 0  # bytes of host RAM for the second KV tier (runtime/core/kv_tiers.py); 0: none

@@ -144,6 +144,9 @@ class BlockPool:
         self.num_recent_evictions = 0
         self.evicted_ages: deque[float] = deque(maxlen=EVICTED_AGES_MAXLEN)
         self.evicted_age_total = 0.0
+        # A lower KV tier (runtime/core/kv_tiers.py; None = none): evicted cached blocks of group 0 as
+        # (block id, hash, token ids, parent hash), logged before reuse so their KV can be copied down.
+        self.offload_log: list[tuple] | None = None
         # Residency events (None = not recorded): ("stored", hash, parent, tokens) | ("removed", hash).
         self.events: list[tuple] | None = None
 
@@ -205,6 +208,8 @@ class BlockPool:
                 self.evicted_ages.append(age)
                 self.evicted_age_total += age
                 del self._index[(info.group, info.block_hash)]
+                if self.offload_log is not None and info.group == 0:
+                    self.offload_log.append((block_id, info.block_hash, info.token_ids, info.parent_hash))
                 if self.events is not None and info.group == 0:
                     self.events.append(("removed", info.block_hash))
                 info.block_hash = None

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from runtime.core.request import step_row
 from runtime.model.batch import GUIDED_SPEC_ROWS
-from runtime.core import disagg, speculative
+from runtime.core import disagg, kv_tiers, speculative
 from runtime.kv_groups import KVGroups
 from runtime.core.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
@@ -102,6 +102,14 @@ class LLMEngine:
         self.envelope = config.scheduler
         self.pool = BlockPool(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_cache)
         self.pool.recent_s = config.eviction.window_s  # (a prefix used within the window counts as live)
+        self.host_tier = None  # the host-RAM KV tier (runtime/core/kv_tiers.py)
+        if config.kv_offload_memory:
+            if not config.cache.enable_prefix_cache:
+                raise ValueError("kv_offload_memory: the host KV tier holds prefix-cache blocks; it needs the prefix cache")
+            if KVGroups.of(config.model, config.cache.kv_groups).num_groups > 1:
+                raise ValueError("kv_offload_memory: not implemented for models with sliding-window KV groups")
+            self.host_tier = kv_tiers.HostTier(config.kv_offload_memory)
+            self.pool.offload_log = []
         self._policy = config.policy
         self._policy.validate(self.envelope)
         self.kv_groups = KVGroups.of(config.model, config.cache.kv_groups)  # (runtime/kv_groups.py)
@@ -326,7 +334,12 @@ class LLMEngine:
         with self.lock:
             self._apply_boundary(outputs)
             self._propose()
-            launched = self._launch(self.scheduler.schedule(), outputs)
+            if self.host_tier is not None:  # (runtime/core/kv_tiers.py: up before admission, down before launch)
+                kv_tiers.promote(self)
+            plan = self.scheduler.schedule()
+            if self.host_tier is not None:
+                kv_tiers.offload(self)
+            launched = self._launch(plan, outputs)
             if self.async_scheduling and self.draft is None:  # (the draft mirrors steps with known inputs)
                 done, self._inflight = [self._inflight], launched
             else:
@@ -588,6 +601,11 @@ class LLMEngine:
                                      new_tokens, c.prefix_queries, c.prefix_hits, pool.num_evictions,
                                      pool.num_used_blocks, pool.num_cached_blocks, pool.num_allocated,
                                      pool.num_recent_evictions + c.preempted_blocks_lost))
+        if self.host_tier is not None:
+            t = self.host_tier
+            m.tier_bytes.labels("host").set(t.bytes)
+            m.tier_blocks.labels("host").set(len(t.blocks))
+            m.tier_hit_blocks.labels("host").set(t.promoted)
         sig = eviction_signal(m.window.steps, now, self.config.eviction)
         m.eviction_rate.set(sig.rate or 0.0)
         m.eviction_state.set(EVICTION_STATES.index(sig.state))

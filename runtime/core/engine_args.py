@@ -68,6 +68,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     k.add_argument("--no-huge-pages", action="store_true", help="weights and KV cache on ordinary 4 KB pages")
     k.add_argument("--linger-us", type=int, default=KernelConfig.linger_us,
                    help="microseconds a kernel pool helper waits for the next call's work (0: sleep at once)")
+    g.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
+                   help="host RAM for a second KV tier: prefix-cache blocks the device pool evicts go there and "
+                        "come back on a prefix hit instead of being recomputed (e.g. 4GiB; default none)")
     e = p.add_argument_group("KV eviction signal (the console's dashboard and /metrics kv_eviction_rate)")
     e.add_argument("--eviction-window", type=float, default=EvictionAlert.window_s, metavar="SECONDS",
                    help="the rate's window; a cached block used within it counts as a live prefix when evicted")
@@ -148,7 +151,9 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
                             speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
                             eviction=EvictionAlert(getattr(args, "eviction_window", EvictionAlert.window_s),
                                                    getattr(args, "eviction_warn", EvictionAlert.warn),
-                                                   getattr(args, "eviction_alert", EvictionAlert.alert)))
+                                                   getattr(args, "eviction_alert", EvictionAlert.alert)),
+                            kv_offload_memory=parse_memory(args.kv_offload_memory)
+                            if getattr(args, "kv_offload_memory", None) else 0)
 
     # LLMEngine.from_checkpoint reads it before the weights (TP restores them into their shards).
     build.tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)  # type: ignore[attr-defined]

@@ -148,6 +148,11 @@ class EngineMetrics:
                                    "blocks allocated, over the eviction window", registry=r)
         self.eviction_state = Gauge(P + "kv_eviction_state", "0 ok, 1 warn, 2 alert (the eviction rate against "
                                     "its thresholds)", registry=r)
+        # The host KV tier (runtime/core/kv_tiers.py): what it holds and the prefix hits it served.
+        self.tier_bytes = Gauge(P + "kv_tier_bytes", "Bytes held by a lower KV tier", ["tier"], registry=r)
+        self.tier_blocks = Gauge(P + "kv_tier_blocks", "Blocks held by a lower KV tier", ["tier"], registry=r)
+        self.tier_hit_blocks = Gauge(P + "kv_tier_hit_blocks", "Blocks a lower KV tier served back (prefix hits "
+                                     "of that tier), since start", ["tier"], registry=r)
         # A mixture of experts (runtime/model/families/moe.py): routing balance per step.
         self.expert_imbalance = Gauge(P + "moe_expert_load_imbalance",
                                       "Last step's max / mean tokens per expert, averaged over the expert layers "
