@@ -1,0 +1,114 @@
+"""The host-RAM KV tier (--kv-offload-memory) on a long shared document, SmolLM2, one run.
+
+RAG-style: every `doc` request is one shared document (`--doc-tokens` of runtime/corpus.py's words)
+plus its own short question; between two of them an unrelated long prompt of the same length
+(other traffic) needs the pool's blocks. The device pool (`--pool-tokens`) holds one such
+request and a little more, so the other traffic evicts most of the document's cached blocks
+each time: without a tier each doc request recomputes them, with one they come back from host
+memory. Two engines built the same way but for `--kv-offload-memory`, the requests one at a
+time, alternating engines per request so drift in the machine's speed hits both; TTFT is the
+engine's own (first token time - arrival). The first doc request (cold) is left out. Tokens of
+the two engines are compared. The CPU, its vector flags and the load average are printed.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_kv_tier.py [--doc-tokens 2000] [--requests 8] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=str(ROOT / "checkpoints" / "smollm2-135m-instruct"))
+    p.add_argument("--doc-tokens", type=int, default=2000)
+    p.add_argument("--requests", type=int, default=8, help="doc requests (each followed by an unrelated prompt)")
+    p.add_argument("--pool-tokens", type=int, default=None, help="device KV pool (default: doc + 25%%)")
+    p.add_argument("--offload", default="1GiB", help="the tiered engine's --kv-offload-memory")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    from runtime.bench.machine import loadavg_1m, machine_info
+    from runtime.cli import enable_compilation_cache
+    from runtime.config import CacheConfig
+    from runtime.core.engine import LLMEngine
+    from runtime.core.engine_args import add_engine_arguments, engine_config_from_args
+    import random
+
+    from runtime.corpus import WORDS
+    from runtime.model.sampling import SamplingParams
+
+    enable_compilation_cache()
+    info = machine_info()
+    print(f"# {info['cpu_model']}, {info['cores']} cores, jax {info.get('jax')}; load {os.getloadavg()[0]:.2f} at start",
+          flush=True)
+    pool_tokens = args.pool_tokens or int(args.doc_tokens * 1.25) + 256
+    engines = {}
+    for name, extra in (("no tier", []), ("host tier", ["--kv-offload-memory", args.offload])):
+        ap = argparse.ArgumentParser()
+        add_engine_arguments(ap)
+        ns = ap.parse_args(["--max-model-len", str(args.doc_tokens + 256), "--max-num-seqs", "4", *extra])
+        build = engine_config_from_args(ns)
+
+        def sized(model, build=build):
+            import dataclasses
+
+            cfg = build(model)
+            return dataclasses.replace(cfg, cache=CacheConfig(cfg.cache.block_size, -(-pool_tokens // 16),
+                                                              cfg.cache.kv_dtype, True))
+
+        engines[name] = LLMEngine.from_checkpoint(Path(args.checkpoint), sized, progress=False)
+    tok = engines["no tier"].tokenizer
+    def text(seed: int) -> list[int]:
+        rng = random.Random(seed)
+        return tok.encode(" ".join(rng.choice(WORDS) for _ in range(2 * args.doc_tokens)))[:args.doc_tokens]
+
+    doc = text(0)
+    others = [text(1 + i) for i in range(args.requests)]
+    questions = [tok.encode(f"\n\nQuestion {i}: what is the main point of paragraph {i + 1}?") for i in range(args.requests)]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ttft: dict[str, list[float]] = {n: [] for n in engines}
+    outs: dict[str, list[list[int]]] = {n: [] for n in engines}
+    cached: dict[str, list[int]] = {n: [] for n in engines}
+    for i in range(args.requests):
+        for name, eng in engines.items():
+            req = eng.add_request(doc + questions[i], sp)
+            while eng.has_unfinished():
+                eng.step()
+            if i:  # (the first is cold on both)
+                ttft[name].append(req.first_token_time - req.arrival_time)
+                cached[name].append(req.num_cached_tokens)
+            outs[name].append(req.output_ids)
+            eng.generate([others[i]], sp)  # other traffic: evicts the document's blocks
+    load = loadavg_1m() or 0.0
+    tier = engines["host tier"].host_tier
+    rows = []
+    for name in engines:
+        rows.append({"engine": name, "ttft_p50_s": statistics.median(ttft[name]), "ttft_mean_s": statistics.mean(ttft[name]),
+                     "cached_tokens_p50": int(statistics.median(cached[name]))})
+    ratio = rows[1]["ttft_p50_s"] / rows[0]["ttft_p50_s"]
+    same = sum(a == b for a, b in zip(outs["no tier"], outs["host tier"]))
+    print("| engine | TTFT p50 s | TTFT mean s | cached prompt tokens (p50) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['engine']} | {r['ttft_p50_s']:.3f} | {r['ttft_mean_s']:.3f} | {r['cached_tokens_p50']} |")
+    print(f"host tier / no tier TTFT p50: {ratio:.2f}x; same tokens {same}/{args.requests}; tier held "
+          f"{tier.bytes / 2**20:.1f} MiB in {len(tier.blocks)} blocks, {tier.promoted} blocks served back; load {load:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": info, "doc_tokens": len(doc), "pool_tokens": pool_tokens,
+                                         "requests": args.requests, "rows": rows, "ratio": ratio, "same": same,
+                                         "promoted_blocks": tier.promoted, "tier_bytes": tier.bytes, "load": load},
+                                        indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
