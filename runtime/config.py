@@ -649,3 +649,5 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding (runtime/core/speculative.py); None: off
     eviction: EvictionAlert = field(default_factory=EvictionAlert)  # the eviction-rate signal's window and thresholds
     kv_offload_memory: int = 0  # bytes of host RAM for the second KV tier (runtime/core/kv_tiers.py); 0: none
+    kv_offload_dir: str | None = None  # the third tier's directory (survives restarts); None: none
+    kv_offload_disk: int = 8 * GiB     # bytes the third tier may take on disk

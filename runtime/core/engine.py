@@ -110,6 +110,14 @@ class LLMEngine:
                 raise ValueError("kv_offload_memory: not implemented for models with sliding-window KV groups")
             self.host_tier = kv_tiers.HostTier(config.kv_offload_memory)
             self.pool.offload_log = []
+        elif config.kv_offload_dir:
+            raise ValueError("kv_offload_dir: the disk tier sits under the host tier; give --kv-offload-memory too")
+        self.disk_tier = (kv_tiers.DiskTier(Path(config.kv_offload_dir), config.kv_offload_disk,
+                                            kv_tiers.fingerprint(config, params))
+                          if config.kv_offload_dir else None)
+        if self.disk_tier is not None and self.disk_tier.loaded:
+            log.info("kv tier: %d blocks (%.1f MiB) on disk in %s from before", self.disk_tier.loaded,
+                     self.disk_tier.bytes / 2**20, config.kv_offload_dir)
         self._policy = config.policy
         self._policy.validate(self.envelope)
         self.kv_groups = KVGroups.of(config.model, config.cache.kv_groups)  # (runtime/kv_groups.py)

@@ -71,6 +71,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     g.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
                    help="host RAM for a second KV tier: prefix-cache blocks the device pool evicts go there and "
                         "come back on a prefix hit instead of being recomputed (e.g. 4GiB; default none)")
+    g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="a third KV tier on local disk under the host tier: blocks it takes are written to DIR and "
+                        "a restarted server serves them (needs --kv-offload-memory)")
+    g.add_argument("--kv-offload-disk", default="8GiB", metavar="SIZE", help="the disk tier's limit (default 8GiB)")
     e = p.add_argument_group("KV eviction signal (the console's dashboard and /metrics kv_eviction_rate)")
     e.add_argument("--eviction-window", type=float, default=EvictionAlert.window_s, metavar="SECONDS",
                    help="the rate's window; a cached block used within it counts as a live prefix when evicted")
@@ -153,7 +157,9 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
                                                    getattr(args, "eviction_warn", EvictionAlert.warn),
                                                    getattr(args, "eviction_alert", EvictionAlert.alert)),
                             kv_offload_memory=parse_memory(args.kv_offload_memory)
-                            if getattr(args, "kv_offload_memory", None) else 0)
+                            if getattr(args, "kv_offload_memory", None) else 0,
+                            kv_offload_dir=getattr(args, "kv_offload_dir", None),
+                            kv_offload_disk=parse_memory(getattr(args, "kv_offload_disk", "8GiB")))
 
     # LLMEngine.from_checkpoint reads it before the weights (TP restores them into their shards).
     build.tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)  # type: ignore[attr-defined]

@@ -19,8 +19,14 @@ are synchronous on the host thread, and happen only on steps that evict or promo
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -31,6 +37,7 @@ from runtime.core.request import cacheable_blocks
 if TYPE_CHECKING:
     from runtime.core.engine import LLMEngine
 
+log = logging.getLogger(__name__)
 # Waiting requests (in admission order) whose prompts are looked up in the tier per step: the
 # ones the scheduler may admit soon; the others wait for a later step.
 PROMOTE_LOOKAHEAD = 8
@@ -83,6 +90,121 @@ class HostTier:
         return block
 
 
+class DiskTier:
+    """The third tier (`--kv-offload-dir DIR`): every block the host tier takes is also written
+    to DIR, one file per block named by its hash, so a restarted server finds them. A file holds
+    a header (the engine's fingerprint: model, weights sample, KV layout; the block's tokens and
+    parent; the arrays' shapes and dtypes; the payload's sha256) and the payload. A file whose
+    fingerprint is another engine's, whose tokens differ, or whose payload does not match its
+    sha256 is skipped with a log line (and removed), never served. At most `capacity_bytes`
+    on disk: the least recently used files go first."""
+
+    MAGIC = b"PJKVB1\n"
+
+    def __init__(self, directory: Path, capacity_bytes: int, fingerprint: str) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"kv_offload_disk: must be positive, got {capacity_bytes}")
+        self.dir, self.capacity_bytes, self.fingerprint = Path(directory), capacity_bytes, fingerprint
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / ".write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(f"kv_offload_dir: {self.dir} is not a writable directory ({exc.strerror})") from None
+        files = sorted(self.dir.glob("*.kvb"), key=lambda f: f.stat().st_mtime)
+        self.files: OrderedDict[BlockHash, int] = OrderedDict()
+        for f in files:
+            try:
+                self.files[bytes.fromhex(f.stem)] = f.stat().st_size
+            except ValueError:
+                continue
+        self.bytes = sum(self.files.values())
+        self.loaded = len(self.files)   # blocks found at start
+        self.stored = self.promoted = self.skipped = 0
+
+    def _path(self, block_hash: BlockHash) -> Path:
+        return self.dir / f"{block_hash.hex()}.kvb"
+
+    def put(self, block_hash: BlockHash, block: HostBlock) -> None:
+        if block_hash in self.files:
+            self.files.move_to_end(block_hash)
+            return
+        payload = b"".join(np.ascontiguousarray(a).tobytes() for a in block.arrays)
+        header = json.dumps({"fingerprint": self.fingerprint, "tokens": list(block.token_ids),
+                             "parent": None if block.parent is None else block.parent.hex(),
+                             "arrays": [[list(a.shape), a.dtype.str] for a in block.arrays],
+                             "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+        data = self.MAGIC + struct.pack("<I", len(header)) + header + payload
+        if len(data) > self.capacity_bytes:
+            return
+        while self.files and self.bytes + len(data) > self.capacity_bytes:
+            old, size = self.files.popitem(last=False)
+            self.bytes -= size
+            self._path(old).unlink(missing_ok=True)
+        path = self._path(block_hash)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # (a crash leaves no half-written block under a block's name)
+        self.files[block_hash] = len(data)
+        self.bytes += len(data)
+        self.stored += 1
+
+    def get(self, block_hash: BlockHash, token_ids: Sequence[int]) -> HostBlock | None:
+        if block_hash not in self.files:
+            return None
+        path = self._path(block_hash)
+        why = None
+        try:
+            data = path.read_bytes()
+            if not data.startswith(self.MAGIC):
+                why = "not a pagedjax KV block file"
+            else:
+                n = struct.unpack("<I", data[len(self.MAGIC):len(self.MAGIC) + 4])[0]
+                start = len(self.MAGIC) + 4
+                head = json.loads(data[start:start + n])
+                payload = data[start + n:]
+                if head.get("fingerprint") != self.fingerprint:
+                    why = "written by another model, weights or KV layout"
+                elif hashlib.sha256(payload).hexdigest() != head.get("sha256"):
+                    why = "corrupt (its payload does not match its sha256)"
+                elif tuple(head["tokens"]) != tuple(token_ids):
+                    return None  # another prompt under this hash: never served, the file kept
+        except (OSError, ValueError, KeyError, struct.error) as exc:
+            why = f"unreadable ({exc})"
+        if why is not None:
+            log.warning("kv tier: skipping %s: %s", path.name, why)
+            self.skipped += 1
+            self.bytes -= self.files.pop(block_hash, 0)
+            path.unlink(missing_ok=True)
+            return None
+        arrays, offset = [], 0
+        for shape, dtype in head["arrays"]:
+            dt = np.dtype(dtype)
+            size = int(np.prod(shape)) * dt.itemsize
+            arrays.append(np.frombuffer(payload[offset:offset + size], dt).reshape(shape).copy())
+            offset += size
+        self.files.move_to_end(block_hash)
+        self.promoted += 1
+        parent = head["parent"]
+        return HostBlock(tuple(head["tokens"]), None if parent is None else bytes.fromhex(parent), arrays)
+
+
+def fingerprint(engine_config: Any, params: Any) -> str:
+    """What a block file must have been written by to be served here: the model's config, the
+    KV layout, and a sample of the weights (a fine-tune of the same shape differs in them)."""
+    import jax
+
+    h = hashlib.sha256()
+    c = engine_config
+    h.update(json.dumps({k: v for k, v in c.model.to_json().items() if k != "name"}, sort_keys=True).encode())
+    h.update(f"{c.cache.kv_dtype}/{c.cache.block_size}/{c.quantization}/{c.dtype}".encode())
+    for leaf in jax.tree.leaves({"embed": params.get("embed"), "final_norm": params.get("final_norm")}):
+        a = np.asarray(leaf)
+        h.update(np.ascontiguousarray(a.reshape(-1)[:4096]).tobytes())
+    return h.hexdigest()
+
+
 def offload(engine: "LLMEngine") -> int:
     """Copy the KV of the cached blocks the pool evicted since the last call (it logged them
     before reusing them) into the host tier; their device contents are intact until the next
@@ -94,7 +216,10 @@ def offload(engine: "LLMEngine") -> int:
         return 0
     arrays = read_blocks(engine.runner, [b for b, *_ in log])
     for i, (_, block_hash, token_ids, parent) in enumerate(log):
-        engine.host_tier.put(block_hash, HostBlock(token_ids, parent, [a[:, i:i + 1].copy() for a in arrays]))
+        block = HostBlock(token_ids, parent, [a[:, i:i + 1].copy() for a in arrays])
+        engine.host_tier.put(block_hash, block)
+        if engine.disk_tier is not None:
+            engine.disk_tier.put(block_hash, block)
     return len(log)
 
 
@@ -120,6 +245,10 @@ def promote(engine: "LLMEngine") -> int:
         run: list[HostBlock] = []
         for i in range(start, len(hashes)):
             block = tier.get(hashes[i], tokens[i * bs:(i + 1) * bs])
+            if block is None and engine.disk_tier is not None:  # the third tier: into the host tier too
+                block = engine.disk_tier.get(hashes[i], tokens[i * bs:(i + 1) * bs])
+                if block is not None:
+                    tier.put(hashes[i], block)
             if block is None:
                 break
             run.append(block)
@@ -143,10 +272,3 @@ def promote(engine: "LLMEngine") -> int:
     return total
 
 
-def stats(tier: HostTier | None) -> dict[str, Any]:
-    """The tier's numbers for the console and /metrics (zeros without a tier)."""
-    if tier is None:
-        return {"enabled": False, "capacity_bytes": 0, "bytes": 0, "blocks": 0, "stored": 0, "dropped": 0,
-                "promoted": 0}
-    return {"enabled": True, "capacity_bytes": tier.capacity_bytes, "bytes": tier.bytes, "blocks": len(tier.blocks),
-            "stored": tier.stored, "dropped": tier.dropped, "promoted": tier.promoted}

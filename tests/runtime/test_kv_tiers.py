@@ -100,3 +100,79 @@ def test_churn_through_a_small_tier_gives_the_untiered_tokens_and_leaks_nothing(
     for eng in (plain, tiered):
         eng.pool.check_invariants()
         assert eng.pool.num_used_blocks == 0
+
+
+def tiered(ckpt, directory, offload: int = 64 << 20, **kw):
+    from dataclasses import replace
+
+    from runtime.core.engine import LLMEngine
+
+    eng = make_engine(ckpt, num_blocks=14, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256,
+                      watermark=0.0)
+    cfg = replace(eng.config, kv_offload_memory=offload, kv_offload_dir=str(directory), **kw)
+    return LLMEngine.from_checkpoint(ckpt, lambda m: replace(cfg, model=m), warmup=False, progress=False)
+
+
+def test_a_restarted_engine_serves_an_evicted_prefix_from_disk(tiny_ckpt, tmp_path, caplog):
+    """A's blocks evicted by B go to host memory and DIR; a new engine (a restart: empty device
+    pool, empty host tier) serves A's 9 blocks from DIR with the first run's tokens. A corrupt
+    file and one written for other weights are skipped with a log line, never served."""
+    import logging
+
+    a, b = prompt(1, 150), prompt(2, 150)
+    first_eng = tiered(tiny_ckpt, tmp_path / "kv")
+    first = first_eng.generate([a], SP)[0]
+    first_eng.generate([b], SP)
+    first_eng.generate([prompt(3, 150)], SP)  # (evicts A's first blocks too)
+    assert first_eng.disk_tier.stored >= 9
+    del first_eng
+    restarted = tiered(tiny_ckpt, tmp_path / "kv")
+    assert restarted.disk_tier.loaded >= 9
+    again = restarted.generate([a], SP)[0]
+    assert again.num_cached_tokens == 144 and again.output_ids == first.output_ids
+    assert restarted.disk_tier.promoted == 9
+
+    # corrupt one of A's files, and stamp another with a foreign fingerprint: both skipped
+    from runtime.core.block_pool import hash_prompt_blocks
+
+    hashes = hash_prompt_blocks(a, 16)
+    f0 = tmp_path / "kv" / f"{hashes[0].hex()}.kvb"
+    data = bytearray(f0.read_bytes())
+    data[-1] ^= 0xFF
+    f0.write_bytes(bytes(data))
+    third = tiered(tiny_ckpt, tmp_path / "kv")
+    with caplog.at_level(logging.WARNING, logger="runtime.core.kv_tiers"):
+        r = third.generate([a], SP)[0]
+    assert r.num_cached_tokens == 0 and r.output_ids == first.output_ids  # (block 0 gone: the chain starts there)
+    assert "corrupt (its payload does not match its sha256)" in caplog.text
+    assert third.disk_tier.skipped == 1 and not f0.exists()
+    caplog.clear()
+    foreign = tiered(tiny_ckpt, tmp_path / "kv")  # (a file of A's second block, another engine's fingerprint)
+    foreign.disk_tier.fingerprint = "another model"
+    assert foreign.disk_tier.get(hashes[1], a[16:32]) is None
+    assert "written by another model, weights or KV layout" in caplog.text
+    assert not (tmp_path / "kv" / f"{hashes[1].hex()}.kvb").exists()
+
+
+def test_disk_tier_flags_are_checked(tiny_ckpt, tmp_path):
+    with pytest.raises(ValueError, match="kv_offload_dir: the disk tier sits under the host tier"):
+        tiered(tiny_ckpt, tmp_path / "kv", offload=0)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="kv_offload_dir: .* is not a writable directory"):
+        tiered(tiny_ckpt, tmp_path / "file")
+
+
+def test_the_fingerprint_follows_the_weights_and_the_kv_layout(tiny_ckpt):
+    from dataclasses import replace
+
+    from runtime.checkpoint.store import load_checkpoint
+    from runtime.core.kv_tiers import fingerprint
+
+    eng = make_engine(tiny_ckpt, num_blocks=14)
+    _, params, _ = load_checkpoint(tiny_ckpt)
+    base = fingerprint(eng.config, params)
+    assert fingerprint(eng.config, params) == base
+    tuned = {**params, "embed": np.asarray(params["embed"]) + 1e-3}
+    assert fingerprint(eng.config, tuned) != base
+    bf16 = replace(eng.config, cache=replace(eng.config.cache, kv_dtype="bfloat16"))
+    assert fingerprint(bf16, params) != base
