@@ -19,7 +19,6 @@ import numpy as np
 from console import charts
 from runtime.core import snapshot as read
 from runtime.core.snapshot import BLOCK_STATES, BlockView
-from runtime.core.metrics import eviction_signal
 
 if TYPE_CHECKING:
     from runtime.core.engine import LLMEngine
@@ -103,7 +102,7 @@ def dashboard(engine: LLMEngine) -> dict[str, Any]:
     rh = (last.prefix_hits - base.prefix_hits) if (last and base) else 0
     span = (last.t - base.t) if (last and base and last.t > base.t) else RECENT_S
     ev_rate = ((last.evictions - base.evictions) / span) if (last and base) else 0.0
-    eviction = eviction_signal(steps, now, engine.config.eviction)
+    eviction = engine.eviction()
     rttft = [v for t, v in ttft if t >= now - RECENT_S]
     ritl = [v for t, v in itl if t >= now - RECENT_S]
     states = [r.state for r in snap.requests]

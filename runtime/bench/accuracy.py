@@ -90,13 +90,13 @@ def kv_roundtrip_logits(cfg: Any, params: Any, token_ids: Any, kv_dtype: str) ->
     from runtime.model.kv_pages import dequantize, quantize_rows
     from runtime.model.runner import KV_DTYPES
     from runtime.model.families import family
-    from runtime.model.families.llama import dense_causal_attention
+    from runtime.model.families.llama import attention_scale, causal_mask, dense_causal_attention
 
     fam = family(cfg)
     if kv_dtype == "float32":
         return fam.dense_logits(cfg, params, token_ids)
     T = token_ids.shape[0]
-    mask = jnp.tril(jnp.ones((T, T), dtype=bool))
+    windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # (each layer's window, scale and cap, as served)
 
     def roundtrip(x, part):
         if kv_dtype == "bfloat16":  # a plain cast, as the cache stores it
@@ -104,7 +104,9 @@ def kv_roundtrip_logits(cfg: Any, params: Any, token_ids: Any, kv_dtype: str) ->
         return dequantize(*quantize_rows(x, KV_DTYPES[kv_dtype], kv_scale_groups(kv_dtype, x.shape[-1], part)))
 
     def attention(q, k, v, layer, cache):
-        return dense_causal_attention(q, roundtrip(k, "k"), roundtrip(v, "v"), mask), cache
+        k, v = (roundtrip(k, "latent"), None) if v is None else (roundtrip(k, "k"), roundtrip(v, "v"))
+        return dense_causal_attention(q, k, v, causal_mask(T, windows[layer]), attention_scale(cfg),
+                                      cfg.attn_logit_softcapping), cache
 
     hidden, *_ = fam.forward_hidden(cfg, params, token_ids, jnp.arange(T, dtype=jnp.int32), attention, None)
     return fam.lm_head(cfg, params, hidden)

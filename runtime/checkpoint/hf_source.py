@@ -88,7 +88,9 @@ MAX_POSITIONS.update(GEMMA_MAX_POSITIONS)
 # Custom modelling code a config.json may name that transformers has upstreamed (and loads its
 # own class for, which pagedjax matches): Microsoft's Phi-3 repositories carry their
 # pre-integration modeling_phi3.py.
-UPSTREAMED_CODE = {"phi3": "modeling_phi3.Phi3ForCausalLM"}
+UPSTREAMED_CODE = {"phi3": {"modeling_phi3.Phi3ForCausalLM"},
+                   # DeepSeek-V2 / V2-Lite's own modeling_deepseek.py (transformers' DeepseekV2 is its math)
+                   "deepseek_v2": {"modeling_deepseek.DeepseekV2Model", "modeling_deepseek.DeepseekV2ForCausalLM"}}
 
 
 def _read_json(path: Path) -> dict:
@@ -178,7 +180,7 @@ class HFSource:
              "DeepSeek-V2's RoPE width is qk_rope_head_dim"),
             ("router_jitter_noise", not isinstance(c.get("router_jitter_noise", 0.0), (int, float)),
              "expected a number (it acts in training only)"),
-            ("auto_map", any(k.startswith("AutoModel") and v != UPSTREAMED_CODE.get(fam)
+            ("auto_map", any(k.startswith("AutoModel") and v not in UPSTREAMED_CODE.get(fam, set())
                              for k, v in (c.get("auto_map") or {}).items()),
              "custom modelling code is not supported"),
         ]

@@ -36,8 +36,8 @@ from runtime.core import disagg, kv_tiers, speculative
 from runtime.kv_groups import KVGroups
 from runtime.core.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
-from runtime.core.metrics import (EVICTION_STATES, EngineMetrics, EngineState, ExpertLoad, StepSample,
-                                  eviction_signal)
+from runtime.core.metrics import (EVICTION_STATES, EngineMetrics, EngineState, EvictionSignal, ExpertLoad,
+                                  StepSample, eviction_signal)
 from runtime.model.runner import ModelRunner, StepHandle, compilations
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.request import Request
@@ -607,16 +607,26 @@ class LLMEngine:
             self._last_idle_sample = now
         m.window.add_step(StepSample(now, step_time, num_tokens, len(s.running), s.num_waiting,
                                      new_tokens, c.prefix_queries, c.prefix_hits, pool.num_evictions,
-                                     pool.num_used_blocks, pool.num_cached_blocks, pool.num_allocated,
-                                     pool.num_recent_evictions + c.preempted_blocks_lost))
+                                     pool.num_used_blocks, pool.num_cached_blocks))
         if self.host_tier is not None:
             t = self.host_tier
             m.tier_bytes.labels("host").set(t.bytes)
             m.tier_blocks.labels("host").set(len(t.blocks))
             m.tier_hit_blocks.labels("host").set(t.promoted)
-        sig = eviction_signal(m.window.steps, now, self.config.eviction)
+        sig = self.eviction(now)
         m.eviction_rate.set(sig.rate or 0.0)
         m.eviction_state.set(EVICTION_STATES.index(sig.state))
+
+    def eviction(self, now: float | None = None) -> "EvictionSignal":
+        """The KV eviction signal now (runtime/core/metrics.py eviction_signal), its series
+        sampled here too."""
+        with self.lock:
+            now = time.monotonic() if now is None else now
+            pool, c, w = self.pool, self.scheduler.counters, self.config.eviction.window_s
+            lost = pool.num_recent_evictions + c.preempted_blocks_lost
+            self.metrics.eviction_series.add(now, pool.num_allocated, lost, w)
+            return eviction_signal(list(self.metrics.eviction_series.samples), now, pool.num_allocated, lost,
+                                   self.config.eviction)
 
     # --- views -------------------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:

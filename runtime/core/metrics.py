@@ -144,6 +144,7 @@ class EngineMetrics:
                                               "Proposed tokens kept, by their position in the proposal",
                                               ["method", "position"], registry=r) for x in (P, V)]
         # The eviction rate over its window (runtime/core/metrics.py eviction_signal) and its state.
+        self.eviction_series = EvictionSeries()
         self.eviction_rate = Gauge(P + "kv_eviction_rate", "Blocks of in-flight or recently used prefixes lost / "
                                    "blocks allocated, over the eviction window", registry=r)
         self.eviction_state = Gauge(P + "kv_eviction_state", "0 ok, 1 warn, 2 alert (the eviction rate against "
@@ -176,7 +177,9 @@ class EngineMetrics:
 
     def count_expert_load(self, load: ExpertLoad) -> None:
         """After a step of a mixture of experts: its balance, and the tokens each expert took."""
-        self.expert_imbalance.set(load.imbalance())
+        value = load.imbalance()
+        if value is not None:  # (a step too small to say leaves the last value)
+            self.expert_imbalance.set(value)
         for e, n in enumerate(load.last[list(load.moe_layers)].sum(axis=0).tolist()):
             if n:
                 self.expert_tokens.labels(str(e)).inc(n)
@@ -207,15 +210,31 @@ class EvictionSignal:
         return EVICTION_ADVICE[self.state]
 
 
-def eviction_signal(steps: "Sequence[StepSample]", now: float, alert: "EvictionAlert") -> EvictionSignal:
-    """The eviction rate over the last alert.window_s seconds of step samples (the blocks lost
-    since the last sample before the window over the blocks allocated since then) and its
-    state against alert.warn / alert.alert."""
-    if not steps:
+class EvictionSeries:
+    """The pool's (allocated, lost) totals sampled at most once a second, kept as far back as
+    the eviction window reaches (one sample before it): what eviction_signal reads, whatever
+    the step rate."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, int, int]] = deque()
+
+    def add(self, t: float, allocated: int, lost: int, window_s: float) -> None:
+        if not self.samples or t - self.samples[-1][0] >= 1.0:
+            self.samples.append((t, allocated, lost))
+        while len(self.samples) > 1 and self.samples[1][0] < t - window_s:
+            self.samples.popleft()
+
+
+def eviction_signal(samples: "Sequence[tuple[float, int, int]]", now: float, allocated: int, lost: int,
+                    alert: "EvictionAlert") -> EvictionSignal:
+    """The eviction rate over the last alert.window_s seconds: the blocks lost since the last
+    (t, allocated, lost) sample before the window (the oldest if none is that old) over the
+    blocks allocated since then, the totals now being `allocated` and `lost`; and its state
+    against alert.warn / alert.alert."""
+    if not samples:
         return EvictionSignal(None, 0, 0, "ok")
-    last = steps[-1]
-    base = next((s for s in reversed(steps) if s.t < now - alert.window_s), steps[0])
-    lost, allocated = last.lost - base.lost, last.allocated - base.allocated
+    base = next((x for x in reversed(samples) if x[0] < now - alert.window_s), samples[0])
+    lost, allocated = lost - base[2], allocated - base[1]
     rate = lost / allocated if allocated > 0 else None
     state = ("alert" if rate is not None and rate >= alert.alert else
              "warn" if rate is not None and rate >= alert.warn else "ok")
@@ -241,28 +260,29 @@ class ExpertLoad:
         self.total += self.last
         self.steps += 1
 
-    def imbalance(self, load: "np.ndarray | None" = None) -> float:
+    def imbalance(self, load: "np.ndarray | None" = None) -> float | None:
         """max / mean tokens per expert, averaged over the expert layers (1.0: perfectly even;
-        E / k at worst, every token on the same k experts); 0 before any token."""
+        E / k at worst, every token on the same k experts). Layers that routed fewer (token,
+        expert) pairs than they have experts are left out: there max / mean cannot fall below
+        E / pairs however even the routing (one decoding token: E / k). None when no layer
+        routed enough."""
         import numpy as np
 
         rows = (self.last if load is None else load)[list(self.moe_layers)]
-        mean = rows.mean(axis=1)
-        ok = mean > 0
-        return float(np.mean(rows.max(axis=1)[ok] / mean[ok])) if ok.any() else 0.0
+        ok = rows.sum(axis=1) >= rows.shape[1]
+        return float(np.mean(rows.max(axis=1)[ok] / rows.mean(axis=1)[ok])) if ok.any() else None
 
     def view(self) -> dict:
         """Copies for the console (under the engine lock): per expert layer its last-step
         and total balance, and every expert's total over the layers."""
         per_layer = [(layer, self.imbalance_row(self.last[layer]), self.imbalance_row(self.total[layer]))
-                     for layer in self.moe_layers]
+                     for layer in self.moe_layers]  # (None where a layer routed too few pairs to say)
         return {"steps": self.steps, "last": self.imbalance(), "total": self.imbalance(self.total),
                 "per_layer": per_layer, "per_expert": self.total[list(self.moe_layers)].sum(axis=0).tolist()}
 
     @staticmethod
-    def imbalance_row(row: "np.ndarray") -> float:
-        mean = float(row.mean())
-        return float(row.max()) / mean if mean > 0 else 0.0
+    def imbalance_row(row: "np.ndarray") -> float | None:
+        return float(row.max()) / float(row.mean()) if row.sum() >= len(row) else None
 
 
 @dataclass
@@ -295,8 +315,6 @@ class StepSample:
     evictions: int            # cumulative
     used_blocks: int
     cached_blocks: int
-    allocated: int = 0        # cumulative blocks allocated
-    lost: int = 0             # cumulative blocks of in-flight or recent prefixes lost (eviction_signal)
 
     def __getitem__(self, i: int):  # (t, ...) tuple-like access for RecentWindow.recent
         return (self.t,)[i]

@@ -166,7 +166,7 @@ def paged_attention(backend: AttentionBackend, num_blocks: int, sm_scale: float,
     window = jnp.asarray(windows, jnp.int32)[layer] if any(windows) else 0
     if v is None:  # a latent cache (MLA): each token's one row is its key and its value; V is [..., 0]
         cache = backend.write_kv(cache, k, k[..., :0], slots)
-        return backend.attend(q, (cache[0], cache[0]), inp, row * num_blocks, sm_scale, window, soft_cap), cache
+        return backend.attend(q, (cache[0], None), inp, row * num_blocks, sm_scale, window, soft_cap), cache
     cache = backend.write_kv(cache, k, v, slots)
     return backend.attend(q, cache, inp, row * num_blocks, sm_scale, window, soft_cap), cache
 

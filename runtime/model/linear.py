@@ -255,7 +255,7 @@ def _expert_tile(rows: jax.Array, we: jax.Array, se: jax.Array | None, int8_acts
     if int8_acts:
         xq, sx = _quantize_rows(rows)
         return jax.lax.dot(xq, we, preferred_element_type=jnp.int32).astype(jnp.float32) * sx * se
-    return (rows @ we.astype(rows.dtype)) * se.astype(rows.dtype)
+    return ((rows @ we.astype(rows.dtype)).astype(jnp.float32) * se).astype(rows.dtype)
 
 
 def _ragged_products(x: jax.Array, w: jax.Array, sizes: jax.Array, scale: jax.Array | None,
@@ -271,7 +271,7 @@ def _ragged_products(x: jax.Array, w: jax.Array, sizes: jax.Array, scale: jax.Ar
         xq, sx = _quantize_rows(x)
         acc = jax.lax.ragged_dot(xq, w, sizes, preferred_element_type=jnp.int32)
         return (acc.astype(jnp.float32) * sx * se).astype(x.dtype)
-    return (jax.lax.ragged_dot(x, w.astype(x.dtype), sizes) * se.astype(x.dtype)).astype(x.dtype)
+    return (jax.lax.ragged_dot(x, w.astype(x.dtype), sizes).astype(jnp.float32) * se).astype(x.dtype)
 
 
 def dequantize_int4(q4: jax.Array, s4: jax.Array, m4: jax.Array) -> jax.Array:

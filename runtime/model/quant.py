@@ -344,8 +344,13 @@ def quantize_experts(params: dict[str, Any], method: str) -> dict[str, Any]:
     layers = dict(params["layers"])
     for k in EXPERT_WEIGHTS:
         if k in layers and not is_quantized(layers[k]):
-            qw = quantize_weight(np.asarray(layers[k], np.float32))
-            layers[k] = {"w8": qw["q"], "s": qw["s"]} if method == "w8a16" else qw
+            stack = layers[k]  # one layer at a time: a whole stack in float32 would be tens of GB
+            q = np.empty(np.shape(stack), np.int8)
+            scale = np.empty((*np.shape(stack)[:-2], np.shape(stack)[-1]), np.float32)
+            for i in range(q.shape[0]):
+                qw = quantize_weight(np.asarray(stack[i], np.float32))
+                q[i], scale[i] = qw["q"], qw["s"]
+            layers[k] = {"w8": q, "s": scale} if method == "w8a16" else {"q": q, "s": scale}
     return {**params, "layers": layers}
 
 

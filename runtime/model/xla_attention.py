@@ -1,6 +1,6 @@
 """Paged attention in plain XLA: the CPU path, same signature as the Pallas kernel.
-Given the same array as K and V cache (a latent cache, runtime/model/families/deepseek.py),
-each chunk is gathered once and serves as both.
+Given no V cache (v_cache None: a latent cache, runtime/model/families/deepseek.py), each
+gathered chunk of the K cache serves as keys and values: one read.
 
 One call serves a ragged batch of decode tokens and prefill chunks. It is split in two
 so each part gives XLA large, regular products and touches only the KV blocks in use:
@@ -290,7 +290,7 @@ def _prefill_kernel(q, k_cache, v_cache, kv_lens, block_tables, qsl, live, sm_sc
 
 @partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "shared_chunk_blocks", "prefill_chunk_blocks",
                                    "q_tile", "cpu_kernel", "soft_cap"))
-def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_lens: jax.Array,
+def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array | None, kv_lens: jax.Array,
                                block_tables: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array,
                                *, sm_scale: float, kv_chunk_blocks: int | None = None,
                                shared_chunk_blocks: int | None = None, prefill_chunk_blocks: int = 8,
@@ -298,7 +298,8 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
                                cpu_kernel: bool | None = None, window: jax.Array | int = 0,
                                soft_cap: float | None = None) -> jax.Array:
     """q [T,Hq,D]; caches [NB,BS,Hkv,D]; kv_lens [S]; block_tables [S,MB]; query_start_loc [S+1];
-    num_seqs [1]. Returns [T,Hq,D] in q.dtype; padding rows are 0. See pallas_kernels.paged_attention
+    num_seqs [1]. Returns [T,Hq,D] in q.dtype; padding rows are 0. v_cache None: the keys are
+    the values (a latent cache), each chunk gathered once. See pallas_kernels.paged_attention
     for the full contract. `shared` (optional) names blocks several sequences share at the start
     of their tables; the last-token path then reads them once for all (cascade attention).
     Chunk sizes (in blocks; None = the tuned defaults at the top of this file) for the per-sequence
@@ -307,6 +308,8 @@ def xla_ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     `window` (an int32 scalar, traced: one program serves every layer): a query at position p
     sees keys p - window < k <= p; 0 = full attention. `soft_cap` (static): scores (already
     scaled) become soft_cap * tanh(scores / soft_cap) before masking (Gemma 2); XLA path only."""
+    if v_cache is None:  # (one tracer for both inside this jit: the loops below gather the chunk once)
+        v_cache = k_cache
     T, Hq, D = q.shape
     S, mb = block_tables.shape
     hkv = k_cache.shape[2]

@@ -9,29 +9,37 @@ import pytest
 
 from runtime.config import EvictionAlert
 from runtime.core.block_pool import BlockPool
-from runtime.core.metrics import StepSample, eviction_signal
+from runtime.core.metrics import EvictionSeries, eviction_signal
 from tests.runtime.test_block_pool import BS, FakeClock, fill_and_cache
 from tests.runtime.test_scheduler import make, req, step
-
-
-def sample(t: float, allocated: int, lost: int) -> StepSample:
-    return StepSample(t, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, allocated, lost)
 
 
 def test_rate_is_lost_over_allocated_within_the_window_and_states_follow_the_thresholds():
     alert = EvictionAlert(window_s=60.0, warn=0.05, alert=0.10)
     # before the window: 1000 allocated, 500 lost (ignored); in it: 200 allocated
-    steps = [sample(0.0, 1000, 500), sample(50.0, 1100, 500), sample(100.0, 1200, 504)]
-    sig = eviction_signal(steps, 100.0, alert)
+    samples = [(0.0, 1000, 500), (50.0, 1100, 500)]
+    sig = eviction_signal(samples, 100.0, 1200, 504, alert)
     assert (sig.allocated, sig.lost, sig.rate, sig.state) == (200, 4, 0.02, "ok") and sig.advice == ""
-    sig = eviction_signal([*steps[:2], sample(100.0, 1200, 512)], 100.0, alert)
+    sig = eviction_signal(samples, 100.0, 1200, 512, alert)
     assert sig.rate == pytest.approx(0.06) and sig.state == "warn" and "KV budget" in sig.advice
-    sig = eviction_signal([*steps[:2], sample(100.0, 1200, 530)], 100.0, alert)
+    sig = eviction_signal(samples, 100.0, 1200, 530, alert)
     assert sig.state == "alert" and "add a replica" in sig.advice
-    assert eviction_signal([], 0.0, alert).rate is None
-    assert eviction_signal([sample(0.0, 10, 0), sample(1.0, 10, 0)], 1.0, alert).rate is None  # nothing allocated
+    assert eviction_signal([], 0.0, 0, 0, alert).rate is None
+    assert eviction_signal([(0.0, 10, 0)], 1.0, 10, 0, alert).rate is None  # nothing allocated
     with pytest.raises(ValueError, match="eviction_warn: need 0 < warn <= alert <= 1"):
         EvictionAlert(warn=0.2, alert=0.1)
+
+
+def test_the_series_covers_the_window_whatever_the_step_rate():
+    """Samples at most once a second, trimmed to one before the window: 10,000 steps in 100 s
+    keep ~61 samples, and the rate still reads back to the window's start."""
+    series = EvictionSeries()
+    for i in range(10_000):
+        t = i / 100.0
+        series.add(t, i, i // 20, 60.0)
+    assert 55 <= len(series.samples) <= 62 and series.samples[0][0] < 100.0 - 60.0 <= series.samples[1][0]
+    sig = eviction_signal(list(series.samples), 100.0, 10_000, 500, EvictionAlert())
+    assert sig.rate == pytest.approx(0.05, abs=0.002)
 
 
 def test_only_recently_used_cached_blocks_count_when_evicted():
@@ -77,7 +85,7 @@ def test_engine_reports_the_rate_on_metrics_and_the_dashboard(tiny_ckpt):
     eng.generate([[3 + (i * 7 + j) % 250 for j in range(40)] for i in range(4)],
                  SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert eng.scheduler.counters.preemptions > 0
-    sig = eviction_signal(eng.metrics.window.steps, eng.metrics.window.steps[-1].t, eng.config.eviction)
+    sig = eng.eviction()
     assert sig.lost > 0 and sig.rate > 0
     metrics = eng.metrics.render().decode()
     rate = next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("pagedjax:kv_eviction_rate "))

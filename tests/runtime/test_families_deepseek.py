@@ -246,3 +246,53 @@ def test_latent_blocks_transfer_between_prefill_and_decode_engines(ds):
     want = pre.generate([PROMPT[:50]], sp)[0]
     req = prefill_then_decode(pre, dec, InProcessConnector(), PROMPT[:50], sp)
     assert req.output_ids == want.output_ids and req.num_cached_tokens == 48
+
+
+def test_the_published_deepseek_v2_lite_config_is_read(ds, tmp_path):
+    """config.json as DeepSeek-V2-Lite ships it (its own modelling code named in auto_map, YaRN
+    as rope_scaling "type" with mscale = mscale_all_dim = 0.707, factor 40, moe_layer_freq,
+    seq_aux, aux_loss_alpha, scoring_func): accepted, YaRN's cos/sin factor 1 and the softmax
+    scale widened by mscale(40, 0.707)^2."""
+    import math
+    import shutil
+
+    _, src, _ = ds
+    shutil.copytree(src, tmp_path / "hf")
+    c = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for k in ("rope_parameters", "dtype", "head_dim", "qk_head_dim", "mlp_bias", "output_router_logits"):
+        c.pop(k, None)
+    c.update({"aux_loss_alpha": 0.001, "moe_layer_freq": 1, "scoring_func": "softmax", "seq_aux": True,
+              "torch_dtype": "bfloat16", "rope_theta": 10000, "max_position_embeddings": 163840,
+              "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                               "original_max_position_embeddings": 4096, "type": "yarn"},
+              "norm_topk_prob": False, "q_lora_rank": None, "transformers_version": "4.33.1", "use_cache": True,
+              "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV2Config",
+                           "AutoModel": "modeling_deepseek.DeepseekV2Model",
+                           "AutoModelForCausalLM": "modeling_deepseek.DeepseekV2ForCausalLM"}})
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(c))
+    cfg = HFSource(tmp_path / "hf").model_config()
+    m = 0.1 * 0.707 * math.log(40) + 1.0
+    assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_scaling.factor == 40
+    assert cfg.rope_scaling.attention_factor == pytest.approx(1.0)
+    assert cfg.query_pre_attn_scalar == pytest.approx((DN + R) / m ** 4)
+    c["auto_map"]["AutoModelForCausalLM"] = "modeling_custom.Other"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(c))
+    with pytest.raises(CheckpointError, match="custom modelling code is not supported"):
+        HFSource(tmp_path / "hf").model_config()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_the_accuracy_benchmark_emulates_a_latent_cache(ds, kv_dtype):
+    """bench accuracy's cache emulation on MLA: the latent row round-tripped as the cache stores
+    it (the latent groups), the model's own softmax scale; close to float32's logits."""
+    import jax.numpy as jnp
+
+    from runtime.bench.accuracy import kv_roundtrip_logits
+    from runtime.model.families import dense_logits
+
+    _, _, ck = ds
+    cfg, params, _ = load_checkpoint(ck)
+    ids = jnp.asarray(PROMPT[:40])
+    got = np.asarray(kv_roundtrip_logits(cfg, params, ids, kv_dtype))
+    want = np.asarray(dense_logits(cfg, params, ids))
+    assert np.abs(got - want).max() < 0.1 and not np.array_equal(got, want)

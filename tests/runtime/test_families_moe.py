@@ -343,7 +343,9 @@ def test_expert_load_counts_every_real_token_once_per_expert_layer(moe):
     assert load.steps == 3 and 1.0 <= load.imbalance(load.total) <= cfg.num_experts / cfg.num_experts_per_tok
     metrics = eng.metrics.render().decode()
     gauge = next(x for x in metrics.splitlines() if x.startswith("pagedjax:moe_expert_load_imbalance "))
-    assert float(gauge.split()[-1]) == pytest.approx(load.imbalance())
+    # the last step decoded one token (k pairs, fewer than the experts): too few to say, so the
+    # gauge keeps the prefill step's value
+    assert load.imbalance() is None and 1.0 <= float(gauge.split()[-1]) <= cfg.num_experts / cfg.num_experts_per_tok
     routed = sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("pagedjax:moe_expert_tokens_total{"))
     assert routed == 23 * cfg.num_experts_per_tok * len(cfg.moe_layers())
     with console_client(eng) as c:

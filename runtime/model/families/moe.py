@@ -66,7 +66,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
 
 def route(cfg: ModelConfig, router: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [T, d] -> (weights [T, k] float32, expert ids [T, k] int32) of each token's top k."""
-    probs = jax.nn.softmax((x @ router.astype(x.dtype)).astype(jnp.float32), axis=-1)
+    probs = jax.nn.softmax(x.astype(jnp.float32) @ router.astype(jnp.float32), axis=-1)  # (float32, as transformers)
     if cfg.topk_method == "group_limited_greedy":  # experts outside the best topk_group groups score 0
         T, G = x.shape[0], cfg.n_group
         best = probs.reshape(T, G, -1).max(-1)                       # [T, G]
