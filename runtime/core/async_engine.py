@@ -68,6 +68,10 @@ class AsyncEngine:
             self._thread.join(timeout=10)
             self._thread = None
         self.engine.outputs.stop()  # delivers what the last steps queued
+        if getattr(self.engine, "disk_tier", None) is not None:  # (the prefixes a restart should find)
+            from runtime.core import kv_tiers
+
+            kv_tiers.flush_to_disk(self.engine)
 
     @property
     def running(self) -> bool:

@@ -205,6 +205,29 @@ def fingerprint(engine_config: Any, params: Any) -> str:
     return h.hexdigest()
 
 
+def flush_to_disk(engine: "LLMEngine") -> int:
+    """At shutdown: every block the device prefix cache still holds (group 0, registered) and
+    the disk tier does not, written to disk, so a restart finds the prefixes that were never
+    evicted too. Returns the blocks written."""
+    from runtime.model.runner import read_blocks
+
+    disk = engine.disk_tier
+    if disk is None:
+        return 0
+    with engine.lock:
+        todo = [(i.block_id, i.block_hash, i.token_ids, i.parent_hash) for i in engine.pool.infos
+                if i.block_hash is not None and i.group == 0 and i.token_ids is not None
+                and i.block_hash not in disk.files]
+        for start in range(0, len(todo), 256):
+            part = todo[start:start + 256]
+            arrays = read_blocks(engine.runner, [b for b, *_ in part])
+            for i, (_, block_hash, token_ids, parent) in enumerate(part):
+                disk.put(block_hash, HostBlock(token_ids, parent, [a[:, i:i + 1].copy() for a in arrays]))
+    if todo:
+        log.info("kv tier: %d cached blocks written to %s at shutdown", len(todo), disk.dir)
+    return len(todo)
+
+
 def offload(engine: "LLMEngine") -> int:
     """Copy the KV of the cached blocks the pool evicted since the last call (it logged them
     before reusing them) into the host tier; their device contents are intact until the next

@@ -176,3 +176,18 @@ def test_the_fingerprint_follows_the_weights_and_the_kv_layout(tiny_ckpt):
     assert fingerprint(eng.config, tuned) != base
     bf16 = replace(eng.config, cache=replace(eng.config.cache, kv_dtype="bfloat16"))
     assert fingerprint(bf16, params) != base
+
+
+def test_a_graceful_stop_writes_the_device_prefixes_to_disk(tiny_ckpt, tmp_path):
+    """A prefix never evicted is on disk after the serving loop stops (AsyncEngine.stop
+    flushes the device prefix cache), so a restart serves all of it."""
+    from runtime.core.async_engine import AsyncEngine
+
+    a = prompt(1, 150)
+    eng = tiered(tiny_ckpt, tmp_path / "kv")
+    first = eng.generate([a], SP)[0]
+    assert eng.disk_tier.stored == 0  # nothing evicted yet
+    AsyncEngine(eng).stop()
+    assert eng.disk_tier.stored == 9
+    again = tiered(tiny_ckpt, tmp_path / "kv").generate([a], SP)[0]
+    assert again.num_cached_tokens == 144 and again.output_ids == first.output_ids
