@@ -155,7 +155,7 @@ def test_the_pallas_kernel_is_refused_for_a_latent_cache():
     assert make_backend("xla", "float32", cpu_kernels=True, head_dim=64, latent=True) == XlaAttention(cpu_kernel=False)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("ds, kv_dtype", [("plain", "int8"), ("lora_grouped_yarn", "fp8_e4m3")], indirect=["ds"])
 def test_a_quantized_latent_cache(ds, kv_dtype):
     """--kv-cache-dtype int8 / fp8_e4m3 on the latent cache: one quantized row per token and
     layer (int8: a float16 scale and zero per 32 columns, here 40 columns: one group; fp8: one

@@ -163,7 +163,7 @@ def test_moe_fields_it_does_not_implement_are_refused(tmp_path, field, value, me
         HFSource(src).model_config()
 
 
-@pytest.mark.parametrize("method", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("moe, method", [("mixtral", "w8a8"), ("qwen3_moe_dense", "w8a16")], indirect=["moe"])
 def test_quantized_experts_serve_close_to_float(moe, method):
     """--quantization w8a16 / w8a8: the expert stacks become int8 with a scale per expert and
     output channel (w8a8 quantizing each routed row too), the attention projections as for a
@@ -293,18 +293,20 @@ def test_decoder_sparse_step_makes_the_skipped_layers_dense(tmp_path):
 def test_expert_parallel_2_and_4_give_1s_tokens(tmp_path):
     """--tensor-parallel-size 2 / 4 on a mixture of experts: attention by heads, the experts
     split whole across the devices (each device routes every token and runs the picks of its
-    own experts; one all-reduce combines them), shared / dense MLPs Megatron-style. Mixtral
-    (8 experts) and Qwen3-MoE (8 experts, layer 1 dense) give TP 1's tokens with the prefix
-    cache, chunked prefill and preemptions, logprobs within 1e-4, nothing compiled after
-    warm-up, and each device holds E / N experts."""
+    own experts; one all-reduce combines them), shared / dense MLPs Megatron-style. Qwen3-MoE
+    (8 experts, layer 1 dense) at EP 2 and 4 and Mixtral (8 experts) at EP 4 give EP 1's tokens
+    with the prefix cache, chunked prefill and preemptions, logprobs within 1e-4, nothing
+    compiled after warm-up, and each device holds E / N experts."""
     from tests.runtime.test_tp import _assert_parity, _run_check
 
-    for arch, kw in (("mixtral", MIXTRAL), ("qwen3_moe", dict(QWEN3_MOE, num_experts=8, mlp_only_layers=[1]))):
+    for arch, kw, sizes in (("qwen3_moe", dict(QWEN3_MOE, num_experts=8, mlp_only_layers=[1]), ("2", "4")),
+                            ("mixtral", MIXTRAL, ("4",))):
         src = build_hf(tmp_path / arch / "hf", arch, **kw)
         convert(HFSource(src), tmp_path / arch / "ck", progress=False)
-        res = _run_check(tmp_path / arch / "ck", "2", "4")
-        _assert_parity(res, [2, 4])
-        assert res[2]["expert_shard_shape"][:2] == [1 if arch == "qwen3_moe" else 2, 4]
+        res = _run_check(tmp_path / arch / "ck", *sizes)
+        _assert_parity(res, [int(n) for n in sizes])
+        if "2" in sizes:
+            assert res[2]["expert_shard_shape"][:2] == [1, 4]  # (layer 1 is dense: one expert layer)
         assert res[4]["expert_shard_shape"][1] == 2
 
 
