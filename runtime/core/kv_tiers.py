@@ -205,12 +205,20 @@ def fingerprint(engine_config: Any, params: Any) -> str:
     return h.hexdigest()
 
 
+def read_to_host(engine: "LLMEngine", entries: list[tuple]) -> list[tuple[BlockHash, HostBlock]]:
+    """(block id, hash, token ids, parent hash) entries -> their KV copied from the device as
+    HostBlocks, with their hashes."""
+    from runtime.model.runner import read_blocks
+
+    arrays = read_blocks(engine.runner, [b for b, *_ in entries])
+    return [(block_hash, HostBlock(token_ids, parent, [a[:, i:i + 1].copy() for a in arrays]))
+            for i, (_, block_hash, token_ids, parent) in enumerate(entries)]
+
+
 def flush_to_disk(engine: "LLMEngine") -> int:
     """At shutdown: every block the device prefix cache still holds (group 0, registered) and
     the disk tier does not, written to disk, so a restart finds the prefixes that were never
     evicted too. Returns the blocks written."""
-    from runtime.model.runner import read_blocks
-
     disk = engine.disk_tier
     if disk is None:
         return 0
@@ -219,10 +227,8 @@ def flush_to_disk(engine: "LLMEngine") -> int:
                 if i.block_hash is not None and i.group == 0 and i.token_ids is not None
                 and i.block_hash not in disk.files]
         for start in range(0, len(todo), 256):
-            part = todo[start:start + 256]
-            arrays = read_blocks(engine.runner, [b for b, *_ in part])
-            for i, (_, block_hash, token_ids, parent) in enumerate(part):
-                disk.put(block_hash, HostBlock(token_ids, parent, [a[:, i:i + 1].copy() for a in arrays]))
+            for block_hash, block in read_to_host(engine, todo[start:start + 256]):
+                disk.put(block_hash, block)
     if todo:
         log.info("kv tier: %d cached blocks written to %s at shutdown", len(todo), disk.dir)
     return len(todo)
@@ -232,14 +238,10 @@ def offload(engine: "LLMEngine") -> int:
     """Copy the KV of the cached blocks the pool evicted since the last call (it logged them
     before reusing them) into the host tier; their device contents are intact until the next
     launched step writes them. Returns the blocks copied."""
-    from runtime.model.runner import read_blocks
-
     log, engine.pool.offload_log = engine.pool.offload_log, []
     if not log:
         return 0
-    arrays = read_blocks(engine.runner, [b for b, *_ in log])
-    for i, (_, block_hash, token_ids, parent) in enumerate(log):
-        block = HostBlock(token_ids, parent, [a[:, i:i + 1].copy() for a in arrays])
+    for block_hash, block in read_to_host(engine, log):
         engine.host_tier.put(block_hash, block)
         if engine.disk_tier is not None:
             engine.disk_tier.put(block_hash, block)

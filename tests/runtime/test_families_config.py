@@ -107,6 +107,27 @@ def assert_engine_matches(ckpt: Path, src: Path, prompt: list[int], n: int, max_
     np.testing.assert_allclose(mine_p, theirs_p, atol=1e-3)
 
 
+def assert_prefix_cache_and_preemption_match(src: Path, ckpt: Path) -> None:
+    """A second prompt sharing the first's 64 leading tokens reuses their blocks; four
+    requests of 90-120 tokens in a pool of 16 blocks force a preemption; every request still
+    gives transformers' tokens, alone or batched."""
+    rng = np.random.default_rng(3)
+    prompts = [PROMPT, PROMPT[:64] + [int(t) for t in rng.integers(3, 200, 12)],
+               [int(t) for t in rng.integers(3, 200, 50)], [int(t) for t in rng.integers(3, 200, 70)]]
+    want = [hf_reference(src, p, 40)[0] for p in prompts]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    eng = make_engine(ckpt, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    first = eng.generate([prompts[0]], sp)[0]
+    second = eng.generate([prompts[1]], sp)[0]
+    assert second.num_cached_tokens >= 48  # whole 16-token blocks of the shared 64
+    assert [first.output_ids, second.output_ids] == want[:2]
+    tight = make_engine(ckpt, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                        watermark=0.0)
+    got = tight.generate(prompts, sp)
+    assert tight.scheduler.counters.preemptions > 0
+    assert [r.output_ids for r in got] == want
+
+
 # --- RoPE scaling: greedy tokens and logprobs equal transformers' ---------------------------
 
 @pytest.mark.parametrize("rope", [LLAMA3, LINEAR], ids=["llama3", "linear"])

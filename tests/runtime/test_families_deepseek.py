@@ -17,7 +17,7 @@ from runtime.checkpoint.mapping import CheckpointError
 from runtime.checkpoint.store import convert, load_checkpoint
 from runtime.model.sampling import SamplingParams
 from tests.engine_util import make_engine
-from tests.runtime.test_families_config import PROMPT, assert_engine_matches, build_hf, hf_reference
+from tests.runtime.test_families_config import assert_prefix_cache_and_preemption_match, PROMPT, assert_engine_matches, build_hf, hf_reference
 
 pytest.importorskip("transformers", reason="transformers not installed (pip install -e .[peer])")
 
@@ -87,21 +87,7 @@ def test_deepseek_prefix_cache_preemption_and_batch_invariance(ds):
     four requests of 90-120 tokens in a pool of 16 blocks force a preemption (their latent rows
     recomputed); every request still gives transformers' tokens, alone or batched."""
     _, src, ck = ds
-    rng = np.random.default_rng(3)
-    prompts = [PROMPT, PROMPT[:64] + [int(t) for t in rng.integers(3, 200, 12)],
-               [int(t) for t in rng.integers(3, 200, 50)], [int(t) for t in rng.integers(3, 200, 70)]]
-    want = [hf_reference(src, p, 40)[0] for p in prompts]
-    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    eng = make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
-    first = eng.generate([prompts[0]], sp)[0]
-    second = eng.generate([prompts[1]], sp)[0]
-    assert second.num_cached_tokens >= 48
-    assert [first.output_ids, second.output_ids] == want[:2]
-    tight = make_engine(ck, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
-                        watermark=0.0)
-    got = tight.generate(prompts, sp)
-    assert tight.scheduler.counters.preemptions > 0
-    assert [r.output_ids for r in got] == want
+    assert_prefix_cache_and_preemption_match(src, ck)
 
 
 def test_group_limited_routing_keeps_only_the_best_groups_experts():

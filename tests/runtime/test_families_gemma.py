@@ -23,13 +23,11 @@ from runtime.config import ModelConfig
 from runtime.model.families import dense_logits, family, param_shapes
 from runtime.model.families.llama import causal_mask, dense_causal_attention
 from runtime.model.kv_pages import SharedPrefix
-from runtime.model.sampling import SamplingParams
 from runtime.model.xla_attention import xla_ragged_paged_attention
 from tests.attention_oracle import random_batch
-from tests.engine_util import make_engine
 from tests.model_files import write_hf_config_dir
-from tests.runtime.test_families_config import (PROMPT, SIZES, TOK_JSON, assert_engine_matches, hf_reference,
-                                                 log_softmax)
+from tests.runtime.test_families_config import (PROMPT, SIZES, TOK_JSON, assert_engine_matches,
+                                                 assert_prefix_cache_and_preemption_match, hf_reference, log_softmax)
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install -e .[peer])")
 torch = pytest.importorskip("torch", reason="torch not installed (pip install -e .[peer])")
@@ -135,22 +133,8 @@ def test_gemma_prefix_cache_preemption_and_batch_invariance(gemma):
     """A second prompt sharing the first's 64 leading tokens reuses their blocks; four
     requests of 90-120 tokens in a pool of 16 blocks force a preemption; every request still gives
     transformers' tokens, alone or batched."""
-    arch, src, ck = gemma
-    rng = np.random.default_rng(3)
-    prompts = [PROMPT, PROMPT[:64] + [int(t) for t in rng.integers(3, 200, 12)],
-               [int(t) for t in rng.integers(3, 200, 50)], [int(t) for t in rng.integers(3, 200, 70)]]
-    want = [hf_reference(src, p, 40)[0] for p in prompts]
-    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    eng = make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
-    first = eng.generate([prompts[0]], sp)[0]
-    second = eng.generate([prompts[1]], sp)[0]
-    assert second.num_cached_tokens >= 48  # whole 16-token blocks of the shared 64
-    assert [first.output_ids, second.output_ids] == want[:2]
-    tight = make_engine(ck, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
-                        watermark=0.0)
-    got = tight.generate(prompts, sp)
-    assert tight.scheduler.counters.preemptions > 0
-    assert [r.output_ids for r in got] == want
+    _, src, ck = gemma
+    assert_prefix_cache_and_preemption_match(src, ck)
 
 
 # --- the attention paths: window and soft-cap against a float64 oracle ---------------------
