@@ -651,3 +651,6 @@ class EngineConfig:
     kv_offload_memory: int = 0  # bytes of host RAM for the second KV tier (runtime/core/kv_tiers.py); 0: none
     kv_offload_dir: str | None = None  # the third tier's directory (survives restarts); None: none
     kv_offload_disk: int = 8 * GiB     # bytes the third tier may take on disk
+    # auto: a batch-tier victim's KV goes to the host tier and back when that pays
+    # (runtime/core/kv_tiers.py SwapSpace.decide; needs kv_offload_memory); recompute: never
+    preemption_mode: str = "auto"

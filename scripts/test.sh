@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test peer bench fleet
 bash scripts/install_browser.sh || echo "warning: chromium could not be installed; browser tests will skip"
-export PAGEDJAX_JAX_CACHE=${PAGEDJAX_JAX_CACHE:-$PWD/.cache/jax}
+export PAGEDJAX_JAX_CACHE=${PAGEDJAX_JAX_CACHE:-$HOME/.cache/pagedjax/jax-tests}  # (tests/conftest.py: why)
 # Lint the tree (ruff) and type-check the engine core (mypy; its modules are [tool.mypy]
 # files in pyproject.toml) first: seconds, and a finding stops the run before the long part.
 .venv/bin/ruff check .

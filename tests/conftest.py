@@ -4,7 +4,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("PAGEDJAX_JAX_CACHE", str(ROOT / ".cache" / "jax"))
+# Compiled programs outlive the checkout (a fresh clone of the same code compiles nothing
+# again); the product's own cache (~/.cache/pagedjax/jax) stays apart from the tests'.
+os.environ.setdefault("PAGEDJAX_JAX_CACHE", str(Path.home() / ".cache" / "pagedjax" / "jax-tests"))
 
 
 def pytest_configure(config):

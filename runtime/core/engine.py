@@ -2,6 +2,7 @@
 
 Where a request is at any moment:
   waiting   in `scheduler.waiting` (or `scheduler.resumed` after a preemption), no blocks;
+            a swapped-out one's KV in host RAM (`Request.swap`, runtime/core/kv_tiers.py);
   running   in `scheduler.running`, holding blocks; its `num_computed_tokens` include the
             tokens of a launched step, and a token that step sampled is *pending* until
             read back (`Request.num_pending`);
@@ -115,6 +116,9 @@ class LLMEngine:
         self.disk_tier = (kv_tiers.DiskTier(Path(config.kv_offload_dir), config.kv_offload_disk,
                                             kv_tiers.fingerprint(config, params))
                           if config.kv_offload_dir else None)
+        for tier in (self.host_tier, self.disk_tier):  # (their residency events join the pool's, when recorded)
+            if tier is not None:
+                tier.log = self._log_tier_event
         if self.disk_tier is not None and self.disk_tier.loaded:
             log.info("kv tier: %d blocks (%.1f MiB) on disk in %s from before", self.disk_tier.loaded,
                      self.disk_tier.bytes / 2**20, config.kv_offload_dir)
@@ -140,6 +144,14 @@ class LLMEngine:
             from runtime.core.draft import DraftModel
 
             self.draft = DraftModel(config, config.model.vocab_size, self.kv_groups.num_groups, tokenizer)
+        if config.preemption_mode not in ("auto", "recompute"):
+            raise ValueError(f"preemption_mode: must be 'auto' or 'recompute', got {config.preemption_mode!r}")
+        self.swap_space = None  # swap preemption (runtime/core/kv_tiers.py): on the host tier's budget
+        if self.host_tier is not None and config.preemption_mode == "auto":
+            if self.draft is not None:  # (the draft's cache shares the block ids a swap would move)
+                log.info("kv tier: swap preemption off with a draft model: preempted requests recompute")
+            else:
+                self.swap_space = self.scheduler.swap = kv_tiers.SwapSpace(self.host_tier, self.runner.kv_block_bytes())
         self.metrics = EngineMetrics(lambda: EngineState.read(self.scheduler, self.pool, compilations))
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
         model = config.model  # a mixture of experts: the steps' routing balance (console, /metrics)
@@ -327,6 +339,10 @@ class LLMEngine:
         """Prefill side: a prefilled prompt's blocks from skip_blocks on, as host arrays."""
         return disagg.export_kv(self, prompt_ids, skip_blocks, cache_salt)
 
+    def _log_tier_event(self, event: tuple) -> None:
+        if self.pool.events is not None:
+            self.pool.events.append(event)
+
     # --- the loop body -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One beat: plan and launch step N+1 while step N runs on the device, then read
@@ -347,6 +363,8 @@ class LLMEngine:
             plan = self.scheduler.schedule()
             if self.host_tier is not None:
                 kv_tiers.offload(self)
+            if plan.swapped_out or plan.swapped_in:
+                kv_tiers.swap(self, plan)
             launched = self._launch(plan, outputs)
             if self.async_scheduling and self.draft is None:  # (the draft mirrors steps with known inputs)
                 done, self._inflight = [self._inflight], launched
@@ -483,6 +501,8 @@ class LLMEngine:
                 self.metrics.count_expert_load(self.expert_load)
             t = time.perf_counter()
             dt = t - max(done.launched_at, self._last_read_back)  # the pipeline's beat
+            if self.swap_space is not None and done.num_tokens >= 64:  # (prefill's cost per token, for the swap rule)
+                self.swap_space.observe_prefill(dt, done.num_tokens)
             self._last_read_back = t
             self.metrics.step_time.observe(dt)
             self.metrics.step_tokens.observe(done.num_tokens)
@@ -610,7 +630,7 @@ class LLMEngine:
                                      pool.num_used_blocks, pool.num_cached_blocks))
         if self.host_tier is not None:
             t = self.host_tier
-            m.tier_bytes.labels("host").set(t.bytes)
+            m.tier_bytes.labels("host").set(t.bytes + t.swapped)
             m.tier_blocks.labels("host").set(len(t.blocks))
             m.tier_hit_blocks.labels("host").set(t.promoted)
         sig = self.eviction(now)

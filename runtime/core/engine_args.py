@@ -74,7 +74,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
                    help="a third KV tier on local disk under the host tier: blocks it takes are written to DIR and "
                         "a restarted server serves them (needs --kv-offload-memory)")
-    g.add_argument("--kv-offload-disk", default="8GiB", metavar="SIZE", help="the disk tier's limit (default 8GiB)")
+    g.add_argument("--kv-offload-disk", default=None, metavar="SIZE",
+                   help="the disk tier's limit (default 8GiB; needs --kv-offload-dir)")
+    g.add_argument("--preemption-mode", choices=("auto", "recompute"), default="auto",
+                   help="auto: a batch-tier request preempted for blocks has its KV moved to the host tier and "
+                        "back instead of recomputed, when the measured copy is cheaper (needs --kv-offload-memory); "
+                        "recompute: every preempted request recomputes (default auto)")
     e = p.add_argument_group("KV eviction signal (the console's dashboard and /metrics kv_eviction_rate)")
     e.add_argument("--eviction-window", type=float, default=EvictionAlert.window_s, metavar="SECONDS",
                    help="the rate's window; a cached block used within it counts as a live prefix when evicted")
@@ -125,6 +130,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
     def build(model: ModelConfig) -> EngineConfig:
         import jax
 
+        if getattr(args, "kv_offload_disk", None) and not getattr(args, "kv_offload_dir", None):
+            raise ValueError("kv_offload_disk: the disk tier's limit needs --kv-offload-dir")
         dtype = args.dtype
         if dtype == "auto":
             dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
@@ -159,7 +166,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
                             kv_offload_memory=parse_memory(args.kv_offload_memory)
                             if getattr(args, "kv_offload_memory", None) else 0,
                             kv_offload_dir=getattr(args, "kv_offload_dir", None),
-                            kv_offload_disk=parse_memory(getattr(args, "kv_offload_disk", "8GiB")))
+                            kv_offload_disk=parse_memory(getattr(args, "kv_offload_disk", None) or "8GiB"),
+                            preemption_mode=getattr(args, "preemption_mode", "auto"))
 
     # LLMEngine.from_checkpoint reads it before the weights (TP restores them into their shards).
     build.tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)  # type: ignore[attr-defined]

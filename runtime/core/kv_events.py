@@ -59,22 +59,26 @@ _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 def to_vllm_events(pool_events: Iterable[tuple], block_size: int) -> list[KVCacheEvent]:
     """Pool events -> vLLM events; consecutive stores of one chain become one BlockStored
-    (vLLM batches a request's new blocks the same way), consecutive removals one BlockRemoved."""
+    (vLLM batches a request's new blocks the same way), consecutive removals one BlockRemoved.
+    A KV tier's events (runtime/core/kv_tiers.py) end in their medium ("CPU", "DISK"); the
+    device pool's carry none (vLLM's default medium)."""
     out: list[KVCacheEvent] = []
     for ev in pool_events:
         if ev[0] == "stored":
-            _, h, parent, tokens = ev
+            _, h, parent, tokens, *medium = ev
+            where = medium[0] if medium else None
             last = out[-1] if out else None
-            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
+            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent and last.medium == where:
                 last.block_hashes.append(h)
                 last.token_ids.extend(tokens)
             else:
-                out.append(BlockStored([h], parent, list(tokens), block_size))
+                out.append(BlockStored([h], parent, list(tokens), block_size, medium=where))
         elif ev[0] == "removed":
-            if out and isinstance(out[-1], BlockRemoved):
+            where = ev[2] if len(ev) > 2 else None
+            if out and isinstance(out[-1], BlockRemoved) and out[-1].medium == where:
                 out[-1].block_hashes.append(ev[1])
             else:
-                out.append(BlockRemoved([ev[1]]))
+                out.append(BlockRemoved([ev[1]], medium=where))
         elif ev[0] == "cleared":
             out.append(AllBlocksCleared())
         else:
@@ -91,7 +95,10 @@ def decode_batch(data: bytes) -> KVEventBatch:
 
 
 class Residency:
-    """Which block hashes each replica's prefix cache holds, kept from its event stream.
+    """Which block hashes each replica's prefix cache holds, kept from its event stream: the
+    device pool's and, per medium, its KV tiers' (a tier's block is served by copying it up,
+    not recomputing it, so it counts as held; a block leaves a medium only by that medium's
+    removal).
 
     Two sources: events (exact, a little late) and `expect` (the router's own note that it
     just sent a prompt somewhere: its blocks will be there in a step, so the next request
@@ -102,6 +109,7 @@ class Residency:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._held: dict[str, set[BlockHash]] = {}
+        self._tiers: dict[str, dict[str, set[BlockHash]]] = {}  # replica -> medium -> hashes
         self._expected: dict[str, dict[BlockHash, float]] = {}
         self._lock = threading.Lock()
         self.events_applied = 0
@@ -109,16 +117,20 @@ class Residency:
     def apply(self, replica: str, batch: KVEventBatch) -> None:
         with self._lock:
             held = self._held.setdefault(replica, set())
+            tiers = self._tiers.setdefault(replica, {})
             expected = self._expected.setdefault(replica, {})
             for ev in batch.events:
+                medium = getattr(ev, "medium", None)
+                where = held if medium in (None, "GPU") else tiers.setdefault(medium, set())
                 if isinstance(ev, BlockStored):
-                    held.update(ev.block_hashes)
+                    where.update(ev.block_hashes)
                     for h in ev.block_hashes:
                         expected.pop(h, None)
                 elif isinstance(ev, BlockRemoved):
-                    held.difference_update(ev.block_hashes)
-                else:
+                    where.difference_update(ev.block_hashes)
+                else:  # (a fresh replica, or a reset: nothing it held is known any more)
                     held.clear()
+                    tiers.clear()
                     expected.clear()
                 self.events_applied += 1
 
@@ -134,10 +146,11 @@ class Residency:
         now = self._clock()
         with self._lock:
             held = self._held.get(replica, ())
+            tiers = self._tiers.get(replica, {}).values()
             exp = self._expected.get(replica, {})
             n = 0
             for h in hashes:
-                if h in held or exp.get(h, 0.0) > now:
+                if h in held or exp.get(h, 0.0) > now or any(h in t for t in tiers):
                     n += 1
                 else:
                     break
@@ -147,6 +160,7 @@ class Residency:
         """A replica died or was stopped: nothing of it can serve a hit any more."""
         with self._lock:
             self._held.pop(replica, None)
+            self._tiers.pop(replica, None)
             self._expected.pop(replica, None)
 
     def num_blocks(self, replica: str) -> int:

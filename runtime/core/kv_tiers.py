@@ -11,10 +11,17 @@ One step of an engine with the tier (LLMEngine.step, under the engine lock):
     offload(engine)   blocks the allocations evicted: their KV read to host before the step
                       launched next overwrites them
 
+    swap(engine, plan) swap preemption: victims' KV read to host, resumed ones' written back
+
 Blocks are keyed by the engine's chained block hashes and verified token by token, like the
 device cache. The tier is bounded in bytes (least recently used first out) and holds only
-blocks a device pool once computed, so it never serves KV another prompt made. Both copies
-are synchronous on the host thread, and happen only on steps that evict or promote.
+blocks a device pool once computed, so it never serves KV another prompt made. The copies
+are synchronous on the host thread, and happen only on steps that evict, promote or swap.
+
+Swap preemption (`SwapSpace`, the seeds' "preempt aggressively using swap-to-CPU" for the
+batch tier): a batch-tier victim's whole KV (its partial last block too) is parked in the
+tier's budget, pinned there, and written back into fresh blocks when the scheduler admits it
+again, so it resumes where it stopped instead of recomputing. `SwapSpace.decide` is the rule.
 """
 
 from __future__ import annotations
@@ -27,20 +34,26 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from runtime.core.block_pool import BlockHash
-from runtime.core.request import cacheable_blocks
+from runtime.core.request import Request, cacheable_blocks
+from runtime.kv_groups import NULL_BLOCK
 
 if TYPE_CHECKING:
     from runtime.core.engine import LLMEngine
+    from runtime.core.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 # Waiting requests (in admission order) whose prompts are looked up in the tier per step: the
 # ones the scheduler may admit soon; the others wait for a later step.
 PROMOTE_LOOKAHEAD = 8
+# A request swapped back in is not swapped out again for this many scheduler steps (it is
+# recomputed if it must go, and victims are picked among the others first): a request moved
+# out and in on alternate steps would spend the steps copying instead of computing.
+SWAP_COOLDOWN_STEPS = 16
 
 
 @dataclass
@@ -55,17 +68,24 @@ class HostBlock:
 
 
 class HostTier:
-    """Blocks in host RAM under their hash, at most `capacity_bytes` (LRU)."""
+    """Blocks in host RAM under their hash, at most `capacity_bytes` (LRU). With `log` set
+    (the engine's, when its pool records residency events) each block taken or dropped is
+    reported as ("stored", hash, parent, tokens, MEDIUM) / ("removed", hash, MEDIUM): vLLM's
+    KV events carry the medium, so the fleet router sees a replica's tier as a hit too."""
+
+    MEDIUM = "CPU"
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"kv_offload_memory: must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.blocks: OrderedDict[BlockHash, HostBlock] = OrderedDict()
-        self.bytes = 0
+        self.bytes = 0      # prefix blocks'
+        self.swapped = 0    # bytes held for swapped-out requests (never dropped for prefix blocks)
         self.stored = 0     # blocks written down, ever
         self.dropped = 0    # blocks pushed out by newer ones
         self.promoted = 0   # blocks copied back up (prefix hits of this tier)
+        self.log: Callable[[tuple], None] | None = None
 
     def put(self, block_hash: BlockHash, block: HostBlock) -> None:
         if block.nbytes > self.capacity_bytes:
@@ -73,13 +93,35 @@ class HostTier:
         old = self.blocks.pop(block_hash, None)
         if old is not None:
             self.bytes -= old.nbytes
-        while self.blocks and self.bytes + block.nbytes > self.capacity_bytes:
-            _, out = self.blocks.popitem(last=False)
-            self.bytes -= out.nbytes
-            self.dropped += 1
+        if not self._make_room(block.nbytes):
+            return
         self.blocks[block_hash] = block
+        if old is None and self.log is not None:
+            self.log(("stored", block_hash, block.parent, block.token_ids, self.MEDIUM))
         self.bytes += block.nbytes
         self.stored += 1
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Drop least recently used prefix blocks until `nbytes` more fit (False: they cannot)."""
+        if self.swapped + nbytes > self.capacity_bytes:
+            return False
+        while self.blocks and self.bytes + self.swapped + nbytes > self.capacity_bytes:
+            gone, out = self.blocks.popitem(last=False)
+            self.bytes -= out.nbytes
+            self.dropped += 1
+            if self.log is not None:
+                self.log(("removed", gone, self.MEDIUM))
+        return True
+
+    def reserve(self, nbytes: int) -> bool:
+        """Hold `nbytes` for a swapped-out request (prefix blocks make way); False: no room."""
+        if not self._make_room(nbytes):
+            return False
+        self.swapped += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        self.swapped -= nbytes
 
     def get(self, block_hash: BlockHash, token_ids: Sequence[int]) -> HostBlock | None:
         """The block under `block_hash` if it holds exactly `token_ids` (most recently used now)."""
@@ -100,6 +142,7 @@ class DiskTier:
     on disk: the least recently used files go first."""
 
     MAGIC = b"PJKVB1\n"
+    MEDIUM = "DISK"
 
     def __init__(self, directory: Path, capacity_bytes: int, fingerprint: str) -> None:
         if capacity_bytes <= 0:
@@ -122,6 +165,7 @@ class DiskTier:
         self.bytes = sum(self.files.values())
         self.loaded = len(self.files)   # blocks found at start
         self.stored = self.promoted = self.skipped = 0
+        self.log: Callable[[tuple], None] | None = None  # residency events, as HostTier's
 
     def _path(self, block_hash: BlockHash) -> Path:
         return self.dir / f"{block_hash.hex()}.kvb"
@@ -142,6 +186,8 @@ class DiskTier:
             old, size = self.files.popitem(last=False)
             self.bytes -= size
             self._path(old).unlink(missing_ok=True)
+            if self.log is not None:
+                self.log(("removed", old, self.MEDIUM))
         path = self._path(block_hash)
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(data)
@@ -149,6 +195,8 @@ class DiskTier:
         self.files[block_hash] = len(data)
         self.bytes += len(data)
         self.stored += 1
+        if self.log is not None:
+            self.log(("stored", block_hash, block.parent, block.token_ids, self.MEDIUM))
 
     def get(self, block_hash: BlockHash, token_ids: Sequence[int]) -> HostBlock | None:
         if block_hash not in self.files:
@@ -177,6 +225,8 @@ class DiskTier:
             self.skipped += 1
             self.bytes -= self.files.pop(block_hash, 0)
             path.unlink(missing_ok=True)
+            if self.log is not None:
+                self.log(("removed", block_hash, self.MEDIUM))
             return None
         arrays, offset = [], 0
         for shape, dtype in head["arrays"]:
@@ -260,7 +310,7 @@ def promote(engine: "LLMEngine") -> int:
     pool, tier, sched = engine.pool, engine.host_tier, engine.scheduler
     bs, total = pool.block_size, 0
     for req in sched.waiting_requests()[:PROMOTE_LOOKAHEAD]:
-        if not req.uses_prefix_cache or req.num_computed_tokens:
+        if not req.uses_prefix_cache or req.num_computed_tokens or req.swap is not None:
             continue
         req.extend_block_hashes(bs)
         hashes = req.block_hashes[:cacheable_blocks(req.num_tokens, bs)]
@@ -297,3 +347,86 @@ def promote(engine: "LLMEngine") -> int:
     return total
 
 
+
+
+@dataclass
+class SwapOut:
+    """A preempted request's KV while it waits in host RAM."""
+
+    tables: list[list[int]]   # its block tables when preempted (NULL_BLOCK kept): read, then the layout restored
+    num_computed_tokens: int  # where it resumes
+    nbytes: int               # held in the host tier's budget
+    arrays: list[np.ndarray] | None = None  # per KV leaf [L, n, BS, ...]: the tables' blocks in order
+    restored: list[int] | None = None        # the fresh blocks they go back into (the scheduler's)
+
+
+class SwapSpace:
+    """Swap preemption on the host tier's budget: the rule, the rates it weighs, the counts."""
+
+    def __init__(self, tier: HostTier, block_bytes: int) -> None:
+        self.tier, self.block_bytes = tier, block_bytes
+        self.copy_s_per_byte: float | None = None      # measured on the tier's copies (EMA)
+        self.prefill_s_per_token: float | None = None  # measured on the engine's prefill steps (EMA)
+        self.declined: dict[str, int] = {}             # batch-tier victims recomputed, by reason
+
+    def observe_copy(self, seconds: float, nbytes: int) -> None:
+        if nbytes:
+            self.copy_s_per_byte = _ema(self.copy_s_per_byte, seconds / nbytes)
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        self.prefill_s_per_token = _ema(self.prefill_s_per_token, seconds / tokens)
+
+    def decide(self, req: Request, step: int) -> SwapOut | None:
+        """Whether a victim swaps (its SwapOut, bytes reserved) or recomputes (None): the one
+        place that rule lives. Interactive requests keep recompute preemption; a batch request
+        swaps unless it must compute every token anyway (penalties, prompt logprobs: the
+        prefix-cache rule), came back from a swap within SWAP_COOLDOWN_STEPS, costs more to
+        copy out and back than to recompute at the measured rates (before a rate is measured,
+        a copy is taken to be cheaper), or does not fit the tier beside the other swaps."""
+        if req.priority != "batch":
+            return None
+        why = None
+        nbytes = sum(b != NULL_BLOCK for t in req.block_tables for b in t) * self.block_bytes
+        if not req.uses_prefix_cache:
+            why = "computes every token"
+        elif step - req.swapped_in_at < SWAP_COOLDOWN_STEPS:
+            why = "cooldown"
+        elif (self.copy_s_per_byte is not None and self.prefill_s_per_token is not None
+              and 2 * nbytes * self.copy_s_per_byte >= req.num_computed_tokens * self.prefill_s_per_token):
+            why = "recompute cheaper"
+        elif not self.tier.reserve(nbytes):
+            why = "host tier full"
+        if why is not None:
+            self.declined[why] = self.declined.get(why, 0) + 1
+            return None
+        return SwapOut([list(t) for t in req.block_tables], req.num_computed_tokens, nbytes)
+
+    def release(self, swap: SwapOut) -> None:
+        self.tier.unreserve(swap.nbytes)
+
+
+def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+def swap(engine: "LLMEngine", plan: "SchedulerOutput") -> None:
+    """After a schedule, before its step launches: the victims swapped out read their blocks
+    (freed, maybe handed to someone else already, not yet overwritten) to host; the requests
+    swapped in get them written into their fresh blocks. (A schedule that preempts admits no
+    one, so the two never meet in one step.)"""
+    import time
+
+    from runtime.model.runner import read_blocks, write_blocks
+
+    space = engine.swap_space
+    for req in plan.swapped_out:
+        t0 = time.perf_counter()
+        ids = [b for t in req.swap.tables for b in t if b != NULL_BLOCK]
+        req.swap.arrays = [np.ascontiguousarray(a) for a in read_blocks(engine.runner, ids)]
+        space.observe_copy(time.perf_counter() - t0, req.swap.nbytes)
+    for req in plan.swapped_in:
+        t0 = time.perf_counter()
+        write_blocks(engine.runner, req.swap.restored, req.swap.arrays)
+        space.observe_copy(time.perf_counter() - t0, req.swap.nbytes)
+        space.release(req.swap)
+        req.swap = None

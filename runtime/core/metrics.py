@@ -51,6 +51,8 @@ class EngineState:
     evictions: int
     preemptions: int
     compilations: int
+    swapped_out: int = 0          # preemptions whose KV went to the host tier
+    recomputed_tokens: int = 0    # tokens recomputed because a preemption dropped their KV
 
     @classmethod
     def read(cls, scheduler: "Scheduler", pool: "BlockPool", compilations: Callable[[], int]) -> "EngineState":
@@ -60,7 +62,7 @@ class EngineState:
         used, cached = pool.num_used_blocks, pool.num_cached_blocks
         return cls(len(s.running), s.num_waiting, len(s.resumed), pool.usage(), used, cached,
                    max(0, pool.num_free_blocks - cached), c.prefix_queries, c.prefix_hits, pool.num_evictions,
-                   c.preemptions, compilations())
+                   c.preemptions, compilations(), c.swapped_out, c.recomputed_tokens)
 
 
 class EngineStateCollector(Collector):
@@ -91,7 +93,10 @@ class EngineStateCollector(Collector):
         yield counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", st.prefix_queries)
         yield counter(P + "prefix_cache_hits", "Prompt tokens served by the prefix cache", st.prefix_hits)
         yield counter(P + "prefix_cache_evictions", "Cached blocks reused for new data", st.evictions)
-        yield counter(P + "num_preemptions", "Preemptions (recompute)", st.preemptions)
+        yield counter(P + "num_preemptions", "Preemptions (recompute or swap)", st.preemptions)
+        yield counter(P + "preemption_swaps", "Preemptions whose KV went to the host tier and back", st.swapped_out)
+        yield counter(P + "preemption_recomputed_tokens", "Tokens computed again because a preemption dropped "
+                      "their KV", st.recomputed_tokens)
         yield gauge(P + "compilations_total", "XLA programs built for the engine step", st.compilations)
         yield gauge(V + "num_requests_waiting", "Requests waiting (model-server protocol)", st.waiting)
         yield gauge(V + "num_requests_running", "Requests running (model-server protocol)", st.running)

@@ -65,6 +65,13 @@ class Request:
     num_computed_tokens: int = 0     # tokens whose KV is in the cache (or being written by a launched step)
     num_cached_tokens: int = -1      # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
+    # Swap preemption (runtime/core/kv_tiers.py): while preempted, its KV parked in host RAM
+    # (a kv_tiers.SwapOut), restored at admission instead of recomputed; the scheduler step it
+    # last came back at (not swapped out again soon after); computed tokens a recompute
+    # preemption dropped (counted as recomputed when it resumes).
+    swap: Any = None
+    swapped_in_at: int = -1 << 30
+    lost_tokens: int = 0
     state_row: int = -1              # device state row (penalties, last token) while running
     needs_row_reset: bool = False
     row_counted_upto: int = 0        # tokens [0, this) are in the penalty state of state_row

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from runtime.core import capacity
 from runtime.core.block_pool import BlockPool, NoFreeBlocks
@@ -45,6 +45,8 @@ class Overloaded(Exception):
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
+    swapped_out: list[Request] = field(default_factory=list)  # preempted with req.swap: KV to read to host
+    swapped_in: list[Request] = field(default_factory=list)   # admitted with req.swap: KV to write back
     num_batched_tokens: int = 0
     num_admitted: int = 0
 
@@ -58,6 +60,9 @@ class SchedulerCounters:
     spec_proposed: int = 0      # speculative decoding: proposed tokens verified
     spec_accepted: int = 0      # of which kept
     preempted_blocks_lost: int = 0  # blocks preemptions dropped (not in the prefix cache: their KV is gone)
+    swapped_out: int = 0        # preemptions whose KV went to host RAM (swap preemption)
+    swapped_in: int = 0         # of which came back
+    recomputed_tokens: int = 0  # tokens computed a second time because a preemption dropped their KV
 
 
 class Scheduler:
@@ -75,6 +80,10 @@ class Scheduler:
         self.free_rows = list(range(envelope.max_num_seqs - 1, -1, -1))
         self.counters = SchedulerCounters()
         self.queued_tokens = 0
+        self.num_steps = 0   # schedule() calls
+        # Swap preemption's rule and host budget (runtime/core/kv_tiers.py SwapSpace; the
+        # engine sets it with a host tier); None: every preemption recomputes.
+        self.swap: Any = None
 
     # --- queue ---------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -156,12 +165,27 @@ class Scheduler:
         elif req.status in (Status.WAITING, Status.PREEMPTED):
             self._pop_waiting(req)
             self._unpin(req)
+            self._drop_swap(req)
         req.status, req.finish_reason = Status.FINISHED, reason
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _drop_swap(self, req: Request) -> None:
+        if req.swap is not None:
+            self.swap.release(req.swap)
+            req.swap = None
+
+    def _preempt(self, req: Request, out: SchedulerOutput, may_swap: bool = True) -> None:
+        """Take a running request's blocks back. Its KV either goes to host RAM (swap: the
+        engine reads it after this schedule, before the blocks are written again) or is
+        dropped and recomputed when it resumes (less what the prefix cache still holds)."""
         self.running.remove(req)
-        infos = self.pool.infos
-        self.counters.preempted_blocks_lost += sum(infos[b].block_hash is None for b in req.held_blocks())
+        req.swap = self.swap.decide(req, self.num_steps) if self.swap is not None and may_swap else None
+        if req.swap is not None:
+            self.counters.swapped_out += 1
+            out.swapped_out.append(req)
+        else:
+            infos = self.pool.infos
+            self.counters.preempted_blocks_lost += sum(infos[b].block_hash is None for b in req.held_blocks())
+            req.lost_tokens = max(req.lost_tokens, req.num_computed_tokens)
         self._release(req)
         req.spec_token_ids = []
         req.num_computed_tokens = 0
@@ -178,13 +202,18 @@ class Scheduler:
         drop the blocks reserved for them (their imported KV is gone too)."""
         out = SchedulerOutput()
         for req in list(self.running):
-            self._preempt(req, out)
+            self._preempt(req, out, may_swap=False)
         for req in self.waiting_requests():
             self._unpin(req)
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
-        """Batch tier first, then the one whose preemption loses the least work."""
-        return max(candidates, key=lambda r: (PRIORITY_RANK[r.priority], -r.num_computed_tokens))
+        """Batch tier first; within it, not one that just came back from a swap (it would
+        thrash: runtime/core/kv_tiers.py SWAP_COOLDOWN_STEPS); then the one whose preemption
+        loses the least work."""
+        from runtime.core.kv_tiers import SWAP_COOLDOWN_STEPS
+        return max(candidates, key=lambda r: (PRIORITY_RANK[r.priority],
+                                              self.num_steps - r.swapped_in_at >= SWAP_COOLDOWN_STEPS,
+                                              -r.num_computed_tokens))
 
     # --- the step ----------------------------------------------------------------------
     def _chunk(self, req: Request, start: int, budget: int) -> int:
@@ -229,6 +258,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.num_steps += 1
         p = self.policy
         budget = min(p.max_num_batched_tokens, self.envelope.max_num_batched_tokens)
         max_seqs = min(p.max_num_seqs, self.envelope.max_num_seqs)
@@ -278,19 +308,20 @@ class Scheduler:
             req = self._peek_waiting(held)
             if req is None or not self.free_rows or req.num_pending:
                 return  # (a preempted request waits until its pending token is read back)
-            num_hit, hit_tables = self._prefix_hit(req)
+            swap = req.swap  # swapped out: its own KV comes back from host RAM, no prefix lookup
+            num_hit, hit_tables = (0, self._empty_tables()) if swap else self._prefix_hit(req)
             hits = [b for t in hit_tables for b in t if b != NULL_BLOCK]
-            if num_hit < len(req.block_hashes) and req.block_hashes[num_hit] in pending:
+            if not swap and num_hit < len(req.block_hashes) and req.block_hashes[num_hit] in pending:
                 # A running request is computing this prompt's next blocks: it waits a step and
                 # hits them. The queue behind it goes on (stopping here left most of a burst's
                 # first steps empty: 16 names in 64 chats on one system prompt held 7 of 8).
                 held.add(req.request_id)
                 continue
-            cached = num_hit * self.bs
+            cached = swap.num_computed_tokens if swap else num_hit * self.bs
             n = self._chunk(req, cached, budget)
             room = capacity.headroom(self.pool, p, num_tokens=req.num_tokens, max_total_tokens=req.max_total_tokens(),
                                      hits=hits, promised=promised, engine_busy=bool(self.running),
-                                     pinned=req.pinned_blocks, groups=self.groups, hit_tokens=cached,
+                                     pinned=req.pinned_blocks, groups=self.groups, hit_tokens=0 if swap else cached,
                                      chunk=self.max_chunk)
             if not room.fits:
                 return  # head of line waits: FCFS within its tier
@@ -298,18 +329,37 @@ class Scheduler:
             self.pool.touch(hits)
             self._unpin(req)  # (its hits now hold the imported blocks; the rest become free)
             req.block_tables = hit_tables
-            if not self._grow(req, cached, cached + n):
+            if (swap and not self._swap_tables(req)) or not self._grow(req, cached, cached + n):
                 self.pool.free(req.held_blocks())
                 req.block_tables = self._empty_tables()
-                self._requeue_front(req)
+                self._requeue_front(req)  # (a swapped one keeps its host copy for the next try)
                 return
+            if swap:
+                self.counters.swapped_in += 1
+                req.swapped_in_at = self.num_steps
+                out.swapped_in.append(req)
             promised += capacity.promised_growth([req], p.admission_mode, self.bs, self.groups,
                                                  self.max_chunk)  # (it runs now)
             self._start(req, cached)
-            pending.update(req.block_hashes[num_hit:req.num_prompt_tokens // self.bs])
+            if not swap:
+                pending.update(req.block_hashes[num_hit:req.num_prompt_tokens // self.bs])
             out.scheduled.append((req, n))
             out.num_admitted += 1
             budget -= n
+
+    def _swap_tables(self, req: Request) -> bool:
+        """Fresh blocks in the places the swapped-out tables held blocks (NULL_BLOCK entries
+        of a sliding group stay NULL): `req.swap.restored` lists them in the order of the
+        host copy. False when the pool cannot give them all."""
+        layout = req.swap.tables
+        try:
+            new = self.pool.allocate(sum(b != NULL_BLOCK for t in layout for b in t))
+        except NoFreeBlocks:
+            return False
+        it = iter(new)
+        req.block_tables = [[NULL_BLOCK if b == NULL_BLOCK else next(it) for b in t] for t in layout]
+        req.swap.restored = new
+        return True
 
     def _pending_prefix_blocks(self) -> set:
         """Hashes of full prompt blocks that running requests are still prefilling. A waiting
@@ -382,6 +432,9 @@ class Scheduler:
 
     def _start(self, req: Request, cached: int) -> None:
         first = req.num_cached_tokens < 0
+        if req.lost_tokens:  # (a recompute preemption's tokens, less what the prefix cache kept)
+            self.counters.recomputed_tokens += max(0, req.lost_tokens - cached)
+            req.lost_tokens = 0
         if first:
             req.num_cached_tokens = cached
             self.counters.prefix_queries += req.num_prompt_tokens

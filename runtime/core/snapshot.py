@@ -69,6 +69,7 @@ class RequestView:
     preemptions: int
     spec_proposed: int = 0      # speculative decoding: tokens proposed for it, verified
     spec_accepted: int = 0      # of which kept
+    swapped: bool = False       # preempted with its KV in the host tier (swap preemption)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class EngineSnapshot:
     evicted_age_total: float = 0.0          # sum over every eviction
     spec_proposed: int = 0                  # speculative decoding: proposed tokens verified
     spec_accepted: int = 0                  # of which kept
+    swapped_out: int = 0                    # preemptions whose KV went to the host tier
+    recomputed_tokens: int = 0              # tokens computed again because a preemption dropped their KV
 
     @property
     def hit_rate(self) -> float:
@@ -228,7 +231,7 @@ def take_snapshot(src: EngineParts, with_blocks: bool = True) -> EngineSnapshot:
         reqs = [(r.request_id, r.status.value, r.priority, len(r.prompt_ids), len(r.output_ids),
                  max(r.num_cached_tokens, 0), len(r.held_blocks()), now - r.arrival_time,
                  (r.first_token_time - r.arrival_time) if r.first_token_time else None, r.num_preemptions,
-                 r.spec.proposed, r.spec.accepted)
+                 r.spec.proposed, r.spec.accepted, r.swap is not None)
                 for r in [*sched.running, *sched.waiting_requests()]]
         policy = src.policy
         c = sched.counters
@@ -239,7 +242,8 @@ def take_snapshot(src: EngineParts, with_blocks: bool = True) -> EngineSnapshot:
                       prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits, evictions=pool.num_evictions,
                       preemptions=c.preemptions, rejections=dict(c.rejections),
                       evicted_ages=tuple(pool.evicted_ages), evicted_age_total=pool.evicted_age_total,
-                      spec_proposed=c.spec_proposed, spec_accepted=c.spec_accepted)
+                      spec_proposed=c.spec_proposed, spec_accepted=c.spec_accepted,
+                      swapped_out=c.swapped_out, recomputed_tokens=c.recomputed_tokens)
         blocks = block_views(src, 0, pool.num_blocks) if with_blocks else []
     return EngineSnapshot(time=time.time(), blocks=blocks, requests=[RequestView(*r) for r in reqs],
                           policy=policy.to_json(), **counts)

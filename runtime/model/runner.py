@@ -462,6 +462,10 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.kv))
 
+    def kv_block_bytes(self) -> int:
+        """Bytes one block holds over every layer and leaf (read_blocks' host copy of it)."""
+        return sum(a.size // a.shape[1] * a.dtype.itemsize for a in jax.tree.leaves(self.kv))
+
     def launch(self, seqs: list, num_seqs_bucket: int, num_tokens_bucket: int,
                token_mask: np.ndarray | None = None) -> "StepHandle":
         """Build the padded input and dispatch the step; returns at once (JAX dispatch is

@@ -36,3 +36,28 @@ def render_kv_tier(results: str | Path) -> list[str]:
               f"{rs['cold']:.3f} s for a cold prefill: **{rs['ratio']:.2f}x** (the issue's goal: at most 0.3x); "
               f"same tokens: {'yes' if rs['same'] else 'no'}.", ""]
     return L
+
+
+def render_swap(results: str | Path) -> list[str]:
+    """bench-results/swap.json, written by scripts/bench_swap.py --json."""
+    L = ["## Swap preemption against recompute (`scripts/bench_swap.py`)", ""]
+    try:
+        r = json.loads((Path(results) / "swap.json").read_text())
+    except (OSError, ValueError):
+        return L + ["_not run_", ""]
+    m = r["machine"]
+    L.append(f"SmolLM2-135M-Instruct float32: {r['requests']} batch-tier requests, each its own "
+             f"{r['prompt_tokens']}-token prompt and {r['max_tokens']} greedy tokens, queued at once on a "
+             f"{r['pool_blocks']}-block device pool (about a third of what they grow to): decode growth preempts. "
+             f"Three engines alike but for the policy: recompute without a tier, recompute with a 1 GiB host tier "
+             f"(evicted prefix blocks come back as prefix hits), and swap (`--preemption-mode auto` with the same "
+             f"tier). Whole runs timed, medians over {r['rounds']} alternating rounds; {m['cpu_model']}, "
+             f"{m['cores']} cores, load {r['load']:.2f} (1 min) at the end, measured {r.get('measured_at', '?')} UTC.")
+    L.append("")
+    rows = [[x["engine"], x["preemptions"], x["swaps"], f"{x['recomputed_tokens']:,}", f"{x['wall_s']:.2f}",
+             f"{x['same']}/{r['requests']}"] for x in r["rows"]]
+    L += _table(("engine", "preemptions", "swaps", "prefill tokens recomputed", "wall s", "same tokens as recompute"),
+                rows)
+    L += ["", f"Swap recomputes **{r['cut']:.0%} fewer** prefill tokens than recompute (the issue's goal: at least "
+              f"80% fewer), with the same greedy tokens.", ""]
+    return L

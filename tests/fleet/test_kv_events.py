@@ -116,3 +116,57 @@ def test_fleet_metrics_label_every_sample_by_replica_and_merge_families():
     assert text.count("# TYPE vllm:num_requests_running") == 1
     assert [s.labels for s in fams["x"].samples] == [{"replica": "r2", "k": "v"}]
     assert "# TYPE x_total counter" in text
+
+
+def test_tier_events_carry_their_medium_and_count_as_held():
+    h = [bytes([i]) * 32 for i in range(4)]
+    events = to_vllm_events([("stored", h[0], None, (0, 1, 2, 3)), ("stored", h[1], h[0], (4, 5, 6, 7), "CPU"),
+                             ("stored", h[2], h[1], (8, 9, 10, 11), "CPU"), ("removed", h[0]), ("removed", h[3], "CPU")],
+                            BS)
+    # a chain splits where the medium changes; removals group by medium
+    assert [(type(e).__name__, e.medium) for e in events] == [("BlockStored", None), ("BlockStored", "CPU"),
+                                                              ("BlockRemoved", None), ("BlockRemoved", "CPU")]
+    assert events[1].block_hashes == h[1:3] and events[1].parent_block_hash == h[0]
+    assert msgpack.unpackb(encode_batch(events[1:2]))[1][0][-1] == "CPU"  # vLLM's field, last
+    r = Residency()
+    r.apply("a", decode_batch(encode_batch(events[:2])))
+    assert r.matched("a", h) == 3 and r.num_blocks("a") == 1
+    r.apply("a", decode_batch(encode_batch([BlockRemoved([h[0]])])))  # off the device, but in no tier: a hole
+    assert r.matched("a", h) == 0
+    r.apply("a", decode_batch(encode_batch([BlockStored([h[0]], None, [0, 1, 2, 3], BS, medium="CPU")])))
+    assert r.matched("a", h) == 3  # the whole chain from host RAM now
+    r.apply("a", decode_batch(encode_batch([BlockRemoved([h[1]], medium="DISK")])))
+    assert r.matched("a", h) == 3  # another medium's removal leaves the CPU copy
+    r.apply("a", decode_batch(encode_batch([AllBlocksCleared()])))
+    assert r.matched("a", h) == 0
+
+
+def test_an_engine_reports_what_its_host_tier_takes_and_drops(tiny_ckpt):
+    from dataclasses import replace
+
+    from runtime.core.engine import LLMEngine
+
+    base = make_engine(tiny_ckpt, num_blocks=14, max_num_seqs=2, max_model_len=256, watermark=0.0)
+    block = base.runner.kv_block_bytes()
+    cfg = replace(base.config, kv_offload_memory=3 * block)  # three blocks of host RAM
+    llm = LLMEngine.from_checkpoint(tiny_ckpt, lambda m: replace(cfg, model=m), warmup=False, progress=False)
+    llm.pool.record_events()
+    sp = SamplingParams(max_tokens=2, temperature=0.0)
+    a, b = [3 + i % 250 for i in range(150)], [3 + (7 * i + 1) % 250 for i in range(150)]
+    llm.generate([a], sp)
+    llm.generate([b], sp)  # evicts five of a's blocks from the 14-block pool: down to host RAM, three kept
+    events = to_vllm_events(llm.pool.take_events(), llm.pool.block_size)
+    held: set[bytes] = set()  # the CPU medium, replayed in order
+    device: set[bytes] = set()
+    for e in events:
+        where = held if getattr(e, "medium", None) == "CPU" else device
+        (where.update if isinstance(e, BlockStored) else where.difference_update)(e.block_hashes)
+    bs = llm.pool.block_size
+    assert held and held == set(llm.host_tier.blocks) and len(held) <= 3
+    assert held <= set(hash_prompt_blocks(a, bs)) | set(hash_prompt_blocks(b, bs))
+    assert any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in events)  # (three did not hold them all)
+    r = Residency()
+    r.apply("r", decode_batch(encode_batch(events)))
+    ha = hash_prompt_blocks(a, bs)
+    lead = next((i for i, h in enumerate(ha) if h not in held | device), len(ha))
+    assert r.matched("r", ha) == lead and any(h in held for h in ha[:lead])  # the host tier's blocks count

@@ -23,7 +23,7 @@ TOL = 1e-4
 def _env(devices: int = 4) -> dict[str, str]:
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env.setdefault("PAGEDJAX_JAX_CACHE", str(ROOT / ".cache" / "jax"))
+    env.setdefault("PAGEDJAX_JAX_CACHE", str(Path.home() / ".cache" / "pagedjax" / "jax-tests"))
     return env
 
 
