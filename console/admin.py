@@ -91,6 +91,24 @@ def requests_page(request: Request, aborted: str | None = None, missing: str | N
     return _render(request, "requests", {**views.requests_view(engine), "aborted": aborted, "missing": missing})
 
 
+@get("/requests/{request_id:str}", name="admin_request_ledger", sync_to_thread=True)
+def request_ledger(request: Request, request_id: str) -> Template | Response:
+    """One request's decision ledger (runtime/core/ledger.py): a timeline, or JSON when the id
+    ends in .json. Running, waiting and the last finished requests."""
+    engine = _engine(request)
+    as_json = request_id.endswith(".json")
+    rid = request_id[:-5] if as_json else request_id
+    if engine is None:
+        return Response({"detail": "engine not ready"}, status_code=503) if as_json else _starting(request, "requests")
+    led = engine.ledger(rid)
+    if as_json:
+        if led is None:
+            return Response({"detail": f"no ledger for request {rid!r} (unknown, long finished, or the ledger is off)"},
+                            status_code=404, headers=NO_STORE)
+        return Response(led, headers=NO_STORE)
+    return _render(request, "request", {"rid": rid, "ledger": led, **views.ledger_view(led)}, 200 if led else 404)
+
+
 @post("/requests/{request_id:str}/abort", name="admin_abort", sync_to_thread=True, status_code=200)
 def abort(request: Request, request_id: str) -> Response:
     ae = request.app.state.get("engine")
@@ -241,7 +259,7 @@ def admin_router() -> Router:
     auth = AdminAuth()
     return Router(
         path="/admin",
-        route_handlers=[login_form, login, logout, dashboard, blocks, requests_page, abort, policy_page,
+        route_handlers=[login_form, login, logout, dashboard, blocks, requests_page, request_ledger, abort, policy_page,
                         policy_update, policy_json, prefix_cache_page, flush_confirm, flush, model_page,
                         *STATE_ROUTES, *JSON_ROUTES],
         before_request=auth.before_request,

@@ -142,6 +142,17 @@ def dashboard(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
+def ledger_view(led: dict[str, Any] | None) -> dict[str, Any]:
+    """The timeline's rows: each decision with its offset from the first, in seconds."""
+    if not led or not led["entries"]:
+        return {"rows": []}
+    t0 = led["entries"][0]["t"]
+    rows = [{**e, "at_s": e["t"] - t0, "until_s": e["last_t"] - t0,
+             "inputs_text": ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in e["inputs"].items())}
+            for e in led["entries"]]
+    return {"rows": rows}
+
+
 def requests_view(engine: LLMEngine) -> dict[str, Any]:
     snap = read.take_snapshot(engine, with_blocks=False)
     order = {"running": 0, "preempted": 1, "waiting": 2}

@@ -654,3 +654,4 @@ class EngineConfig:
     # auto: a batch-tier victim's KV goes to the host tier and back when that pays
     # (runtime/core/kv_tiers.py SwapSpace.decide; needs kv_offload_memory); recompute: never
     preemption_mode: str = "auto"
+    request_ledger: bool = True  # each request's decisions and reasons (runtime/core/ledger.py); off: none kept

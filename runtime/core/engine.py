@@ -27,6 +27,7 @@ import random
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -42,6 +43,7 @@ from runtime.core.metrics import (EVICTION_STATES, EngineMetrics, EngineState, E
 from runtime.model.runner import ModelRunner, StepHandle, compilations
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.request import Request
+from runtime.core.ledger import FINISHED_KEPT, NullLedger
 from runtime.model.sampling import SamplingParams
 from runtime.core.scheduler import Overloaded, Scheduler, SchedulerOutput
 from runtime.core.snapshot import EngineSnapshot, take_snapshot
@@ -159,6 +161,7 @@ class LLMEngine:
                             if model.num_experts else None)
         self.lock = threading.RLock()
         self._tracked: dict[str, _Tracked] = {}
+        self._finished_ledgers: OrderedDict[str, Request] = OrderedDict()  # the last FINISHED_KEPT (ledger())
         # Requests to end at the next step boundary: (id, reason, stop string) -- aborts, and
         # stop strings the output processor found.
         self._ends: list[tuple[str, str, str | None]] = []
@@ -255,6 +258,8 @@ class LLMEngine:
             matcher = self.compile_guide(params.guide)
         req = Request(request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", [int(t) for t in prompt_ids],
                       params.with_seed(self._rng), priority, cache_salt, matcher=matcher)
+        if not self.config.request_ledger:
+            req.ledger = NullLedger()
         with self.lock:
             if req.request_id in self._tracked:
                 raise ValueError(f"request_id: {req.request_id!r} is already in use")
@@ -293,6 +298,19 @@ class LLMEngine:
     def _end_later(self, request_id: str, reason: str, stop_reason: str | None) -> None:
         with self.lock:
             self._ends.append((request_id, reason, stop_reason))
+
+    def ledger(self, request_id: str) -> dict[str, Any] | None:
+        """A running, waiting or recently finished request's decision ledger with its state
+        (runtime/core/ledger.py), or None when it is unknown (or the ledger is off)."""
+        with self.lock:
+            t = self._tracked.get(request_id)
+            req = t.req if t is not None else self._finished_ledgers.get(request_id)
+            if req is None or isinstance(req.ledger, NullLedger):
+                return None
+            return {"request_id": req.request_id, "state": req.status.value, "priority": req.priority,
+                    "prompt_tokens": req.num_prompt_tokens, "output_tokens": req.num_output_tokens,
+                    "cached_tokens": max(req.num_cached_tokens, 0), "preemptions": req.num_preemptions,
+                    "finish_reason": req.finish_reason, "swapped": req.swap is not None, **req.ledger.to_json()}
 
     def has_unfinished(self) -> bool:
         """Requests not finished yet, or a launched step not read back."""
@@ -595,6 +613,12 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, *, stop_reason: Any = None, error: str | None = None,
                 new_ids: list[int] | None = None, text_ids: list[int] | None = None) -> RequestOutput:
         self.scheduler.finish(req, reason)
+        req.ledger.add("finished", reason if error is None else f"{reason}: {error}", output_tokens=req.num_output_tokens,
+                       preemptions=req.num_preemptions)
+        if self.config.request_ledger:
+            self._finished_ledgers[req.request_id] = req
+            if len(self._finished_ledgers) > FINISHED_KEPT:
+                self._finished_ledgers.popitem(last=False)
         if self.proposer is not None:
             self.proposer.finished(req)
         req.finish_time = time.monotonic()

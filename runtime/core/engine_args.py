@@ -76,6 +76,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                         "a restarted server serves them (needs --kv-offload-memory)")
     g.add_argument("--kv-offload-disk", default=None, metavar="SIZE",
                    help="the disk tier's limit (default 8GiB; needs --kv-offload-dir)")
+    g.add_argument("--no-request-ledger", action="store_true",
+                   help="keep no per-request decision ledger (the console's request timelines)")
     g.add_argument("--preemption-mode", choices=("auto", "recompute"), default="auto",
                    help="auto: a batch-tier request preempted for blocks has its KV moved to the host tier and "
                         "back instead of recomputed, when the measured copy is cheaper (needs --kv-offload-memory); "
@@ -167,7 +169,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
                             if getattr(args, "kv_offload_memory", None) else 0,
                             kv_offload_dir=getattr(args, "kv_offload_dir", None),
                             kv_offload_disk=parse_memory(getattr(args, "kv_offload_disk", None) or "8GiB"),
-                            preemption_mode=getattr(args, "preemption_mode", "auto"))
+                            preemption_mode=getattr(args, "preemption_mode", "auto"),
+                            request_ledger=not getattr(args, "no_request_ledger", False))
 
     # LLMEngine.from_checkpoint reads it before the weights (TP restores them into their shards).
     build.tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)  # type: ignore[attr-defined]

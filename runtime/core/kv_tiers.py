@@ -344,6 +344,8 @@ def promote(engine: "LLMEngine") -> int:
         pool.free(held + targets)  # cached now: the scheduler's lookup takes them as a prefix hit
         tier.promoted += len(run)
         total += len(run)
+        req.ledger.add("promoted", "prefix blocks copied up from the host tier", blocks=len(run),
+                       device_prefix_blocks=len(held))
     return total
 
 
@@ -368,6 +370,7 @@ class SwapSpace:
         self.copy_s_per_byte: float | None = None      # measured on the tier's copies (EMA)
         self.prefill_s_per_token: float | None = None  # measured on the engine's prefill steps (EMA)
         self.declined: dict[str, int] = {}             # batch-tier victims recomputed, by reason
+        self.last_why = ""                              # why the last decision recomputed ("" when it swapped)
 
     def observe_copy(self, seconds: float, nbytes: int) -> None:
         if nbytes:
@@ -384,6 +387,7 @@ class SwapSpace:
         copy out and back than to recompute at the measured rates (before a rate is measured,
         a copy is taken to be cheaper), or does not fit the tier beside the other swaps."""
         if req.priority != "batch":
+            self.last_why = "interactive tier"
             return None
         why = None
         nbytes = sum(b != NULL_BLOCK for t in req.block_tables for b in t) * self.block_bytes
@@ -396,6 +400,7 @@ class SwapSpace:
             why = "recompute cheaper"
         elif not self.tier.reserve(nbytes):
             why = "host tier full"
+        self.last_why = why or ""
         if why is not None:
             self.declined[why] = self.declined.get(why, 0) + 1
             return None

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.core.ledger import Ledger
+
 from runtime.core.block_pool import BlockHash, hash_block
 from runtime.model.batch import ScheduledSeq
 from runtime.model.sampling import SamplingParams
@@ -99,6 +101,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_masks: Any = None           # a structured output's mask per proposal position ([d, W] int32)
     spec: SpecStats = field(default_factory=SpecStats)
+    # What was decided about it and why (runtime/core/ledger.py), for the operator.
+    ledger: Ledger = field(default_factory=Ledger)
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:

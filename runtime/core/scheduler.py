@@ -131,6 +131,8 @@ class Scheduler:
             q.insert(i, req)
         else:
             q.append(req)
+        req.ledger.add("queued", f"in the {req.priority} queue", position=q.index(req) + 1 if req.pinned_blocks else len(q),
+                       waiting=self.num_waiting, running=len(self.running), reserved_blocks=len(req.pinned_blocks))
 
     def _pop_waiting(self, req: Request) -> None:
         q = self.resumed if req.status is Status.PREEMPTED else self.waiting[req.priority]
@@ -173,16 +175,21 @@ class Scheduler:
             self.swap.release(req.swap)
             req.swap = None
 
-    def _preempt(self, req: Request, out: SchedulerOutput, may_swap: bool = True) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput, may_swap: bool = True, why: str = "") -> None:
         """Take a running request's blocks back. Its KV either goes to host RAM (swap: the
         engine reads it after this schedule, before the blocks are written again) or is
         dropped and recomputed when it resumes (less what the prefix cache still holds)."""
         self.running.remove(req)
         req.swap = self.swap.decide(req, self.num_steps) if self.swap is not None and may_swap else None
+        inputs = dict(computed_tokens=req.num_computed_tokens, blocks=len(req.held_blocks()),
+                      free_blocks=self.pool.num_free_blocks)
         if req.swap is not None:
             self.counters.swapped_out += 1
             out.swapped_out.append(req)
+            req.ledger.add("preempted", f"{why}; its KV goes to host RAM (swap)", **inputs, swap_bytes=req.swap.nbytes)
         else:
+            how = f"recompute: {self.swap.last_why}" if self.swap is not None and may_swap else "recompute"
+            req.ledger.add("preempted", f"{why}; its KV is dropped ({how})", **inputs)
             infos = self.pool.infos
             self.counters.preempted_blocks_lost += sum(infos[b].block_hash is None for b in req.held_blocks())
             req.lost_tokens = max(req.lost_tokens, req.num_computed_tokens)
@@ -202,9 +209,20 @@ class Scheduler:
         drop the blocks reserved for them (their imported KV is gone too)."""
         out = SchedulerOutput()
         for req in list(self.running):
-            self._preempt(req, out, may_swap=False)
+            self._preempt(req, out, may_swap=False, why="the device lost the KV cache (a failed step)")
         for req in self.waiting_requests():
             self._unpin(req)
+
+    def _victim_why(self, victim: Request, needy: Request) -> str:
+        if victim is needy:
+            return "out of KV blocks to grow, and the lowest-ranked running request itself"
+        return (f"out of KV blocks while {needy.request_id} grew; chosen as the victim: {victim.priority} tier, "
+                f"{victim.num_computed_tokens} computed tokens (batch first, then least work lost)")
+
+    def _note_waiting(self, req: Request | None, why: str, **inputs) -> None:
+        """Record on the request admission stopped at (if any) why it waits."""
+        if req is not None:
+            req.ledger.add("waiting", why, **inputs)
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         """Batch tier first; within it, not one that just came back from a swap (it would
@@ -279,7 +297,7 @@ class Scheduler:
                     n = 0  # cannot happen with exact reservations; never preempt in reserve mode
                     break
                 victim = self._pick_victim(self.running[i:])
-                self._preempt(victim, out)
+                self._preempt(victim, out, why=self._victim_why(victim, req))
                 if victim is req:
                     n = 0
                     break
@@ -291,10 +309,16 @@ class Scheduler:
             if req.spec_token_ids:  # the budget may cut the proposals short
                 del req.spec_token_ids[n - 1:]
             out.scheduled.append((req, n))
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                req.ledger.add("chunk", "prefill chunk", start=req.num_computed_tokens, tokens=n, budget_left=budget - n)
+            else:
+                req.ledger.add("chunk", "decode", tokens=n)
             budget -= n
             i += 1
         if not out.preempted:
             self._admit(out, budget, max_seqs)
+        else:
+            self._note_waiting(self._peek_waiting(), "no admissions in a step that preempted")
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         return out
 
@@ -303,11 +327,26 @@ class Scheduler:
         promised = capacity.promised_growth(self.running, p.admission_mode, self.bs, self.groups, self.max_chunk)
         pending = self._pending_prefix_blocks()
         held: set[str] = set()
-        while (budget > 0 and len(self.running) < max_seqs and len(out.scheduled) < max_seqs
-               and out.num_admitted < p.max_admissions_per_step):
+        while True:
+            if budget <= 0:
+                self._note_waiting(self._peek_waiting(held), "this step's token budget is spent",
+                                   max_num_batched_tokens=p.max_num_batched_tokens)
+                return
+            if len(self.running) >= max_seqs or len(out.scheduled) >= max_seqs:
+                self._note_waiting(self._peek_waiting(held), "max_num_seqs requests are running",
+                                   max_num_seqs=max_seqs)
+                return
+            if out.num_admitted >= p.max_admissions_per_step:
+                self._note_waiting(self._peek_waiting(held), "this step admitted max_admissions_per_step",
+                                   max_admissions_per_step=p.max_admissions_per_step)
+                return
             req = self._peek_waiting(held)
-            if req is None or not self.free_rows or req.num_pending:
-                return  # (a preempted request waits until its pending token is read back)
+            if req is None:
+                return
+            if not self.free_rows or req.num_pending:
+                why = "no free state row" if not self.free_rows else "its last token is still being read back"
+                self._note_waiting(req, why)  # (a preempted request waits until its pending token is read back)
+                return
             swap = req.swap  # swapped out: its own KV comes back from host RAM, no prefix lookup
             num_hit, hit_tables = (0, self._empty_tables()) if swap else self._prefix_hit(req)
             hits = [b for t in hit_tables for b in t if b != NULL_BLOCK]
@@ -316,6 +355,7 @@ class Scheduler:
                 # hits them. The queue behind it goes on (stopping here left most of a burst's
                 # first steps empty: 16 names in 64 chats on one system prompt held 7 of 8).
                 held.add(req.request_id)
+                req.ledger.add("waiting", "a running request is computing its next prompt blocks: it hits them next step")
                 continue
             cached = swap.num_computed_tokens if swap else num_hit * self.bs
             n = self._chunk(req, cached, budget)
@@ -323,8 +363,11 @@ class Scheduler:
                                      hits=hits, promised=promised, engine_busy=bool(self.running),
                                      pinned=req.pinned_blocks, groups=self.groups, hit_tokens=0 if swap else cached,
                                      chunk=self.max_chunk)
-            if not room.fits:
-                return  # head of line waits: FCFS within its tier
+            if not room.fits:  # head of line waits: FCFS within its tier
+                self._note_waiting(req, "not enough free KV blocks above the watermark", need_blocks=room.need,
+                                   available_blocks=room.available, kept_free_blocks=room.kept_free,
+                                   prefix_hit_tokens=cached)
+                return
             self._pop_waiting(req)
             self.pool.touch(hits)
             self._unpin(req)  # (its hits now hold the imported blocks; the rest become free)
@@ -333,11 +376,18 @@ class Scheduler:
                 self.pool.free(req.held_blocks())
                 req.block_tables = self._empty_tables()
                 self._requeue_front(req)  # (a swapped one keeps its host copy for the next try)
+                self._note_waiting(req, "the pool ran out of blocks while allocating for it")
                 return
             if swap:
                 self.counters.swapped_in += 1
                 req.swapped_in_at = self.num_steps
                 out.swapped_in.append(req)
+                req.ledger.add("admitted", "resumed with its KV written back from host RAM (swap)",
+                               computed_tokens=cached, blocks=len(req.held_blocks()), chunk=n)
+            else:
+                req.ledger.add("admitted", "resumed after a preemption" if req.num_preemptions else "admitted",
+                               prefix_hit_tokens=cached, blocks=len(req.held_blocks()), chunk=n,
+                               free_blocks_after=self.pool.num_free_blocks)
             promised += capacity.promised_growth([req], p.admission_mode, self.bs, self.groups,
                                                  self.max_chunk)  # (it runs now)
             self._start(req, cached)

@@ -174,6 +174,7 @@ def record(req: Request, proposed: int, accepted: int, totals: Any = None) -> No
     s = req.spec
     s.proposed += proposed
     s.accepted += accepted
+    req.ledger.add("speculation", "proposals verified", proposed=proposed, kept=accepted)
     if accepted:
         s.miss_streak = 0
         return

@@ -61,3 +61,21 @@ def render_swap(results: str | Path) -> list[str]:
     L += ["", f"Swap recomputes **{r['cut']:.0%} fewer** prefill tokens than recompute (the issue's goal: at least "
               f"80% fewer), with the same greedy tokens.", ""]
     return L
+
+
+def render_ledger(results: str | Path) -> list[str]:
+    """bench-results/ledger.json, written by scripts/bench_ledger.py --json."""
+    L = ["## Decision ledger: its cost per step (`scripts/bench_ledger.py`)", ""]
+    try:
+        r = json.loads((Path(results) / "ledger.json").read_text())
+    except (OSError, ValueError):
+        return L + ["_not run_", ""]
+    m = r["machine"]
+    L.append(f"SmolLM2-135M-Instruct float32, every row decoding; two engines alike but for `--no-request-ledger`, "
+             f"{r['steps']} timed steps per engine and round, {r['rounds']} alternating rounds, medians; "
+             f"{m['cpu_model']}, {m['cores']} cores, load {r['load']:.2f} (1 min) at the end, measured "
+             f"{r.get('measured_at', '?')} UTC. The issue's goal: on within 1% of off.")
+    L.append("")
+    L += _table(("batch", "step ms, ledger on", "step ms, ledger off", "on / off"),
+                [[x["batch"], f"{x['on_ms']:.2f}", f"{x['off_ms']:.2f}", f"{x['ratio']:.3f}"] for x in r["rows"]])
+    return L + [""]
