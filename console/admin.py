@@ -39,6 +39,12 @@ POLICY_FIELDS: list[tuple[str, str, type, str]] = [
      "Spreads re-admission after a burst of completions (prevents an eviction storm)."),
     ("max_queue_len", "Max queue length", int, "Waiting requests beyond this are refused with 429."),
     ("max_queued_tokens", "Max queued tokens", int, "Prompt tokens waiting beyond this are refused with 429."),
+    ("slo_ttft_interactive_s", "TTFT target, interactive (s)", float,
+     "Time to first token an interactive request should meet; 0: no target. The dashboard shows the share met."),
+    ("slo_itl_interactive_s", "ITL target, interactive (s)", float,
+     "Gap between an interactive request's tokens it should meet; 0: no target."),
+    ("slo_ttft_batch_s", "TTFT target, batch (s)", float, "As above, for the batch tier; 0: no target."),
+    ("slo_itl_batch_s", "ITL target, batch (s)", float, "As above, for the batch tier; 0: no target."),
 ]
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -285,8 +287,11 @@ async def _submit(request: Request, prompts: list[list[int]], params: list[Sampl
                 gen.jobs.append(Job(len(gen.jobs), p_idx, rid, queue, ids))
     except Overloaded as exc:
         gen.abort_unfinished()
+        # When the engine has measured steps, how long its queue takes to drain; else the setting.
+        drain = st.engine.retry_after() if hasattr(st.engine, "retry_after") else None
+        after = st.settings.retry_after_s if drain is None else max(1, math.ceil(drain))
         raise APIError(429, f"the server is overloaded ({exc}); retry later", code=exc.reason,
-                       headers={"Retry-After": str(st.settings.retry_after_s)}) from None
+                       headers={"Retry-After": str(after)}) from None
     except ValueError as exc:
         gen.abort_unfinished()
         if str(exc).startswith("request_id:"):
@@ -444,4 +449,43 @@ async def list_models(request: Request) -> Response:
     return Response(S.encode(S.ModelList([card])), media_type="application/json")
 
 
-ROUTES = [completions, chat_completions, list_models]
+@post("/admission/quote", status_code=200, summary="Would this request be admitted now, and how soon served?")
+async def admission_quote(request: Request) -> Response:
+    """A completions or chat body (nothing is generated): the engine's quote from its live
+    state and its own step-time model (runtime/core/step_model.py)."""
+    raw = await request.body()
+    try:
+        is_chat = isinstance(obj := json.loads(raw or b"null"), dict) and "messages" in obj
+    except ValueError:
+        is_chat = False  # (decode_body reports the JSON error)
+    tok = request.app.state.engine.tokenizer
+    body: S.CompletionRequest | S.ChatCompletionRequest
+    if is_chat:
+        body = S.decode_body(raw, S.ChatCompletionRequest)
+        _check_model(request, body.model)
+        ids = _chat_prompt(body.messages, tok, tools=plan_tools(body, guide_from_body(body) is not None,
+                                                                   of_tokenizer(tok)))
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        mt = _max_tokens(request, len(ids), asked, None, "messages")
+    else:
+        body = S.decode_body(raw, S.CompletionRequest)
+        _check_model(request, body.model)
+        prompts = _completion_prompts(body.prompt, tok)
+        if len(prompts) != 1:
+            raise APIError(400, "prompt: a quote is for one prompt", param="prompt")
+        ids = prompts[0]
+        mt = _max_tokens(request, len(ids), body.max_tokens, 16, "prompt")
+    penalties = any(getattr(body, k) not in (None, 0, 0.0, 1.0) for k in ("presence_penalty", "frequency_penalty",
+                                                                          "repetition_penalty"))
+    engine = request.app.state.engine
+    if not hasattr(engine, "quote"):
+        raise APIError(501, "admission quotes are served by a single server (pagedjax serve), not yet by a fleet's "
+                            "gateway", code="not_implemented")
+    try:
+        q = engine.quote(ids, mt, body.priority, uses_prefix_cache=not penalties)
+    except ValueError as exc:
+        raise APIError.from_value_error(exc, default_param="prompt") from None
+    return Response(q.to_json(), media_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+ROUTES = [completions, chat_completions, list_models, admission_quote]

@@ -480,8 +480,10 @@ def clamp_policy(stored: dict[str, Any], base: Any, envelope: Any) -> tuple[Any,
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             notes.append(f"{name} {value!r} dropped")
             continue
-        if name != "watermark":
+        if name != "watermark" and not name.startswith("slo_"):
             value = int(value)
+        else:
+            value = float(value)
         c = min(max(value, lo), hi)
         if c != value:
             notes.append(f"{name} clamped {value} -> {c} (the compiled envelope)")

@@ -121,6 +121,7 @@ def dashboard(engine: LLMEngine) -> dict[str, Any]:
         "recent_s": int(RECENT_S),
         "recent_hit_rate": rh / rq if rq else None, "evictions_per_s": ev_rate,
         "eviction": eviction, "eviction_cfg": engine.config.eviction,
+        "slo": slo_rows(engine), "quote_check": quote_check(engine),
         "evicted_age_p50": _p(ages, 50), "evicted_age_max": max(ages) if ages else None,
         "running": states.count("running"), "waiting": states.count("waiting"),
         "preempted": states.count("preempted"),
@@ -140,6 +141,35 @@ def dashboard(engine: LLMEngine) -> dict[str, Any]:
             "used": chart("c-used", "Used KV blocks", [s("used blocks", bins.used_blocks)], charts.num),
         },
     }
+
+
+# Below this share of quotes within +-30% of the measured TTFT (after 20 requests), the
+# dashboard says the quote model has drifted.
+QUOTE_DRIFT_BELOW = 0.6
+
+
+def slo_rows(engine: LLMEngine) -> list[dict[str, Any]]:
+    """One row per tier and metric with a target: the target and the share met per window."""
+    from runtime.core.metrics import SLO_WINDOWS
+
+    per = {w: engine.slo_attainment(w) for w in SLO_WINDOWS}
+    pol = engine.policy
+    rows = []
+    for tier, kind in sorted(per[SLO_WINDOWS[0]]):
+        cells = [(int(w), *per[w][(tier, kind)]) for w in SLO_WINDOWS]
+        rows.append({"tier": tier, "kind": kind, "target": getattr(pol, f"slo_{kind}_{tier}_s"),
+                     "cells": [{"window": w, "met": met, "total": total, "share": met / total if total else None}
+                               for w, met, total in cells]})
+    return rows
+
+
+def quote_check(engine: LLMEngine) -> dict[str, Any]:
+    m = engine.step_model
+    import math
+
+    return {"checked": m.ttft_checked, "within": m.ttft_within_30 if m.ttft_checked else None,
+            "calibration": math.exp(m.ttft_log_ratio),
+            "drifted": m.ttft_checked >= 20 and m.ttft_within_30 < QUOTE_DRIFT_BELOW}
 
 
 def ledger_view(led: dict[str, Any] | None) -> dict[str, Any]:

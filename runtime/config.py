@@ -463,6 +463,12 @@ class AdmissionPolicy:
     max_admissions_per_step: int = 32
     max_queue_len: int = 1024
     max_queued_tokens: int = 1 << 22  # the one default: runtime/core/engine_args.py's flag takes it
+    # Service-level targets per priority tier, in seconds (0: none); the console and /metrics
+    # show how many requests (TTFT) and tokens (ITL) meet them (runtime/core/metrics.py slo_attainment).
+    slo_ttft_interactive_s: float = 0.0
+    slo_itl_interactive_s: float = 0.0
+    slo_ttft_batch_s: float = 0.0
+    slo_itl_batch_s: float = 0.0
 
     # (low, high) allowed ranges, shown by the console next to each field.
     @staticmethod
@@ -476,6 +482,8 @@ class AdmissionPolicy:
             "max_admissions_per_step": (1, 4096),
             "max_queue_len": (0, 1_000_000),
             "max_queued_tokens": (0, 1 << 40),
+            "slo_ttft_interactive_s": (0.0, 3600.0), "slo_itl_interactive_s": (0.0, 3600.0),
+            "slo_ttft_batch_s": (0.0, 3600.0), "slo_itl_batch_s": (0.0, 3600.0),
         }
 
     def validate(self, envelope: SchedulerConfig) -> None:
@@ -484,11 +492,12 @@ class AdmissionPolicy:
             if name == "admission_mode":
                 _check(value in (lo, hi), name, f"must be 'reserve' or 'optimistic', got {value!r}")
                 continue
-            if name == "watermark":
+            real = name == "watermark" or name.startswith("slo_")
+            if real:
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             else:
                 ok = isinstance(value, int) and not isinstance(value, bool)
-            _check(ok, name, f"must be a {'number' if name == 'watermark' else 'whole number'}, got {value!r}")
+            _check(ok, name, f"must be a {'number' if real else 'whole number'}, got {value!r}")
             _check(lo <= value <= hi, name, f"must be between {lo} and {hi}, got {value}")
 
     def replace(self, envelope: SchedulerConfig, **changes: Any) -> "AdmissionPolicy":

@@ -101,6 +101,14 @@ class AsyncEngine:
     def render_metrics(self) -> bytes:
         return self.engine.metrics.render()
 
+    def quote(self, prompt_ids: Sequence[int], max_tokens: int, priority: str = "interactive",
+              uses_prefix_cache: bool = True) -> Any:
+        """The admission quote (runtime/core/step_model.py); the fleet's gateway has none yet."""
+        return self.engine.quote(prompt_ids, max_tokens, priority, uses_prefix_cache)
+
+    def retry_after(self) -> float | None:
+        return self.engine.retry_after()
+
     # --- requests -----------------------------------------------------------------------
     async def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any
                       ) -> tuple[str, asyncio.Queue]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import random
 import threading
 import time
@@ -38,14 +39,16 @@ from runtime.core import disagg, kv_tiers, speculative
 from runtime.kv_groups import KVGroups
 from runtime.core.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
-from runtime.core.metrics import (EVICTION_STATES, EngineMetrics, EngineState, EvictionSignal, ExpertLoad,
-                                  StepSample, eviction_signal)
+from runtime.core.metrics import (EVICTION_STATES, SLO_WINDOWS, EngineMetrics, EngineState, EvictionSignal,
+                                  ExpertLoad, SLOSample, StepSample, eviction_signal, slo_attainment)
 from runtime.model.runner import ModelRunner, StepHandle, compilations
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.request import Request
 from runtime.core.ledger import FINISHED_KEPT, NullLedger
+from runtime.core import step_model
+from runtime.core.step_model import Quote, StepTimeModel
 from runtime.model.sampling import SamplingParams
-from runtime.core.scheduler import Overloaded, Scheduler, SchedulerOutput
+from runtime.core.scheduler import PRIORITY_RANK, Overloaded, Scheduler, SchedulerOutput
 from runtime.core.snapshot import EngineSnapshot, take_snapshot
 from runtime.model.structured import GuideCompiler
 from runtime.tokenizer import TextTokenizer
@@ -161,7 +164,9 @@ class LLMEngine:
                             if model.num_experts else None)
         self.lock = threading.RLock()
         self._tracked: dict[str, _Tracked] = {}
-        self._finished_ledgers: OrderedDict[str, Request] = OrderedDict()  # the last FINISHED_KEPT (ledger())
+        self._finished_ledgers: OrderedDict[str, tuple] = OrderedDict()  # the last FINISHED_KEPT (ledger())
+        self.step_model = StepTimeModel()  # seconds per beat by tokens, learned online (admission quotes)
+        self._last_slo = 0.0
         # Requests to end at the next step boundary: (id, reason, stop string) -- aborts, and
         # stop strings the output processor found.
         self._ends: list[tuple[str, str, str | None]] = []
@@ -264,6 +269,9 @@ class LLMEngine:
             if req.request_id in self._tracked:
                 raise ValueError(f"request_id: {req.request_id!r} is already in use")
             pinned = disagg.attach(self, reservation, req) if reservation is not None else ()
+            # What a quote would have said (the quote model calibrates on how it turned out).
+            q = step_model.quote(self, req.token_ids, req.params.max_tokens, req.priority, req.uses_prefix_cache)
+            req.quoted_ttft_s = q.predicted_ttft_s
             try:
                 self.scheduler.add(req, pinned)
             except Overloaded as exc:
@@ -304,13 +312,37 @@ class LLMEngine:
         (runtime/core/ledger.py), or None when it is unknown (or the ledger is off)."""
         with self.lock:
             t = self._tracked.get(request_id)
-            req = t.req if t is not None else self._finished_ledgers.get(request_id)
-            if req is None or isinstance(req.ledger, NullLedger):
+            kept = (self._ledger_summary(t.req), t.req.ledger) if t is not None else self._finished_ledgers.get(request_id)
+            if kept is None or isinstance(kept[1], NullLedger):
                 return None
-            return {"request_id": req.request_id, "state": req.status.value, "priority": req.priority,
-                    "prompt_tokens": req.num_prompt_tokens, "output_tokens": req.num_output_tokens,
-                    "cached_tokens": max(req.num_cached_tokens, 0), "preemptions": req.num_preemptions,
-                    "finish_reason": req.finish_reason, "swapped": req.swap is not None, **req.ledger.to_json()}
+            return {**kept[0], **kept[1].to_json()}
+
+    @staticmethod
+    def _ledger_summary(req: Request) -> dict[str, Any]:
+        return {"request_id": req.request_id, "state": req.status.value, "priority": req.priority,
+                "prompt_tokens": req.num_prompt_tokens, "output_tokens": req.num_output_tokens,
+                "cached_tokens": max(req.num_cached_tokens, 0), "preemptions": req.num_preemptions,
+                "finish_reason": req.finish_reason, "swapped": req.swap is not None}
+
+    def quote(self, prompt_ids: Sequence[int], max_tokens: int, priority: str = "interactive",
+              uses_prefix_cache: bool = True) -> Quote:
+        """Would this request be admitted now, and how soon served (runtime/core/step_model.py)?
+        Queues nothing."""
+        if priority not in PRIORITY_RANK:
+            raise ValueError(f"priority: must be one of {', '.join(PRIORITY_RANK)}, got {priority!r}")
+        with self.lock:
+            return step_model.quote(self, list(prompt_ids), max_tokens, priority, uses_prefix_cache)
+
+    def retry_after(self) -> float | None:
+        """Seconds until the queued prompts are computed at the measured step time (a 429's
+        Retry-After), or None before any step was measured."""
+        with self.lock:
+            s = self.scheduler
+            p = self.policy
+            step = self.step_model.predict(min(p.max_num_batched_tokens, s.envelope.max_num_batched_tokens))
+            if step is None:
+                return None
+            return -(-s.queued_tokens // max(1, p.max_num_batched_tokens)) * step
 
     def has_unfinished(self) -> bool:
         """Requests not finished yet, or a launched step not read back."""
@@ -519,6 +551,7 @@ class LLMEngine:
                 self.metrics.count_expert_load(self.expert_load)
             t = time.perf_counter()
             dt = t - max(done.launched_at, self._last_read_back)  # the pipeline's beat
+            self.step_model.observe(done.num_tokens, dt)
             if self.swap_space is not None and done.num_tokens >= 64:  # (prefill's cost per token, for the swap rule)
                 self.swap_space.observe_prefill(dt, done.num_tokens)
             self._last_read_back = t
@@ -567,11 +600,15 @@ class LLMEngine:
         new: list[int] = []
         if req.first_token_time is None:
             req.first_token_time = now
+            if req.quoted_ttft_s:  # (the quote model's self-check and calibration)
+                self.step_model.observe_ttft(req.quoted_ttft_s, now - req.arrival_time)
             self.metrics.ttft.observe(now - req.arrival_time)
             self.metrics.window.ttft.append((now, now - req.arrival_time))
+            self.metrics.window.slo.append(SLOSample(now, req.priority, "ttft", now - req.arrival_time))
         else:
             self.metrics.itl.observe(now - req.last_token_time)
             self.metrics.window.itl.append((now, now - req.last_token_time))
+            self.metrics.window.slo.append(SLOSample(now, req.priority, "itl", now - req.last_token_time))
         req.last_token_time = now
         p = req.params
         for idx in picks:
@@ -615,8 +652,8 @@ class LLMEngine:
         self.scheduler.finish(req, reason)
         req.ledger.add("finished", reason if error is None else f"{reason}: {error}", output_tokens=req.num_output_tokens,
                        preemptions=req.num_preemptions)
-        if self.config.request_ledger:
-            self._finished_ledgers[req.request_id] = req
+        if self.config.request_ledger:  # (its summary and ledger, not the request with its tokens)
+            self._finished_ledgers[req.request_id] = (self._ledger_summary(req), req.ledger)
             if len(self._finished_ledgers) > FINISHED_KEPT:
                 self._finished_ledgers.popitem(last=False)
         if self.proposer is not None:
@@ -660,6 +697,20 @@ class LLMEngine:
         sig = self.eviction(now)
         m.eviction_rate.set(sig.rate or 0.0)
         m.eviction_state.set(EVICTION_STATES.index(sig.state))
+        if now - self._last_slo >= 1.0:  # (the windows' shares: once a second is plenty)
+            self._last_slo = now
+            for w in SLO_WINDOWS:
+                for (tier, kind), (met, total) in self.slo_attainment(w, now).items():
+                    if total:
+                        m.slo_attainment.labels(tier, kind, f"{int(w)}s").set(met / total)
+            if self.step_model.ttft_checked:
+                m.quote_within.set(self.step_model.ttft_within_30)
+            m.quote_calibration.set(math.exp(self.step_model.ttft_log_ratio))
+
+    def slo_attainment(self, window_s: float, now: float | None = None) -> dict[tuple[str, str], tuple[int, int]]:
+        """(tier, "ttft" | "itl") -> (met, total) over the last window_s seconds, for the targets set."""
+        now = time.monotonic() if now is None else now
+        return slo_attainment(list(self.metrics.window.slo), self.policy, now, window_s)
 
     def eviction(self, now: float | None = None) -> "EvictionSignal":
         """The KV eviction signal now (runtime/core/metrics.py eviction_signal), its series

@@ -90,13 +90,13 @@ class HostTier:
     def put(self, block_hash: BlockHash, block: HostBlock) -> None:
         if block.nbytes > self.capacity_bytes:
             return
-        old = self.blocks.pop(block_hash, None)
-        if old is not None:
-            self.bytes -= old.nbytes
+        if block_hash in self.blocks:  # (the same hash holds the same tokens' KV: keep the copy)
+            self.blocks.move_to_end(block_hash)
+            return
         if not self._make_room(block.nbytes):
             return
         self.blocks[block_hash] = block
-        if old is None and self.log is not None:
+        if self.log is not None:
             self.log(("stored", block_hash, block.parent, block.token_ids, self.MEDIUM))
         self.bytes += block.nbytes
         self.stored += 1
@@ -423,15 +423,32 @@ def swap(engine: "LLMEngine", plan: "SchedulerOutput") -> None:
 
     from runtime.model.runner import read_blocks, write_blocks
 
-    space = engine.swap_space
+    import jax
+
+    space, sched = engine.swap_space, engine.scheduler
+    jax.block_until_ready(engine.runner.kv)  # (the step in flight first: the timings are the copies')
     for req in plan.swapped_out:
         t0 = time.perf_counter()
-        ids = [b for t in req.swap.tables for b in t if b != NULL_BLOCK]
-        req.swap.arrays = [np.ascontiguousarray(a) for a in read_blocks(engine.runner, ids)]
+        try:
+            ids = [b for t in req.swap.tables for b in t if b != NULL_BLOCK]
+            req.swap.arrays = [np.ascontiguousarray(a) for a in read_blocks(engine.runner, ids)]
+        except Exception as exc:  # noqa: BLE001 -- the request recomputes instead; the engine goes on
+            log.error("swap preemption: reading %s's KV to host failed (%s); it recomputes", req.request_id, exc)
+            req.lost_tokens = req.swap.num_computed_tokens
+            sched.drop_swap(req)
+            req.ledger.add("preempted", f"the KV copy to host failed ({type(exc).__name__}): recompute")
+            continue
         space.observe_copy(time.perf_counter() - t0, req.swap.nbytes)
     for req in plan.swapped_in:
         t0 = time.perf_counter()
-        write_blocks(engine.runner, req.swap.restored, req.swap.arrays)
+        try:
+            write_blocks(engine.runner, req.swap.restored, req.swap.arrays)
+            jax.block_until_ready(engine.runner.kv)
+        except Exception as exc:  # noqa: BLE001 -- its fresh blocks hold nothing: it recomputes into them
+            log.error("swap preemption: writing %s's KV back failed (%s); it recomputes", req.request_id, exc)
+            req.lost_tokens, req.num_computed_tokens, req.num_registered_blocks = req.num_computed_tokens, 0, 0
+            sched.drop_swap(req)
+            req.ledger.add("admitted", f"the KV copy back failed ({type(exc).__name__}): it recomputes from the start")
+            continue
         space.observe_copy(time.perf_counter() - t0, req.swap.nbytes)
-        space.release(req.swap)
-        req.swap = None
+        sched.drop_swap(req)

@@ -8,8 +8,9 @@ swapped back in, blocks promoted from a KV tier, speculation, finished. The oper
 at /admin/requests/{id} (a timeline) and /admin/requests/{id}.json, for running and waiting
 requests and the last `FINISHED_KEPT` finished ones (LLMEngine.ledger).
 
-Bounded: an entry that repeats the previous one's kind and reason folds into it (a count and
-the last time: a request waiting 300 steps for the same blocks is one entry), and past
+Bounded: an entry that repeats the kind and reason of one of the last two entries folds into it
+(a count and the last time: a request waiting 300 steps for the same blocks is one entry, and
+decode steps alternating with speculation verdicts are two), and past
 `MAX_ENTRIES` the oldest entries after the first `KEEP_HEAD` (arrival, first admission) go.
 Writing one is a list append or an attribute update on the engine thread.
 """
@@ -42,12 +43,12 @@ class Ledger:
 
     def add(self, kind: str, reason: str, **inputs: Any) -> None:
         now = time.time()
-        last = self.entries[-1] if self.entries else None
-        if last is not None and last.kind == kind and last.reason == reason:
-            last.count += 1
-            last.last_t = now
-            last.inputs = inputs
-            return
+        for last in self.entries[-1:-3:-1]:
+            if last.kind == kind and last.reason == reason:
+                last.count += 1
+                last.last_t = now
+                last.inputs = inputs
+                return
         self.entries.append(Decision(now, kind, reason, inputs, 1, now))
         if len(self.entries) > MAX_ENTRIES:
             del self.entries[KEEP_HEAD]

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -165,6 +165,13 @@ class EngineMetrics:
                                       "(1 = even)", registry=r)
         self.expert_tokens = Counter(P + "moe_expert_tokens", "(token, layer) pairs routed to each expert",
                                      ["expert"], registry=r)
+        # Service-level targets (AdmissionPolicy.slo_*_s) and the admission quote's self-check.
+        self.slo_attainment = Gauge(P + "slo_attainment", "Share of requests (ttft) or tokens (itl) meeting the "
+                                    "tier's target over the window", ["tier", "metric", "window"], registry=r)
+        self.quote_within = Gauge(P + "admission_quote_ttft_within_30", "Share of recent requests whose TTFT was "
+                                  "within 30% of the admission quote's prediction (an average)", registry=r)
+        self.quote_calibration = Gauge(P + "admission_quote_ttft_bias", "Measured / predicted TTFT of recent "
+                                       "requests (a geometric average)", registry=r)
         self.vllm_cache_config = Gauge(V + "cache_config_info", "KV cache configuration (model-server protocol)",
                                        ["block_size", "num_gpu_blocks"], registry=r)
         self.window = RecentWindow()
@@ -290,6 +297,38 @@ class ExpertLoad:
         return float(row.max()) / float(row.mean()) if row.sum() >= len(row) else None
 
 
+SLO_WINDOWS = (60.0, 300.0)  # seconds the dashboard and /metrics report attainment over
+
+
+@dataclass
+class SLOSample:
+    t: float          # monotonic
+    tier: str         # interactive | batch
+    kind: str         # ttft | itl
+    seconds: float
+
+
+def slo_attainment(samples: Any, policy: Any, now: float, window_s: float) -> dict[tuple[str, str], tuple[int, int]]:
+    """(tier, "ttft" | "itl") -> (met, total) over the last `window_s` seconds, for the tiers
+    and kinds with a target in `policy` (AdmissionPolicy.slo_*_s > 0): the one place the rule
+    lives. A request's TTFT is met when it is at most the target; each token gap likewise."""
+    out: dict[tuple[str, str], list[int]] = {}
+    targets = {(tier, kind): getattr(policy, f"slo_{kind}_{tier}_s") for tier in ("interactive", "batch")
+               for kind in ("ttft", "itl")}
+    for key, target in targets.items():
+        if target > 0:
+            out[key] = [0, 0]
+    cutoff = now - window_s
+    for s in reversed(samples):
+        if s.t < cutoff:
+            break
+        acc = out.get((s.tier, s.kind))
+        if acc is not None:
+            acc[1] += 1
+            acc[0] += s.seconds <= targets[(s.tier, s.kind)]
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
 @dataclass
 class RecentWindow:
     """Short in-memory history for the console's charts and percentiles."""
@@ -298,6 +337,7 @@ class RecentWindow:
     ttft: deque = field(default_factory=lambda: deque(maxlen=2048))         # (t, seconds)
     itl: deque = field(default_factory=lambda: deque(maxlen=8192))          # (t, seconds)
     steps: deque = field(default_factory=lambda: deque(maxlen=4096))        # StepSample
+    slo: deque = field(default_factory=lambda: deque(maxlen=65536))         # SLOSample (TTFTs and token gaps by tier)
 
     def add_step(self, sample: "StepSample") -> None:
         self.steps.append(sample)

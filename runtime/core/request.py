@@ -103,6 +103,7 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     # What was decided about it and why (runtime/core/ledger.py), for the operator.
     ledger: Ledger = field(default_factory=Ledger)
+    quoted_ttft_s: float | None = None  # the admission quote's TTFT when it arrived (runtime/core/step_model.py)
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:

@@ -167,10 +167,11 @@ class Scheduler:
         elif req.status in (Status.WAITING, Status.PREEMPTED):
             self._pop_waiting(req)
             self._unpin(req)
-            self._drop_swap(req)
+            self.drop_swap(req)
         req.status, req.finish_reason = Status.FINISHED, reason
 
-    def _drop_swap(self, req: Request) -> None:
+    def drop_swap(self, req: Request) -> None:
+        """Let its host copy go (its bytes back to the tier)."""
         if req.swap is not None:
             self.swap.release(req.swap)
             req.swap = None

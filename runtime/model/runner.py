@@ -463,8 +463,10 @@ class ModelRunner:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.kv))
 
     def kv_block_bytes(self) -> int:
-        """Bytes one block holds over every layer and leaf (read_blocks' host copy of it)."""
-        return sum(a.size // a.shape[1] * a.dtype.itemsize for a in jax.tree.leaves(self.kv))
+        """Bytes one block holds over every layer and leaf (read_blocks' host copy of it): each
+        leaf is [L*NB, BS, ...], one row per layer and block."""
+        L = self.cfg.num_layers
+        return sum(a.nbytes // (a.shape[0] // L) for a in jax.tree.leaves(self.kv))
 
     def launch(self, seqs: list, num_seqs_bucket: int, num_tokens_bucket: int,
                token_mask: np.ndarray | None = None) -> "StepHandle":

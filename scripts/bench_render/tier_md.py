@@ -79,3 +79,21 @@ def render_ledger(results: str | Path) -> list[str]:
     L += _table(("batch", "step ms, ledger on", "step ms, ledger off", "on / off"),
                 [[x["batch"], f"{x['on_ms']:.2f}", f"{x['off_ms']:.2f}", f"{x['ratio']:.3f}"] for x in r["rows"]])
     return L + [""]
+
+
+def render_quote(results: str | Path) -> list[str]:
+    """bench-results/quote.json, written by scripts/bench_quote.py --json."""
+    L = ["## Admission quote: predicted against measured TTFT (`scripts/bench_quote.py`)", ""]
+    try:
+        r = json.loads((Path(results) / "quote.json").read_text())
+    except (OSError, ValueError):
+        return L + ["_not run_", ""]
+    m = r["machine"]
+    L.append(f"SmolLM2-135M-Instruct float32 at steady load: {r['requests']} requests arriving as a Poisson process at "
+             f"{r['rate']}/s (prompts 64-800 tokens, half behind one shared 200-token system prompt; 16-128 greedy "
+             f"tokens), each quoted just before it is added; {m['cpu_model']}, {m['cores']} cores, load "
+             f"{r['load']:.2f} (1 min) at the end, measured {r.get('measured_at', '?')} UTC. Measured TTFT p50 "
+             f"{r['ttft_p50_s']:.3f} s.")
+    L += ["", f"Quotes within +-30% of the measured TTFT: **{r['within_30']:.1%}** (the issue's goal: at least 80%); "
+              f"median relative error {r['median_error']:+.1%}, median absolute {r['median_abs_error']:.1%}.", ""]
+    return L

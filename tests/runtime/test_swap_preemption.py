@@ -75,7 +75,7 @@ def test_aborting_a_swapped_request_gives_its_host_bytes_back(tiny_ckpt):
         assert eng.has_unfinished()
         eng.step()
     victim = next(r for r in reqs if r.swap is not None)
-    assert eng.host_tier.swapped == victim.swap.nbytes > 0
+    assert eng.host_tier.swapped == victim.swap.nbytes == sum(a.nbytes for a in victim.swap.arrays) > 0
     eng.abort(victim.request_id)
     eng.run_until_done()
     assert victim.finish_reason == "abort" and victim.swap is None
