@@ -198,8 +198,19 @@ async def policy_update(request: Request) -> Response:
     engine = _engine(request)
     if engine is None:
         return _starting(request, "policy")
-    changes, errors, raw = parse_policy_form(await request.form(), engine)
+    form = await request.form()
+    changes, errors, raw = parse_policy_form(form, engine)
     s = request.state.admin_session
+    if form.get("preview") is not None and not errors:  # what the change would do: nothing applied
+        try:
+            proposed = engine.policy.replace(engine.envelope, **changes)
+        except ValueError as exc:
+            field, _, msg = str(exc).partition(": ")
+            errors[field if field in raw else next(iter(changes), field)] = msg or str(exc)
+        else:
+            ctx = _policy_ctx(request, engine, values=raw)
+            ctx["preview"] = await asyncio.to_thread(views.policy_preview, engine, proposed)
+            return _render(request, "policy", ctx)
     if not errors and changes:
         try:  # on a worker thread: it waits for other operators' changes and writes the state file
             await asyncio.to_thread(apply_policy, request.app.state.store, engine, s.who, changes, client=s.client)

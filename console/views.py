@@ -9,6 +9,8 @@ read only the engine's immutable config, envelope and tokenizer.
 
 from __future__ import annotations
 
+import statistics
+
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -170,6 +172,34 @@ def quote_check(engine: LLMEngine) -> dict[str, Any]:
     return {"checked": m.ttft_checked, "within": m.ttft_within_30 if m.ttft_checked else None,
             "calibration": math.exp(m.ttft_log_ratio),
             "drifted": m.ttft_checked >= 20 and m.ttft_within_30 < QUOTE_DRIFT_BELOW}
+
+
+def policy_preview(engine: LLMEngine, proposed: Any) -> dict[str, Any]:
+    """What a policy change would do at the current load, before it is applied: B_max (typical
+    requests the KV pool holds under each policy: blocks above the watermark over a typical
+    request's claim -- prompt + max_tokens in reserve mode, its context so far in optimistic
+    mode -- capped by max_num_seqs) and the admission quote of a typical fresh request now
+    (runtime/core/step_model.py) under the current and the proposed policy. Typical: the median
+    prompt and max_tokens of the running and waiting requests (512 and 128 when there are none)."""
+    from runtime.core import capacity, step_model
+
+    with engine.lock:
+        reqs = [*engine.scheduler.running, *engine.scheduler.waiting_requests()]
+        prompt = int(statistics.median(r.num_prompt_tokens for r in reqs)) if reqs else 512
+        max_tokens = int(statistics.median(r.params.max_tokens for r in reqs)) if reqs else 128
+        context = int(statistics.median(r.num_tokens for r in reqs)) if reqs else prompt
+        pool, bs = engine.pool, engine.pool.block_size
+        vocab = engine.config.model.vocab_size
+        ids = [3 + (7 * i) % max(1, vocab - 3) for i in range(prompt)]
+        out = {}
+        for name, pol in (("current", engine.policy), ("proposed", proposed)):
+            claim = prompt + max_tokens if pol.admission_mode == "reserve" else max(context, prompt)
+            usable = pool.num_blocks - capacity.watermark_blocks(pol, pool.num_blocks)
+            b_max = min(pol.max_num_seqs, usable // max(1, capacity.blocks_for(claim, bs)))
+            q = step_model.quote(engine, ids, max_tokens, "interactive", True, policy=pol)
+            out[name] = {"b_max": b_max, "admit": q.admit, "reason": q.reason, "ttft": q.predicted_ttft_s,
+                         "itl": q.predicted_itl_s, "queue_ahead": q.queue_ahead}
+    return {"typical_prompt": prompt, "typical_max_tokens": max_tokens, "based_on": len(reqs), **out}
 
 
 def ledger_view(led: dict[str, Any] | None) -> dict[str, Any]:

@@ -101,9 +101,10 @@ def _remaining_prefill(r: Request) -> int:
 
 
 def quote(engine: "LLMEngine", prompt_ids: list[int], max_tokens: int, priority: str = "interactive",
-          uses_prefix_cache: bool = True) -> Quote:
-    """See the module docstring; call under the engine lock."""
-    s, pool, p = engine.scheduler, engine.pool, engine.policy
+          uses_prefix_cache: bool = True, policy: Any = None) -> Quote:
+    """See the module docstring; call under the engine lock. `policy`: judge under this
+    admission policy instead of the engine's (the console's preview of a change)."""
+    s, pool, p = engine.scheduler, engine.pool, policy or engine.policy
     model = engine.step_model
     probe = Request("quote", list(prompt_ids), _params(max_tokens), priority)
     if not uses_prefix_cache:

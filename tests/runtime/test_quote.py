@@ -5,6 +5,8 @@ bodies; a 429's Retry-After follows the model."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -135,3 +137,33 @@ def test_targets_are_policy_fields_and_the_dashboard_and_metrics_show_attainment
         assert 'id="quote-check"' in dash
         pol = c.get("/admin/policy").text
         assert "TTFT target, interactive (s)" in pol and 'name="slo_itl_batch_s"' in pol
+
+
+def test_the_policy_page_previews_a_change_without_applying_it(tiny_ckpt):
+    from tests.console.admin_util import console_client, logged_in
+
+    eng = make_engine(tiny_ckpt, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+    eng.generate([prompt(0, 40)], SamplingParams(temperature=0.0, max_tokens=4))  # steps measured
+    for i in range(3):
+        eng.add_request(prompt(1 + i, 48), SamplingParams(temperature=0.0, max_tokens=16))
+    with console_client(eng) as c:
+        csrf = logged_in(c)
+        audit = c.app.state.store.audit_count("policy")
+        r = c.post("/admin/policy", data={"watermark": "0.5", "max_num_batched_tokens": "8", "preview": "1",
+                                          "_csrf_token": csrf})
+        assert r.status_code == 200 and 'id="policy-preview"' in r.text
+        rows = re.findall(r'<tr><th scope="row">(current|proposed)</th><td class="num">([\d,]+)</td>', r.text)
+        (_, cur), (_, new) = rows
+        # 64 blocks: B_max for 3 waiting 48-token prompts (optimistic: their context, 3 blocks each) is capped
+        # by max_num_seqs 4 now; with half the pool held back it is 32 // 3 = 10, still capped at 4
+        assert int(cur) == int(new) == 4
+        assert "medians of the 3 running and waiting requests" in r.text
+        assert eng.policy.watermark != 0.5 and c.app.state.store.audit_count("policy") == audit  # nothing applied
+        cur_q = eng.quote(prompt(9, 48), 16)
+        from runtime.core import step_model
+
+        slow = step_model.quote(eng, prompt(9, 48), 16, policy=eng.policy.replace(eng.envelope, max_num_batched_tokens=8))
+        assert slow.predicted_ttft_s > cur_q.predicted_ttft_s  # a smaller token budget: later first tokens
+        bad = c.post("/admin/policy", data={"watermark": "2", "preview": "1", "_csrf_token": csrf})
+        assert bad.status_code == 422 and 'id="policy-preview"' not in bad.text
+    eng.run_until_done()
