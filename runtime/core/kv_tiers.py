@@ -170,6 +170,27 @@ class DiskTier:
     def _path(self, block_hash: BlockHash) -> Path:
         return self.dir / f"{block_hash.hex()}.kvb"
 
+    def announce(self) -> list[tuple]:
+        """("stored", hash, parent, tokens, "DISK") for every block on disk that is this engine's
+        (header only: fingerprint and tokens; the payload is checked when it is served), so a
+        restarted replica tells the router what its disk holds. Foreign or unreadable files are
+        left for `get` to skip."""
+        out = []
+        for block_hash in list(self.files):
+            try:
+                with open(self._path(block_hash), "rb") as f:
+                    if f.read(len(self.MAGIC)) != self.MAGIC:
+                        continue
+                    n = struct.unpack("<I", f.read(4))[0]
+                    head = json.loads(f.read(n))
+            except (OSError, ValueError, struct.error):
+                continue
+            if head.get("fingerprint") == self.fingerprint:
+                parent = head.get("parent")
+                out.append(("stored", block_hash, None if parent is None else bytes.fromhex(parent),
+                            tuple(head["tokens"]), self.MEDIUM))
+        return out
+
     def put(self, block_hash: BlockHash, block: HostBlock) -> None:
         if block_hash in self.files:
             self.files.move_to_end(block_hash)

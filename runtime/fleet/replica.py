@@ -127,6 +127,8 @@ class EngineReplica:
                                         progress=False)
         llm.pool.record_events()
         llm.pool.events.append(("cleared",))  # a fresh replica holds nothing: say so first
+        if llm.disk_tier is not None:  # (but its disk tier may, from before a restart)
+            llm.pool.events.extend(llm.disk_tier.announce())
         if spec.get("warmup", True):
             llm.warmup(progress=False)
         self.llm, self.engine = llm, AsyncEngine(llm)

@@ -128,13 +128,20 @@ def test_a_restarted_engine_serves_an_evicted_prefix_from_disk(tiny_ckpt, tmp_pa
     del first_eng
     restarted = tiered(tiny_ckpt, tmp_path / "kv")
     assert restarted.disk_tier.loaded >= 9
+    from runtime.core.block_pool import hash_prompt_blocks
+    from runtime.core.kv_events import BlockStored, Residency, decode_batch, encode_batch, to_vllm_events
+
+    told = restarted.disk_tier.announce()  # what a restarted replica tells the router first
+    assert {e[1] for e in told} == set(restarted.disk_tier.files) and all(e[-1] == "DISK" for e in told)
+    view = Residency()
+    view.apply("r", decode_batch(encode_batch(to_vllm_events([("cleared",), *told], 16))))
+    assert view.matched("r", hash_prompt_blocks(a, 16)) == 9
+    assert all(isinstance(e, BlockStored) for e in to_vllm_events(told, 16))
     again = restarted.generate([a], SP)[0]
     assert again.num_cached_tokens == 144 and again.output_ids == first.output_ids
     assert restarted.disk_tier.promoted == 9
 
     # corrupt one of A's files, and stamp another with a foreign fingerprint: both skipped
-    from runtime.core.block_pool import hash_prompt_blocks
-
     hashes = hash_prompt_blocks(a, 16)
     f0 = tmp_path / "kv" / f"{hashes[0].hex()}.kvb"
     data = bytearray(f0.read_bytes())
