@@ -283,7 +283,9 @@ async def _submit(request: Request, prompts: list[list[int]], params: list[Sampl
                 if n > 1 and sp.seed is not None:  # distinct but repeatable choices
                     sp = dataclasses.replace(sp, seed=(sp.seed + j) % 2**32)
                 rid = f"{rec.request_id}-{len(gen.jobs)}"  # the console shows these; X-Request-Id-N
-                _, queue = await st.engine.asubmit(ids, sp, request_id=rid, priority=priority)
+                # (the API key's check, first in the request's ledger: runtime/core/ledger.py)
+                decisions = [("api_key", f"key {rec.key!r}: within its limits", {})] if rec.key else []
+                _, queue = await st.engine.asubmit(ids, sp, request_id=rid, priority=priority, decisions=decisions)
                 gen.jobs.append(Job(len(gen.jobs), p_idx, rid, queue, ids))
     except Overloaded as exc:
         gen.abort_unfinished()

@@ -244,12 +244,13 @@ class LLMEngine:
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: str = "interactive", cache_salt: str | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None, matcher: Any = None,
-                    reservation: disagg.Reservation | None = None) -> Request:
+                    reservation: disagg.Reservation | None = None, decisions: Sequence[tuple] = ()) -> Request:
         """Queue a request. Raises ValueError (bad input) or Overloaded (queue limits).
         A structured output (params.guide) compiles here unless `matcher` is given
         (compile_guide, which callers on an event loop run off it). `reservation`: blocks
         `reserve` pinned for this prompt (disaggregated decode), which it takes over; if
-        adding fails the caller still owns them (`release`)."""
+        adding fails the caller still owns them (`release`). `decisions`: (kind, reason, inputs)
+        taken about it before it reached this engine (a fleet gateway's), first in its ledger."""
         if not prompt_ids:
             raise ValueError("prompt: must contain at least one token")
         vocab = self.config.model.vocab_size
@@ -265,6 +266,8 @@ class LLMEngine:
                       params.with_seed(self._rng), priority, cache_salt, matcher=matcher)
         if not self.config.request_ledger:
             req.ledger = NullLedger()
+        for kind, reason, inputs in decisions:
+            req.ledger.add(kind, reason, **inputs)
         with self.lock:
             if req.request_id in self._tracked:
                 raise ValueError(f"request_id: {req.request_id!r} is already in use")

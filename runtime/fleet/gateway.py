@@ -201,20 +201,31 @@ class FleetClient:
             self.view.note_routed(request_id, req, d)
         return d
 
-    async def _admit(self, request_id: str, req: RouteRequest) -> str | None:
+    async def _admit(self, request_id: str, req: RouteRequest, ledger: list | None = None) -> str | None:
         """The replica the request goes to, once some replica can hold it (the fleet queue);
-        None when no replica has reported yet (their own queues decide)."""
+        None when no replica has reported yet (their own queues decide). `ledger` gets the
+        gateway's decisions for the request's ledger (runtime/core/ledger.py)."""
+        ledger = [] if ledger is None else ledger
         if not self.route_at_gateway or not self.view.live():
+            ledger.append(("routed", "no replica has reported yet: Ray Serve's router chooses", {}))
             return None
+        t0 = time.monotonic()
         d = self._try_route(request_id, req)
-        if d.replica is not None:
-            return d.replica
+        if d.replica is None:
+            ledger.append(("waiting", f"in the fleet queue: {d.describe()}", {"fleet_queue": self.queued}))
+            last: list = [d]
 
-        async def again() -> str | None:
-            return self._try_route(request_id, req).replica
+            async def again() -> str | None:
+                last[0] = self._try_route(request_id, req)
+                return last[0].replica
 
-        return await self._wait_in_queue(req, again, 0.05, f"no replica can hold the request ({d.describe()})",
-                                         lambda: "no replica could hold the request")
+            await self._wait_in_queue(req, again, 0.05, f"no replica can hold the request ({d.describe()})",
+                                      lambda: "no replica could hold the request")
+            d = last[0]
+        ledger.append(("routed", f"to {d.replica}: {d.describe()}",
+                       {"matched_blocks": d.matched_blocks, "candidates_skipped": dict(d.skipped),
+                        "fleet_queue_s": round(time.monotonic() - t0, 4)}))
+        return d.replica
 
     async def _wait_in_queue(self, req: RouteRequest, again: Any, every_s: float, why_now: str,
                              why_later: Any) -> Any:
@@ -242,7 +253,10 @@ class FleetClient:
             self.queued_tokens -= req.prompt_tokens + req.max_tokens
 
     async def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str,
-                      priority: str = "interactive", cache_salt: str | None = None) -> tuple[str, asyncio.Queue]:
+                      priority: str = "interactive", cache_salt: str | None = None,
+                      decisions: Sequence[tuple] = ()) -> tuple[str, asyncio.Queue]:
+        """`decisions`: taken before it came here (the API key's), for the request's ledger on the
+        replica, ahead of the gateway's own (its routing)."""
         if not self.accepting:
             raise Overloaded("draining", "the fleet is draining")
         if request_id in self._streams:
@@ -252,9 +266,10 @@ class FleetClient:
         req = self.route_request(prompt_ids, params, cache_salt)
         if self.pools is not None:  # disaggregated prefill/decode (runtime/fleet/pools.py)
             return await self.pools.asubmit(prompt_ids, params, request_id, priority, cache_salt, req)
-        hint = await self._admit(request_id, req)
+        decisions = list(decisions)
+        hint = await self._admit(request_id, req, decisions)
         payload = {"prompt_ids": [int(t) for t in prompt_ids], "params": params, "request_id": request_id,
-                   "priority": priority, "cache_salt": cache_salt, "replica_hint": hint,
+                   "priority": priority, "cache_salt": cache_salt, "replica_hint": hint, "decisions": decisions,
                    "route": {"block_hashes": list(req.block_hashes), "prompt_tokens": req.prompt_tokens,
                              "max_tokens": req.max_tokens}}
         for attempt in range(3):

@@ -189,7 +189,7 @@ class EngineReplica:
         try:
             rid, queue = await self.engine.asubmit(req["prompt_ids"], req["params"], request_id=req["request_id"],
                                             priority=req.get("priority", "interactive"),
-                                            cache_salt=req.get("cache_salt"))
+                                            cache_salt=req.get("cache_salt"), decisions=req.get("decisions", ()))
         except Overloaded as exc:
             yield {"rejected": "overloaded", "reason": exc.reason, "message": str(exc)}
             return

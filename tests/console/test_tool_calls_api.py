@@ -55,7 +55,7 @@ class GuidedStubEngine:
     def abort(self, request_id: str) -> None:
         pass
 
-    async def asubmit(self, prompt_ids, params, request_id, priority="interactive"):
+    async def asubmit(self, prompt_ids, params, request_id, priority="interactive", decisions=()):
         self.prompts.append(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
         assert params.guide is not None, "a forced call is guided"
         matcher, rng = self.compiler.compile(params.guide), random.Random(params.seed or 0)

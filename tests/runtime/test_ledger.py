@@ -115,3 +115,48 @@ def test_the_console_shows_the_timeline_and_json(console):
     assert missing.status_code == 404 and "no ledger" in missing.json()["detail"]
     assert c.get("/admin/requests/nope").status_code == 404
     eng.run_until_done()
+
+
+def test_decisions_from_before_the_engine_come_first(tiny_ckpt):
+    """A named API key's check (console/api.py) and a fleet gateway's routing arrive with the
+    request (add_request's `decisions`) and head its ledger."""
+    eng = make_engine(tiny_ckpt, num_blocks=64)
+    r = eng.add_request(prompt(1, 20), SamplingParams(temperature=0.0, max_tokens=2), request_id="k1",
+                        decisions=[("api_key", "key 'team-a': within its limits", {}),
+                                   ("routed", "to r1: matched 2 cached blocks", {"matched_blocks": 2})])
+    eng.run_until_done()
+    led = eng.ledger("k1")
+    assert kinds(led)[:3] == ["api_key", "routed", "queued"] and led["entries"][1]["inputs"] == {"matched_blocks": 2}
+    assert r.finish_reason == "length"
+
+
+def test_a_named_key_s_check_is_in_the_ledger_through_the_api(tiny_ckpt):
+    from tests.console.admin_util import console_client, logged_in
+
+    eng = make_engine(tiny_ckpt, num_blocks=64)
+    with console_client(eng) as c:
+        logged_in(c)
+        store = c.app.state.store
+        secret = store.add_key("team-a", rpm=100)
+        import threading
+
+        stop = threading.Event()
+
+        def loop():  # (the engine loop the server would run)
+            while not stop.is_set():
+                if eng.has_unfinished():
+                    eng.step()
+                else:
+                    stop.wait(0.005)
+
+        t = threading.Thread(target=loop, daemon=True)
+        t.start()
+        try:
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt(2, 10), "max_tokens": 2},
+                       headers={"Authorization": f"Bearer {secret}", "X-Request-Id": "keyed"})
+        finally:
+            stop.set()
+            t.join()
+        assert r.status_code == 200, r.text
+        led = c.get("/admin/requests/keyed-0.json").json()
+        assert led["entries"][0]["kind"] == "api_key" and "team-a" in led["entries"][0]["reason"]
