@@ -664,3 +664,4 @@ class EngineConfig:
     # (runtime/core/kv_tiers.py SwapSpace.decide; needs kv_offload_memory); recompute: never
     preemption_mode: str = "auto"
     request_ledger: bool = True  # each request's decisions and reasons (runtime/core/ledger.py); off: none kept
+    otlp_traces_endpoint: str | None = None  # finished requests' ledgers as OpenTelemetry spans (runtime/core/tracing.py)

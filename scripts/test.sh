@@ -2,7 +2,7 @@
 # README command (b): set up everything the suite needs and run it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test peer bench fleet
+bash scripts/setup.sh test peer bench fleet otel
 bash scripts/install_browser.sh || echo "warning: chromium could not be installed; browser tests will skip"
 export PAGEDJAX_JAX_CACHE=${PAGEDJAX_JAX_CACHE:-$HOME/.cache/pagedjax/jax-tests}  # (tests/conftest.py: why)
 # Lint the tree (ruff) and type-check the engine core (mypy; its modules are [tool.mypy]

@@ -68,6 +68,9 @@ class AsyncEngine:
             self._thread.join(timeout=10)
             self._thread = None
         self.engine.outputs.stop()  # delivers what the last steps queued
+        tracing = getattr(self.engine, "tracing", None)
+        if tracing is not None:  # (the spans still batched go out)
+            tracing.shutdown()
         if getattr(self.engine, "disk_tier", None) is not None:  # (the prefixes a restart should find)
             from runtime.core import kv_tiers
 

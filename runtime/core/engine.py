@@ -166,6 +166,13 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._finished_ledgers: OrderedDict[str, tuple] = OrderedDict()  # the last FINISHED_KEPT (ledger())
         self.step_model = StepTimeModel()  # seconds per beat by tokens, learned online (admission quotes)
+        self.tracing = None  # finished requests' ledgers as OpenTelemetry spans (runtime/core/tracing.py)
+        if config.otlp_traces_endpoint:
+            if not config.request_ledger:
+                raise ValueError("otlp_traces_endpoint: the spans are the request ledgers; drop --no-request-ledger")
+            from runtime.core.tracing import LedgerExporter
+
+            self.tracing = LedgerExporter(config.otlp_traces_endpoint)
         self._last_slo = 0.0
         # Requests to end at the next step boundary: (id, reason, stop string) -- aborts, and
         # stop strings the output processor found.
@@ -656,7 +663,9 @@ class LLMEngine:
         req.ledger.add("finished", reason if error is None else f"{reason}: {error}", output_tokens=req.num_output_tokens,
                        preemptions=req.num_preemptions)
         if self.config.request_ledger:  # (its summary and ledger, not the request with its tokens)
-            self._finished_ledgers[req.request_id] = (self._ledger_summary(req), req.ledger)
+            self._finished_ledgers[req.request_id] = kept = (self._ledger_summary(req), req.ledger)
+            if self.tracing is not None:
+                self.tracing.export(*kept)
             if len(self._finished_ledgers) > FINISHED_KEPT:
                 self._finished_ledgers.popitem(last=False)
         if self.proposer is not None:

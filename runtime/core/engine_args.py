@@ -78,6 +78,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                    help="the disk tier's limit (default 8GiB; needs --kv-offload-dir)")
     g.add_argument("--no-request-ledger", action="store_true",
                    help="keep no per-request decision ledger (the console's request timelines)")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send each finished request's decision ledger as an OpenTelemetry span to this OTLP/HTTP "
+                        "collector (e.g. http://localhost:4318; needs the otel extra)")
     g.add_argument("--preemption-mode", choices=("auto", "recompute"), default="auto",
                    help="auto: a batch-tier request preempted for blocks has its KV moved to the host tier and "
                         "back instead of recomputed, when the measured copy is cheaper (needs --kv-offload-memory); "
@@ -170,7 +173,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
                             kv_offload_dir=getattr(args, "kv_offload_dir", None),
                             kv_offload_disk=parse_memory(getattr(args, "kv_offload_disk", None) or "8GiB"),
                             preemption_mode=getattr(args, "preemption_mode", "auto"),
-                            request_ledger=not getattr(args, "no_request_ledger", False))
+                            request_ledger=not getattr(args, "no_request_ledger", False),
+                            otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None))
 
     # LLMEngine.from_checkpoint reads it before the weights (TP restores them into their shards).
     build.tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)  # type: ignore[attr-defined]
