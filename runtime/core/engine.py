@@ -280,8 +280,12 @@ class LLMEngine:
                 raise ValueError(f"request_id: {req.request_id!r} is already in use")
             pinned = disagg.attach(self, reservation, req) if reservation is not None else ()
             # What a quote would have said (the quote model calibrates on how it turned out).
-            q = step_model.quote(self, req.token_ids, req.params.max_tokens, req.priority, req.uses_prefix_cache)
-            req.quoted_ttft_s = q.predicted_ttft_s
+            try:  # (a self-check never fails a request)
+                q = step_model.quote(self, req.token_ids, req.params.max_tokens, req.priority, req.uses_prefix_cache,
+                                     cache_salt=cache_salt)
+                req.quoted_ttft_s = q.predicted_ttft_s
+            except Exception:  # noqa: BLE001
+                log.exception("admission quote self-check failed for %s", req.request_id)
             try:
                 self.scheduler.add(req, pinned)
             except Overloaded as exc:

@@ -101,12 +101,12 @@ def _remaining_prefill(r: Request) -> int:
 
 
 def quote(engine: "LLMEngine", prompt_ids: list[int], max_tokens: int, priority: str = "interactive",
-          uses_prefix_cache: bool = True, policy: Any = None) -> Quote:
+          uses_prefix_cache: bool = True, policy: Any = None, cache_salt: str | None = None) -> Quote:
     """See the module docstring; call under the engine lock. `policy`: judge under this
     admission policy instead of the engine's (the console's preview of a change)."""
     s, pool, p = engine.scheduler, engine.pool, policy or engine.policy
     model = engine.step_model
-    probe = Request("quote", list(prompt_ids), _params(max_tokens), priority)
+    probe = Request("quote", list(prompt_ids), _params(max_tokens), priority, cache_salt)
     if not uses_prefix_cache:
         probe.params = _params(max_tokens, penalties=True)
     why = capacity.never_fits(probe.max_total_tokens(), s.envelope.max_model_len, pool, s.groups, s.max_chunk)
