@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Compiled programs outlive the checkout (a fresh clone of the same code compiles nothing
-# again); the product's own cache (~/.cache/pagedjax/jax) stays apart from the tests'.
+# Compiled programs outlive the checkout (a fresh clone of the same code into the same path
+# compiles little again); the product's own cache (~/.cache/pagedjax/jax) stays apart from the tests'.
 os.environ.setdefault("PAGEDJAX_JAX_CACHE", str(Path.home() / ".cache" / "pagedjax" / "jax-tests"))
 
 

@@ -97,3 +97,26 @@ def render_quote(results: str | Path) -> list[str]:
     L += ["", f"Quotes within +-30% of the measured TTFT: **{r['within_30']:.1%}** (the issue's goal: at least 80%); "
               f"median relative error {r['median_error']:+.1%}, median absolute {r['median_abs_error']:.1%}.", ""]
     return L
+
+
+def render_prefill_profile(results: str | Path) -> list[str]:
+    """bench-results/prefill_profile.json, written by scripts/bench_prefill_profile.py --json."""
+    L = ["## Long prefill: where the time goes (`scripts/bench_prefill_profile.py`)", ""]
+    try:
+        r = json.loads((Path(results) / "prefill_profile.json").read_text())
+    except (OSError, ValueError):
+        return L + ["_not run_", ""]
+    m = r["machine"]
+    L.append(f"SmolLM2-135M-Instruct float32, one prompt computed in chunks of {r['chunk']} tokens (the engine's "
+             f"default token budget); each chunk's step timed as the engine runs it and with an attention stand-in "
+             f"that reads no KV (the decode breakdown's), best of two rounds; {m['cpu_model']}, {m['cores']} cores, "
+             f"load {r['load']:.2f} (1 min) at the end, measured {r.get('measured_at', '?')} UTC.")
+    L.append("")
+    L += _table(("prompt tokens", "chunks", "prefill s", "attention s", "attention share"),
+                [[p["tokens"], p["chunks"], f"{p['prefill_ms'] / 1e3:.2f}", f"{p['attention_ms'] / 1e3:.2f}",
+                  f"{p['attention_share']:.0%}"] for p in r["prompts"]])
+    L += ["", "Per chunk (its start position = the context it attends to):", ""]
+    L += _table(("chunk start", "step ms", "without attention ms", "attention ms"),
+                [[c["start"], f"{c['step_ms']:.1f}", f"{c['no_attention_ms']:.1f}",
+                  f"{max(0.0, c['step_ms'] - c['no_attention_ms']):.1f}"] for c in r["chunks"]])
+    return L + [""]
