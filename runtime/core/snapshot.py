@@ -70,6 +70,7 @@ class RequestView:
     spec_proposed: int = 0      # speculative decoding: tokens proposed for it, verified
     spec_accepted: int = 0      # of which kept
     swapped: bool = False       # preempted with its KV in the host tier (swap preemption)
+    latest: str = ""            # its ledger's latest decision, "kind: reason" (runtime/core/ledger.py)
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,8 @@ def take_snapshot(src: EngineParts, with_blocks: bool = True) -> EngineSnapshot:
         reqs = [(r.request_id, r.status.value, r.priority, len(r.prompt_ids), len(r.output_ids),
                  max(r.num_cached_tokens, 0), len(r.held_blocks()), now - r.arrival_time,
                  (r.first_token_time - r.arrival_time) if r.first_token_time else None, r.num_preemptions,
-                 r.spec.proposed, r.spec.accepted, r.swap is not None)
+                 r.spec.proposed, r.spec.accepted, r.swap is not None,
+                 f"{r.ledger.entries[-1].kind}: {r.ledger.entries[-1].reason}" if r.ledger.entries else "")
                 for r in [*sched.running, *sched.waiting_requests()]]
         policy = src.policy
         c = sched.counters

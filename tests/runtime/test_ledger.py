@@ -160,3 +160,24 @@ def test_a_named_key_s_check_is_in_the_ledger_through_the_api(tiny_ckpt):
         assert r.status_code == 200, r.text
         led = c.get("/admin/requests/keyed-0.json").json()
         assert led["entries"][0]["kind"] == "api_key" and "team-a" in led["entries"][0]["reason"]
+
+
+def test_the_requests_page_says_why_a_request_waits(tiny_ckpt):
+    """A request held back by the watermark shows its latest decision (the wait and its reason)
+    in the requests table and the snapshot."""
+    from tests.console.admin_util import console_client, logged_in
+
+    eng = make_engine(tiny_ckpt, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                      watermark=0.5)
+    eng.add_request(prompt(1, 100), SamplingParams(temperature=0.0, max_tokens=40), request_id="big")
+    eng.step()
+    eng.add_request(prompt(2, 100), SamplingParams(temperature=0.0, max_tokens=40), request_id="held")
+    eng.step()
+    view = {r.request_id: r for r in eng.snapshot().requests}
+    assert view["held"].state == "waiting"
+    assert view["held"].latest == "waiting: not enough free KV blocks above the watermark"
+    with console_client(eng) as c:
+        logged_in(c)
+        page = c.get("/admin/requests").text
+        assert "not enough free KV blocks above the watermark" in page
+    eng.run_until_done()
