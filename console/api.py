@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -480,14 +481,14 @@ async def admission_quote(request: Request) -> Response:
     penalties = any(getattr(body, k) not in (None, 0, 0.0, 1.0) for k in ("presence_penalty", "frequency_penalty",
                                                                           "repetition_penalty"))
     engine = request.app.state.engine
-    if not hasattr(engine, "quote"):
-        raise APIError(501, "admission quotes are served by a single server (pagedjax serve), not yet by a fleet's "
-                            "gateway", code="not_implemented")
-    try:
+    try:  # (a single server's engine answers at once; a fleet's gateway asks the replica it would route to)
         q = engine.quote(ids, mt, body.priority, uses_prefix_cache=not penalties)
+        if inspect.isawaitable(q):
+            q = await q
     except ValueError as exc:
         raise APIError.from_value_error(exc, default_param="prompt") from None
-    return Response(q.to_json(), media_type="application/json", headers={"Cache-Control": "no-store"})
+    return Response(q if isinstance(q, dict) else q.to_json(), media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
 
 
 ROUTES = [completions, chat_completions, list_models, admission_quote]

@@ -193,6 +193,29 @@ class FleetClient:
         usable = (len(prompt_ids) - 1) // self.block_size  # the engine recomputes the last token
         return RouteRequest(tuple(hashes[:usable]), len(prompt_ids), params.max_tokens)
 
+    async def quote(self, prompt_ids: Sequence[int], max_tokens: int, priority: str = "interactive",
+                    uses_prefix_cache: bool = True) -> dict[str, Any]:
+        """The admission quote in front of the fleet: the replica the router would choose now
+        (nothing reserved) answers it (runtime/core/step_model.py) under `replica`; when no
+        replica can take the request, the fleet queue's answer (admitted to wait, or full)."""
+        from runtime.model.sampling import SamplingParams
+
+        req = self.route_request(prompt_ids, SamplingParams(max_tokens=max_tokens), None)
+        d = self.view.decide(req) if self.route_at_gateway and self.view.live() else None
+        if d is None or d.replica is None or self.pools is not None:
+            full = self.queued >= self.queue_cap or not self.accepting
+            why = ("the fleet is draining" if not self.accepting else "the fleet queue is full" if full
+                   else "waits in the fleet queue: " + (d.describe() if d is not None else "no replica reported yet"))
+            if self.pools is not None and not full:
+                why = "disaggregated prefill/decode: no per-replica quote yet"
+            return {"admit": not full, "reason": why, "predicted_ttft_s": None, "predicted_itl_s": None,
+                    "retry_after_s": None, "queue_ahead": self.queued, "tokens_ahead": None,
+                    "prefix_hit_tokens": None, "ttft_bias": None, "replica": None}
+        ans = await self.handle.quote.remote({"prompt_ids": [int(t) for t in prompt_ids], "max_tokens": max_tokens,
+                                              "priority": priority, "uses_prefix_cache": uses_prefix_cache,
+                                              "replica_hint": d.replica})
+        return {**ans, "replica": d.replica, "routing": d.describe()}
+
     def _try_route(self, request_id: str, req: RouteRequest) -> Any:
         """Decide and reserve in one go (no await between): concurrent admissions each see
         the blocks the previous ones took."""

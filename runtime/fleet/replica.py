@@ -219,6 +219,12 @@ class EngineReplica:
             if not finished:
                 self.engine.abort(rid)
 
+    async def quote(self, req: dict[str, Any]) -> dict[str, Any]:
+        """This replica's admission quote (runtime/core/step_model.py; the gateway pins the call here)."""
+        q = await asyncio.to_thread(self.llm.quote, req["prompt_ids"], req["max_tokens"], req.get("priority", "interactive"),
+                                    req.get("uses_prefix_cache", True))
+        return q.to_json()
+
     # --- disaggregated prefill/decode (runtime/core/disagg.py: reserve, then transfer) -------------
     # Every call carries {"replica_hint": <this replica>}: the router pins it here (the
     # reservation or the KV object lives on this replica only).

@@ -197,6 +197,25 @@ def test_requests_sharing_a_system_prompt_stay_on_one_replica(fleet, console):
     assert reasons == ["prefix"] * 4
 
 
+def test_the_gateway_quotes_from_the_replica_it_would_choose(fleet, console):
+    """POST /v1/admission/quote in front of the fleet: after a request with the system prompt,
+    the quote for another one names the replica holding that prefix (nothing is reserved)."""
+    client = fleet.openai()
+    r = client.chat.completions.with_raw_response.create(
+        model=fleet.model, max_tokens=2,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Quote me?"}])
+    holder = routed(console, [r.headers["x-request-id"]])[r.headers["x-request-id"]]
+    settle(console)
+    body = {"model": fleet.model, "max_tokens": 4,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "And me?"}]}
+    q = fleet.client().post("/v1/admission/quote", json=body)
+    assert q.status_code == 200, q.text
+    js = q.json()
+    assert js["admit"] is True and js["replica"] == holder and "matched" in js["routing"]
+    assert js["prefix_hit_tokens"] >= 16 * 16 and js["predicted_ttft_s"] > 0
+    assert all(n == 0 for _, n in state(console)["in_flight"].values())  # (a quote routes nothing)
+
+
 def test_cold_prefixes_spread_by_free_blocks(fleet, console):
     settle(console)
     ids = [f"cold{i}" for i in range(4)]
