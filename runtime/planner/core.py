@@ -247,6 +247,10 @@ class CapacityPlan:
     fleet: int | None
     fleet_with_headroom: int | None
     latent: bool = False  # multi-head latent attention: kv_bytes_per_token is one latent row per layer
+    # Devices one sequence must be split over (context parallelism) when its KV exceeds one
+    # device's KV budget (the seeds' rule: C_seq(S) > M - 2P, with this plan's weights and
+    # overhead for 2P); 1: it fits one device; 0: no device has any KV budget at all.
+    context_parallel: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -320,7 +324,16 @@ def plan(model: ModelConfig, device: DeviceProfile, *, context_len: int, weight_
         step_time_b1_s=step_time_s(1, read(1), c_seq, bw), tps_ceiling=ceiling,
         tps_asymptote=bw / c_seq, prefill_time_s=2 * active * context_len / device.peak_flops,
         min_devices_for_weights=math.ceil((weights + overhead_bytes) / device.memory_bytes),
-        fleet=fleet, fleet_with_headroom=fleet_h, latent=model.mla)
+        fleet=fleet, fleet_with_headroom=fleet_h, latent=model.mla,
+        context_parallel=context_parallel_devices(c_seq, budget))
+
+
+def context_parallel_devices(c_seq: int, kv_budget: int) -> int:
+    """How many devices one sequence's KV (c_seq bytes) must be split over when each has
+    kv_budget bytes for KV (its weights replicated): 1 when it fits one, 0 when none has room."""
+    if kv_budget <= 0:
+        return 0
+    return max(1, math.ceil(c_seq / kv_budget))
 
 
 # --- output -----------------------------------------------------------------------------
@@ -366,6 +379,12 @@ def format_plan(p: CapacityPlan) -> str:
         f"  prefill       {p.prefill_time_s * 1e3:.1f} ms for a {p.context_len}-token prompt "
         f"(2*P*S / peak FLOP/s{', P active' if p.active_param_count != p.param_count else ''})",
     ]
+    if p.context_parallel > 1:
+        lines.append(f"  context par.  one {p.context_len}-token sequence holds {_bin(p.kv_bytes_per_seq)} of KV, more "
+                     f"than the {_bin(p.kv_budget_bytes)} a {d.name} has for KV (C_seq > M - weights - overhead): "
+                     f"it needs context parallelism over >= {p.context_parallel} devices, each holding "
+                     f"{_bin(p.kv_bytes_per_seq / p.context_parallel)} of it and merging partial softmaxes every "
+                     f"decode step (pagedjax does not split a sequence yet: a request that long is refused)")
     if p.b_max == 0:
         lines.append(f"  DOES NOT FIT  weights + overhead + one sequence exceed one {d.name}; "
                      f"weights alone need >= {p.min_devices_for_weights} devices (tensor parallel)")

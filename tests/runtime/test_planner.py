@@ -341,3 +341,18 @@ def test_mla_plan_counts_one_latent_row_per_token():
     q = plan(m, DEVICES["h200"], weight_dtype="int4", kv_dtype="int8", context_len=4096)
     assert q.kv_bytes_per_token == 60 * (576 + 18 * 4)  # int8 values + a scale and zero per 32 columns
     assert "= 60 x (one latent row of 576 x 1 B + 72 B scales)" in format_plan(q)
+
+
+def test_the_plan_says_when_one_sequence_needs_context_parallelism():
+    """The seeds' rule C_seq(S) > M - 2P (here M - weights - overhead): Llama 2 13B's 819,200 B
+    per token on an H100 hold 1,000 tokens easily, but 131,072 tokens are 107 GB of KV against
+    ~57 GB of budget: two devices must split the sequence."""
+    short = _13b()
+    assert short.context_parallel == 1 and "context par." not in format_plan(short)
+    long = plan(MODELS["llama-2-13b"], H100, context_len=131072)
+    assert long.kv_bytes_per_seq == 819200 * 131072 and long.kv_bytes_per_seq > long.kv_budget_bytes > 0
+    assert long.b_max == 0 and long.context_parallel == math.ceil(long.kv_bytes_per_seq / long.kv_budget_bytes) == 2
+    text = format_plan(long)
+    assert "context parallelism over >= 2 devices" in text and "refused" in text
+    assert plan(MODELS["llama-2-70b"], H100, context_len=1000).context_parallel == 0  # (no KV room at all)
+    assert json.loads(json.dumps(long.to_json()))["context_parallel"] == 2
