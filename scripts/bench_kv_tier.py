@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -36,39 +35,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from runtime.bench.machine import loadavg_1m, machine_info
-    from runtime.cli import enable_compilation_cache
-    from runtime.config import CacheConfig
-    from runtime.core.engine import LLMEngine
-    from runtime.core.engine_args import add_engine_arguments, engine_config_from_args
     import random
+
+    from runtime.bench.machine import announce, engine_from_flags, loadavg_1m
 
     from runtime.corpus import WORDS
     from runtime.model.sampling import SamplingParams
 
-    enable_compilation_cache()
-    info = machine_info()
-    print(f"# {info['cpu_model']}, {info['cores']} cores, jax {info.get('jax')}; load {os.getloadavg()[0]:.2f} at start",
-          flush=True)
+    info = announce()
     pool_tokens = args.pool_tokens or int(args.doc_tokens * 1.25) + 256
     import tempfile
 
     disk = Path(tempfile.mkdtemp(prefix="pagedjax-kv-tier-"))
 
-    def build_engine(extra: list[str]) -> LLMEngine:
-        ap = argparse.ArgumentParser()
-        add_engine_arguments(ap)
-        ns = ap.parse_args(["--max-model-len", str(args.doc_tokens + 256), "--max-num-seqs", "4", *extra])
-        build = engine_config_from_args(ns)
-
-        def sized(model):
-            import dataclasses
-
-            cfg = build(model)
-            return dataclasses.replace(cfg, cache=CacheConfig(cfg.cache.block_size, -(-pool_tokens // 16),
-                                                              cfg.cache.kv_dtype, True))
-
-        return LLMEngine.from_checkpoint(Path(args.checkpoint), sized, progress=False)
+    def build_engine(extra: list[str]):
+        return engine_from_flags(args.checkpoint, ["--max-model-len", str(args.doc_tokens + 256), "--max-num-seqs", "4",
+                                                   *extra], num_blocks=-(-pool_tokens // 16))
 
     tiered = ["--kv-offload-memory", args.offload, "--kv-offload-dir", str(disk)]
     engines = {"no tier": build_engine([]), "host tier": build_engine(tiered)}

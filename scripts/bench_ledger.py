@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,24 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from runtime.bench.machine import loadavg_1m, machine_info
+    from runtime.bench.machine import announce, engine_from_flags, loadavg_1m
     from runtime.bench.step_rows import timed_steps
-    from runtime.cli import enable_compilation_cache
-    from runtime.core.engine import LLMEngine
-    from runtime.core.engine_args import add_engine_arguments, engine_config_from_args
     from runtime.model.sampling import SamplingParams
 
-    enable_compilation_cache()
-    info = machine_info()
-    print(f"# {info['cpu_model']}, {info['cores']} cores; jax {info.get('jax')}; load {os.getloadavg()[0]:.2f} at start",
-          flush=True)
+    info = announce()
     top = max(args.batch)
 
-    def build(extra: list[str]) -> LLMEngine:
-        ap = argparse.ArgumentParser()
-        add_engine_arguments(ap)
-        ns = ap.parse_args(["--max-model-len", "1024", "--max-num-seqs", str(top), "--kv-cache-memory", "1GiB", *extra])
-        return LLMEngine.from_checkpoint(Path(args.checkpoint), engine_config_from_args(ns), progress=False)
+    def build(extra: list[str]):
+        return engine_from_flags(args.checkpoint, ["--max-model-len", "1024", "--max-num-seqs", str(top),
+                                                   "--kv-cache-memory", "1GiB", *extra])
 
     engines = {"ledger on": build([]), "ledger off": build(["--no-request-ledger"])}
     prompts = [[1] + [1000 + 17 * i + j for j in range(63)] for i in range(top)]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -38,26 +37,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from runtime.bench.machine import loadavg_1m, machine_info
+    from runtime.bench.machine import announce, engine_from_flags, loadavg_1m
     from runtime.bench.step_rows import _noop_attention
-    from runtime.cli import enable_compilation_cache
-    from runtime.core.engine import LLMEngine
-    from runtime.core.engine_args import add_engine_arguments, engine_config_from_args
     from runtime.core.request import Request, step_row
     from runtime.model.batch import build_step_input
     from runtime.model.runner import _step
     from runtime.model.sampling import SamplingParams
 
-    enable_compilation_cache()
-    info = machine_info()
-    print(f"# {info['cpu_model']}, {info['cores']} cores; jax {info.get('jax')}; load {os.getloadavg()[0]:.2f} at start",
-          flush=True)
+    info = announce()
     top = max(args.tokens)
-    ap = argparse.ArgumentParser()
-    add_engine_arguments(ap)
-    ns = ap.parse_args(["--max-model-len", str(top), "--max-num-batched-tokens", str(args.chunk),
-                        "--max-num-seqs", "4", "--kv-cache-memory", "1GiB"])
-    eng = LLMEngine.from_checkpoint(Path(args.checkpoint), engine_config_from_args(ns), progress=False)
+    eng = engine_from_flags(args.checkpoint, ["--max-model-len", str(top), "--max-num-batched-tokens", str(args.chunk),
+                                              "--max-num-seqs", "4", "--kv-cache-memory", "1GiB"])
     runner, cfg = eng.runner, eng.runner.cfg
     bs, vocab = runner.cache_cfg.block_size, cfg.vocab_size
     noop = jax.jit(partial(_step, cfg, _noop_attention, runner.cache_cfg.num_blocks, None), donate_argnums=(1, 2))

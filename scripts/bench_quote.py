@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -39,21 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from runtime.bench.machine import loadavg_1m, machine_info
-    from runtime.cli import enable_compilation_cache
-    from runtime.core.engine import LLMEngine
-    from runtime.core.engine_args import add_engine_arguments, engine_config_from_args
+    from runtime.bench.machine import announce, engine_from_flags, loadavg_1m
     from runtime.corpus import WORDS
     from runtime.model.sampling import SamplingParams
 
-    enable_compilation_cache()
-    info = machine_info()
-    print(f"# {info['cpu_model']}, {info['cores']} cores; jax {info.get('jax')}; load {os.getloadavg()[0]:.2f} at start",
-          flush=True)
-    ap = argparse.ArgumentParser()
-    add_engine_arguments(ap)
-    ns = ap.parse_args(["--max-model-len", "2048", "--max-num-seqs", "32", "--kv-cache-memory", "512MiB"])
-    eng = LLMEngine.from_checkpoint(Path(args.checkpoint), engine_config_from_args(ns), progress=False)
+    info = announce()
+    eng = engine_from_flags(args.checkpoint, ["--max-model-len", "2048", "--max-num-seqs", "32",
+                                              "--kv-cache-memory", "512MiB"])
     tok = eng.tokenizer
     rng = random.Random(args.seed)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -43,35 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from runtime.bench.machine import loadavg_1m, machine_info
-    from runtime.cli import enable_compilation_cache
-    from runtime.config import CacheConfig
-    from runtime.core.engine import LLMEngine
-    from runtime.core.engine_args import add_engine_arguments, engine_config_from_args
+    from runtime.bench.machine import announce, engine_from_flags, loadavg_1m
     from runtime.corpus import WORDS
     from runtime.model.sampling import SamplingParams
 
-    enable_compilation_cache()
-    info = machine_info()
-    print(f"# {info['cpu_model']}, {info['cores']} cores; jax {info.get('jax')}; "
-          f"load {os.getloadavg()[0]:.2f} at start", flush=True)
+    info = announce()
     per_request = args.prompt_tokens + args.max_tokens
     pool_blocks = int(args.requests * -(-per_request // 16) * args.pool_share)
 
-    def build_engine(extra: list[str]) -> LLMEngine:
-        ap = argparse.ArgumentParser()
-        add_engine_arguments(ap)
-        ns = ap.parse_args(["--max-model-len", str(per_request + 16), "--max-num-seqs", str(args.requests),
-                            "--max-num-batched-tokens", "512", *extra])
-        build = engine_config_from_args(ns)
-
-        def sized(model):
-            import dataclasses
-
-            cfg = build(model)
-            return dataclasses.replace(cfg, cache=CacheConfig(cfg.cache.block_size, pool_blocks, cfg.cache.kv_dtype, True))
-
-        return LLMEngine.from_checkpoint(Path(args.checkpoint), sized, progress=False)
+    def build_engine(extra: list[str]):
+        return engine_from_flags(args.checkpoint, ["--max-model-len", str(per_request + 16), "--max-num-seqs",
+                                                   str(args.requests), "--max-num-batched-tokens", "512", *extra],
+                                 num_blocks=pool_blocks)
 
     engines = {name: build_engine(extra) for name, extra in ENGINES.items()}
     tok = next(iter(engines.values())).tokenizer

@@ -122,3 +122,39 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_main(__import__("sys").argv[1:]))
+
+
+def announce() -> dict[str, Any]:
+    """A benchmark script's start: the persistent compilation cache on, and the machine line
+    printed (CPU, cores, jax, load) before any number. Returns machine_info()."""
+    from runtime.jax_setup import enable_compilation_cache
+
+    enable_compilation_cache()
+    info = machine_info()
+    print(f"# {info['cpu_model']}, {info['cores']} cores; jax {info.get('jax')}; "
+          f"load {os.getloadavg()[0]:.2f} at start", flush=True)
+    return info
+
+
+def engine_from_flags(checkpoint: str | Path, flags: list[str], num_blocks: int | None = None) -> Any:
+    """An LLMEngine built as `pagedjax serve FLAGS` would build it (engine flags only);
+    `num_blocks`: the KV pool sized in blocks instead (prefix cache on), for workloads that
+    need a pool of an exact size."""
+    import argparse
+    import dataclasses
+
+    from runtime.config import CacheConfig
+    from runtime.core.engine import LLMEngine
+    from runtime.core.engine_args import add_engine_arguments, engine_config_from_args
+
+    ap = argparse.ArgumentParser()
+    add_engine_arguments(ap)
+    build = engine_config_from_args(ap.parse_args(flags))
+
+    def sized(model: Any) -> Any:
+        cfg = build(model)
+        if num_blocks is None:
+            return cfg
+        return dataclasses.replace(cfg, cache=CacheConfig(cfg.cache.block_size, num_blocks, cfg.cache.kv_dtype, True))
+
+    return LLMEngine.from_checkpoint(Path(checkpoint), sized, progress=False)
