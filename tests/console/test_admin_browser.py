@@ -68,6 +68,14 @@ def log_in(page, server, token: str | None = None) -> None:
     page.click("button[type=submit]")
 
 
+def wait_for_element(page, element_id: str, test: str, timeout: float) -> None:
+    """Wait until `test` (JavaScript over the element `e`) holds. An HTMX swap replaces the
+    element, so between the old one leaving and the new one arriving it is briefly absent:
+    that moment reads as "not yet", not as an error."""
+    page.wait_for_function(f"() => {{ const e = document.getElementById('{element_id}'); "
+                           f"return e !== null && ({test}); }}", timeout=timeout)
+
+
 def value(page, element_id: str) -> float:
     return float(page.get_attribute(f"#{element_id}", "data-value"))
 
@@ -120,16 +128,16 @@ def test_login_required_wrong_token_refused_and_logout(page, server):
 def test_dashboard_used_blocks_rise_and_fall_without_reload(page, server):
     log_in(page, server)
     page.wait_for_selector("#used-blocks")
-    page.wait_for_function("document.getElementById('used-blocks').dataset.value === '0'", timeout=5000)
+    wait_for_element(page, "used-blocks", "e.dataset.value === '0'", timeout=5000)
     page.evaluate("window.__noReload = true")
     gen = Stream(server, max_tokens=4000)
     gen.start()
     assert gen.started.wait(30)
-    page.wait_for_function("Number(document.getElementById('used-blocks').dataset.value) > 0", timeout=15000)
+    wait_for_element(page, "used-blocks", "Number(e.dataset.value) > 0", timeout=15000)
     shot(page, "dashboard")
     gen.join(120)
     assert gen.ended_at is not None and gen.events[-1]["choices"][0]["finish_reason"] == "length"
-    page.wait_for_function("document.getElementById('used-blocks').dataset.value === '0'", timeout=5000)
+    wait_for_element(page, "used-blocks", "e.dataset.value === '0'", timeout=5000)
     assert page.evaluate("window.__noReload") is True  # updated in place by HTMX, not reloaded
     # The cell detail loads into its panel and survives the next refreshes.
     page.click("#bmap a >> nth=0")
@@ -167,8 +175,7 @@ def test_prefix_hit_rate_matches_metrics(page, server):
     assert hits and queries
     log_in(page, server)
     expected = f"{hits / queries * 100:.1f}%"
-    page.wait_for_function(f"document.getElementById('hit-rate').textContent.trim() === '{expected}'",
-                           timeout=5000)
+    wait_for_element(page, "hit-rate", f"e.textContent.trim() === '{expected}'", timeout=5000)
     shown = float(page.inner_text("#hit-rate").rstrip("%"))
     assert shown > 0 and abs(shown - hits / queries * 100) <= 0.05 + 1e-9
     page.goto(server.url + "/admin/prefix-cache")
