@@ -565,6 +565,26 @@ SPEC_NOT_YET = {"eagle": "EAGLE",
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (runtime/core/lora.py, runtime/model/lora.py): `max_loras` adapter slots
+    on the device (a step's rows use at most that many adapters), each up to `max_lora_rank`;
+    `max_cpu_loras` adapters kept read on the host beyond them (LRU; others are read from disk
+    again when a request names them)."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 32
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_loras, int) and 1 <= self.max_loras <= 256, "max_loras",
+               f"must be 1..256, got {self.max_loras!r}")
+        _check(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512, "max_lora_rank",
+               f"must be 1..512, got {self.max_lora_rank!r}")
+        _check(isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+               f"must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """`--speculative-config` (vLLM's JSON keys): which proposer, how many tokens it may
     propose per step, and where speculation stops paying (`disable_by_batch_size`: a step
@@ -665,3 +685,4 @@ class EngineConfig:
     preemption_mode: str = "auto"
     request_ledger: bool = True  # each request's decisions and reasons (runtime/core/ledger.py); off: none kept
     otlp_traces_endpoint: str | None = None  # finished requests' ledgers as OpenTelemetry spans (runtime/core/tracing.py)
+    lora: LoraConfig | None = None  # multi-LoRA serving (runtime/core/lora.py); None: base weights only

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.config import AdmissionPolicy, CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, SpeculativeConfig
+from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, KernelConfig, LoraConfig, SchedulerConfig,
+                            SpeculativeConfig)
 from runtime.core.engine import LLMEngine
 
 
@@ -12,7 +13,7 @@ def make_engine(ckpt: Path, *, num_blocks: int = 256, max_num_seqs: int = 8, max
                 max_model_len: int = 512, prefix_cache: bool = True, warmup: bool = False,
                 kv_dtype: str = "float32", quantization: str = "auto", quantize_lm_head: bool = False,
                 kernels: KernelConfig | None = None, speculative: SpeculativeConfig | None = None,
-                **policy) -> LLMEngine:
+                lora: LoraConfig | None = None, **policy) -> LLMEngine:
     envelope = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
     pol = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                long_prefill_token_threshold=max_num_batched_tokens)
@@ -22,6 +23,6 @@ def make_engine(ckpt: Path, *, num_blocks: int = 256, max_num_seqs: int = 8, max
         return EngineConfig(model, CacheConfig(16, num_blocks, kv_dtype, prefix_cache), envelope,
                             AdmissionPolicy(**pol), "xla", "float32", quantization=quantization,
                             quantize_lm_head=quantize_lm_head, kernels=kernels or KernelConfig(),
-                            speculative=speculative)
+                            speculative=speculative, lora=lora)
 
     return LLMEngine.from_checkpoint(ckpt, build, warmup=warmup, progress=False)

@@ -45,6 +45,7 @@ from runtime.model.runner import ModelRunner, StepHandle, compilations
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.request import Request
 from runtime.core.ledger import FINISHED_KEPT, NullLedger
+from runtime.core.lora import AdapterBusy, AdapterError, LoraSlots
 from runtime.core import step_model
 from runtime.core.step_model import Quote, StepTimeModel
 from runtime.model.sampling import SamplingParams
@@ -137,11 +138,28 @@ class LLMEngine:
         if config.quantization == "auto":  # serve the checkpoint as it is stored
             config = self.config = dataclasses.replace(config, quantization=quantization_of(params),
                                                        quantize_lm_head=config.quantize_lm_head or "head" in params)
-        params = prepare(params, config.quantization, config.model, tokenizer, lm_head=config.quantize_lm_head)
+        if config.lora is not None and config.model.mla:
+            raise ValueError("lora: LoRA on multi-head latent attention models (deepseek_v2) is not supported yet")
+        folds: dict = {}  # what SmoothQuant did to the projections' inputs and outputs (LoRA follows it)
+        if config.lora is not None and quantization_of(params) == "w8a8":
+            raise ValueError("lora: this checkpoint is stored as w8a8 (SmoothQuant's scales folded into its weights, "
+                             "which an adapter's product must follow); convert the float source and serve it with "
+                             "--quantization w8a8")
+        params = prepare(params, config.quantization, config.model, tokenizer, lm_head=config.quantize_lm_head,
+                         folds=folds)
         self.runner = ModelRunner(config.model, params, config.cache, self.envelope,
                                   config.attention_backend, dtype, config.quantization,
                                   tensor_parallel_size=config.tensor_parallel_size, kernels=config.kernels,
-                                  spec_k=config.speculative.num_speculative_tokens if config.speculative else 0)
+                                  spec_k=config.speculative.num_speculative_tokens if config.speculative else 0,
+                                  lora=config.lora)
+        self.loras: LoraSlots | None = None  # LoRA adapters: the registry and the device slots (runtime/core/lora.py)
+        if config.lora is not None:
+            from runtime.model.lora import PARTS
+
+            table = self.runner.params["lora"]
+            supported = tuple(m for name in table.a for m in PARTS.get(name, (name,)))
+            self.loras = self.scheduler.loras = LoraSlots(config.model, config.lora, supported,
+                                                          self.runner.write_lora_slot, folds)
         self.guides = GuideCompiler(tokenizer, config.model.vocab_size)
         self.proposer = speculative.Proposer(config.speculative) if config.speculative else None
         self.draft = None  # draft_model speculation: the draft's runner beside the target's
@@ -251,13 +269,15 @@ class LLMEngine:
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: str = "interactive", cache_salt: str | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None, matcher: Any = None,
-                    reservation: disagg.Reservation | None = None, decisions: Sequence[tuple] = ()) -> Request:
+                    reservation: disagg.Reservation | None = None, decisions: Sequence[tuple] = (),
+                    lora: str | None = None) -> Request:
         """Queue a request. Raises ValueError (bad input) or Overloaded (queue limits).
         A structured output (params.guide) compiles here unless `matcher` is given
         (compile_guide, which callers on an event loop run off it). `reservation`: blocks
         `reserve` pinned for this prompt (disaggregated decode), which it takes over; if
         adding fails the caller still owns them (`release`). `decisions`: (kind, reason, inputs)
-        taken about it before it reached this engine (a fleet gateway's), first in its ledger."""
+        taken about it before it reached this engine (a fleet gateway's), first in its ledger.
+        `lora`: the name of a loaded LoRA adapter it runs under (LookupError: none by that name)."""
         if not prompt_ids:
             raise ValueError("prompt: must contain at least one token")
         vocab = self.config.model.vocab_size
@@ -267,10 +287,13 @@ class LLMEngine:
         bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        adapter = self._adapter(lora, reservation) if lora is not None else None
         if params.guide is not None and matcher is None:
             matcher = self.compile_guide(params.guide)
         req = Request(request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", [int(t) for t in prompt_ids],
                       params.with_seed(self._rng), priority, cache_salt, matcher=matcher)
+        if adapter is not None:
+            req.lora_id, req.lora_name = adapter.lora_id, adapter.name
         if not self.config.request_ledger:
             req.ledger = NullLedger()
         for kind, reason, inputs in decisions:
@@ -295,6 +318,8 @@ class LLMEngine:
                 self.metrics.admission_rejections.labels("too_long").inc()
                 raise
             self._tracked[req.request_id] = _Tracked(req)
+            if adapter is not None:
+                adapter.requests += 1
             self.outputs.add(req.request_id, req.prompt_ids, req.params, on_output)
             if reservation is not None:
                 disagg.hand_over(reservation)
@@ -664,6 +689,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, *, stop_reason: Any = None, error: str | None = None,
                 new_ids: list[int] | None = None, text_ids: list[int] | None = None) -> RequestOutput:
         self.scheduler.finish(req, reason)
+        if req.lora_id and (reg := self.loras.get(req.lora_name)) is not None and reg.lora_id == req.lora_id:
+            reg.tokens += req.num_generated
         req.ledger.add("finished", reason if error is None else f"{reason}: {error}", output_tokens=req.num_output_tokens,
                        preemptions=req.num_preemptions)
         if self.config.request_ledger:  # (its summary and ledger, not the request with its tokens)
@@ -685,6 +712,38 @@ class LLMEngine:
         req.stop_reason = stop_reason
         return self._output(t, new_ids or [], finished=True, finish_reason=reason,
                             stop_reason=stop_reason, error=error, text_ids=text_ids)
+
+    # --- LoRA adapters ---------------------------------------------------------------------
+    def _adapter(self, name: str, reservation: Any) -> Any:
+        if self.loras is None:
+            raise LookupError(f"model: {name!r} is not served (LoRA adapters are off: start with --enable-lora)")
+        if reservation is not None:
+            raise ValueError("lora: adapters on disaggregated prefill/decode are not supported yet")
+        reg = self.loras.get(name)
+        if reg is None:
+            raise LookupError(f"model: no adapter named {name!r} is loaded")
+        return reg
+
+    def load_lora(self, name: str, path: str) -> Any:
+        """Read, check and register an adapter under `name` (runtime/core/lora.py AdapterError: nothing
+        changed). Its weights reach a device slot when a request under it starts."""
+        if self.loras is None:
+            raise AdapterError("lora: LoRA adapters are off (start with --enable-lora or --lora-modules)")
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> Any:
+        """Forget an adapter. Refused (AdapterBusy) while requests under it are queued or running: an
+        unload loses no request."""
+        if self.loras is None:
+            raise AdapterError("lora: LoRA adapters are off (start with --enable-lora or --lora-modules)")
+        with self.lock:
+            reg = self.loras.get(name)
+            if reg is None:
+                raise LookupError(f"lora_name: no adapter named {name!r} is loaded")
+            busy = sum(t.req.lora_id == reg.lora_id for t in self._tracked.values())
+            if busy:
+                raise AdapterBusy(f"lora_name: {name!r} has {busy} request(s) queued or running; unload it when they end")
+            return self.loras.unload(name)
 
     def _refresh_gauges(self, step_time: float = 0.0, num_tokens: int = 0, new_tokens: int = 0) -> None:
         """Per-step records: the ages of blocks evicted since the last call (a histogram of

@@ -57,6 +57,11 @@ class Request:
     priority: str = "interactive"
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # LoRA (runtime/core/lora.py): the adapter it runs under (0: the base model; the id of that
+    # load, which keys its prefix blocks), its name, and the device slot it holds while running.
+    lora_id: int = 0
+    lora_name: str | None = None
+    lora_slot: int = -1
 
     status: Status = Status.WAITING
     num_prompt_tokens: int = -1      # set from token_ids at creation
@@ -183,7 +188,9 @@ class Request:
 
     @property
     def extra_keys(self) -> tuple:
-        return (self.cache_salt,) if self.cache_salt else ()
+        """What its block hashes carry beside the tokens: the salt, and the adapter (a prefix
+        computed under one adapter is another's KV: never shared)."""
+        return ((self.cache_salt,) if self.cache_salt else ()) + ((("lora", self.lora_id),) if self.lora_id else ())
 
     def max_total_tokens(self) -> int:
         return self.num_prompt_tokens + self.params.max_tokens
@@ -240,7 +247,8 @@ def step_row(req: Request, n: int) -> ScheduledSeq:
         prompt_len=req.num_prompt_tokens, state_row=req.state_row, reset_row=req.needs_row_reset,
         sample=start + n == req.num_tokens_with_spec, sampling_row=SamplingRow(req.params, req.num_output_tokens),
         count_from=max(0, req.row_counted_upto - start), pending_last=pending, drafts=list(drafts),
-        draft_masks=req.spec_masks[:len(drafts)] if drafts and req.spec_masks is not None else None)
+        draft_masks=req.spec_masks[:len(drafts)] if drafts and req.spec_masks is not None else None,
+        lora_slot=req.lora_slot)
     P = req.num_prompt_tokens
     if req.params.prompt_logprobs is not None and start < P - 1:
         nxt = req.token_ids[start + 1:min(start + n + 1, P)]

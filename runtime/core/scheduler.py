@@ -84,6 +84,8 @@ class Scheduler:
         # Swap preemption's rule and host budget (runtime/core/kv_tiers.py SwapSpace; the
         # engine sets it with a host tier); None: every preemption recomputes.
         self.swap: Any = None
+        # LoRA adapters' device slots (runtime/core/lora.py LoraSlots; the engine sets it); None: no LoRA.
+        self.loras: Any = None
 
     # --- queue ---------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -154,6 +156,9 @@ class Scheduler:
         if req.state_row >= 0:
             self.free_rows.append(req.state_row)
             req.state_row = -1
+        if req.lora_slot >= 0:
+            self.loras.release(req.lora_id)
+            req.lora_slot = -1
 
     def _unpin(self, req: Request) -> None:
         if req.pinned_blocks:
@@ -348,6 +353,11 @@ class Scheduler:
                 why = "no free state row" if not self.free_rows else "its last token is still being read back"
                 self._note_waiting(req, why)  # (a preempted request waits until its pending token is read back)
                 return
+            if req.lora_id and not self.loras.can_run(req.lora_id):  # the queue behind it goes on
+                held.add(req.request_id)
+                req.ledger.add("waiting", "every LoRA slot holds an adapter of running requests",
+                               adapter=req.lora_name, max_loras=len(self.loras.slots))
+                continue
             swap = req.swap  # swapped out: its own KV comes back from host RAM, no prefix lookup
             num_hit, hit_tables = (0, self._empty_tables()) if swap else self._prefix_hit(req)
             hits = [b for t in hit_tables for b in t if b != NULL_BLOCK]
@@ -493,6 +503,8 @@ class Scheduler:
         req.num_computed_tokens = cached
         req.num_registered_blocks = cached // self.bs
         req.state_row = self.free_rows.pop()
+        if req.lora_id:
+            req.lora_slot = self.loras.acquire(req.lora_id)
         req.needs_row_reset = True
         req.row_counted_upto = 0
         req.status = Status.RUNNING

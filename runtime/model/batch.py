@@ -67,6 +67,7 @@ class StepInput:
     sampling: SamplingInputs    # per-sequence sampling parameters, [S] each
     shared: SharedPrefix        # leading blocks many sequences share in group 0 (cascade attention)
     spec: SpecInput             # speculative decoding's verification (K = 0: off)
+    lora_slots: jax.Array       # [T] int32 the token's LoRA adapter slot (runtime/model/lora.py); -1 = none
 
 
 @dataclass
@@ -86,6 +87,7 @@ class ScheduledSeq:
     prompt_next: Sequence[int] = ()  # prompt logprobs: each token's next prompt token (-1 past the prompt)
     drafts: Sequence[int] = ()   # speculative decoding: the last len(drafts) tokens are proposals to verify
     draft_masks: Any = None      # a structured output's [len(drafts), W] masks of the positions after its first
+    lora_slot: int = -1          # the LoRA adapter slot its tokens use (runtime/model/lora.py); -1: the base model
 
 
 def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tokens_bucket: int,
@@ -149,9 +151,11 @@ def build_step_input(seqs: Sequence[ScheduledSeq], num_seqs_bucket: int, num_tok
               else SharedPrefix(np.zeros(max_blocks_per_seq, np.int32), np.zeros(1, np.int32), np.zeros(S, np.int32),
                                 tables))
     spec = build_spec_input(seqs, S, T, spec_k, qsl, token_mask.shape[1] if token_mask is not None else 0)
+    lora_slots = np.full(T, -1, np.int32)
+    lora_slots[:t] = np.fromiter((sq.lora_slot for sq in seqs), np.int32, n)[seq_of_token]
     return StepInput(token_ids, from_state, positions, slots, kind, token_row, qsl, kv_lens, all_tables,
                      np.array([n], np.int32), logits_idx, state_rows, reset, sample_mask, targets, sampling, shared,
-                     spec)
+                     spec, lora_slots)
 
 
 _ALL_ALLOWED: dict[tuple[int, int], np.ndarray] = {}

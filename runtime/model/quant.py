@@ -268,7 +268,8 @@ def groupable(layers: dict[str, Any], group: int = W8A8_GROUP) -> bool:
 
 
 def quantize_params(params: dict[str, Any], method: str, act_absmax: dict[str, np.ndarray] | None = None,
-                    lm_head: bool = False, grouped: bool = True, head_dim: int | None = None) -> dict[str, Any]:
+                    lm_head: bool = False, grouped: bool = True, head_dim: int | None = None,
+                    folds: dict[str, dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
     """The checkpoint tree with every decoder projection quantized (host side, numpy).
     With `act_absmax` (per-layer, per-input-channel maxima of each projection's input, from
     `activation_absmax` on calibration text) the activation outliers are smoothed first
@@ -278,7 +279,16 @@ def quantize_params(params: dict[str, Any], method: str, act_absmax: dict[str, n
     w_up's columns for w_down (the MLP's product is elementwise), wv's columns for wo (s tied
     over the query heads that read one KV head; needs `head_dim`, else wo is not smoothed).
     Otherwise one scale per output channel, and
-    wo and w_down carry 1/s as an input scale (`"in"`) applied before quantizing."""
+    wo and w_down carry 1/s as an input scale (`"in"`) applied before quantizing.
+    `folds` (a dict, filled): what the smoothing did to each projection's input and output, as
+    projection -> {"in": [L, in] s (its input is x / s), "out": [L, out] f (its output is y * f)}:
+    a LoRA adapter on the smoothed model scales its A rows by s and its B columns by f
+    (runtime/core/lora.py), so its delta is the one it has on the float model."""
+    folds = {} if folds is None else folds
+
+    def fold(w: str, kind: str, f: np.ndarray) -> None:
+        entry = folds.setdefault(w, {})
+        entry[kind] = entry[kind] * f if kind in entry else f.astype(np.float32)
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     if method == "none":
@@ -306,6 +316,8 @@ def quantize_params(params: dict[str, Any], method: str, act_absmax: dict[str, n
         if grouped:  # first: the folds change w_up and wv, whose own smoothing reads their maxima
             sc = smooth(act_absmax["down_in"], ["w_down"])
             lay["w_up"] = lay["w_up"] / sc[..., None, :]
+            fold("w_down", "in", sc)
+            fold("w_up", "out", 1.0 / sc)
             if head_dim and "wv" in lay:
                 kv = lay["wv"].shape[-1] // head_dim
                 sc = smoothing_scale(_tied_over_kv_heads(act_absmax["o_in"], kv, head_dim),
@@ -313,10 +325,15 @@ def quantize_params(params: dict[str, Any], method: str, act_absmax: dict[str, n
                 lay["wo"] = lay["wo"] * sc[..., :, None]
                 sv = sc.reshape(sc.shape[0], kv, -1, head_dim)[:, :, 0].reshape(sc.shape[0], kv * head_dim)
                 lay["wv"] = lay["wv"] / sv[..., None, :]
+                fold("wo", "in", sc)
+                fold("wv", "out", 1.0 / sv)
                 if "bv" in lay:
                     lay["bv"] = lay["bv"] / sv
         for norm, key, ws in (("attn_norm", "attn_in", ["wq", "wk", "wv"]), ("mlp_norm", "mlp_in", ["w_gate", "w_up"])):
-            lay[norm] = lay[norm] / smooth(act_absmax[key], ws)
+            sc = smooth(act_absmax[key], ws)
+            lay[norm] = lay[norm] / sc
+            for w in ws:
+                fold(w, "in", sc)
         if not grouped:
             for key, w in (("o_in", "wo"), ("down_in", "w_down")):
                 in_scale[w] = 1.0 / smooth(act_absmax[key], [w])
@@ -402,11 +419,12 @@ def calibration_ids(tokenizer: Any, max_positions: int) -> list[int]:
     return ids[:min(CALIBRATION_TOKENS, max_positions)]
 
 
-def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any, lm_head: bool = False) -> dict[str, Any]:
+def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any, lm_head: bool = False,
+            folds: dict[str, dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
     """quantize_params with the activation maxima measured on the calibration text (w8a8;
     `lm_head` adds the int8 head). A tree that is already quantized by `method` (a `convert
     --quantize` checkpoint) is returned as it is: start-up never requantizes; one quantized
-    otherwise is an error."""
+    otherwise is an error. `folds`: filled with what SmoothQuant did to the projections (quantize_params)."""
     if method == "w4a16" and cfg.num_experts:
         raise ValueError("quantization: w4a16 of a mixture of experts is not implemented (its experts have no "
                          "4-bit form yet); serve it with --quantization w8a16, w8a8 or none")
@@ -430,7 +448,7 @@ def prepare(params: dict[str, Any], method: str, cfg: Any, tokenizer: Any, lm_he
         return quantize_params(params, method)
     return quantize_params(params, method,
                            activation_absmax(cfg, params, calibration_ids(tokenizer, cfg.max_position_embeddings)),
-                           lm_head=lm_head, head_dim=cfg.head_dim)
+                           lm_head=lm_head, head_dim=cfg.head_dim, folds=folds)
 
 
 def activation_absmax(cfg: Any, params: dict[str, Any], token_ids: list[int]) -> dict[str, np.ndarray]:

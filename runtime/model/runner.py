@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from runtime.model.kv_pages import QuantizedPages
 from runtime.model.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepInput, build_step_input
-from runtime.config import QUANTIZED_KV_DTYPES, CacheConfig, KernelConfig, ModelConfig, SchedulerConfig, kv_scale_groups
+from runtime.config import (QUANTIZED_KV_DTYPES, CacheConfig, KernelConfig, LoraConfig, ModelConfig, SchedulerConfig,
+                            kv_scale_groups)
 from runtime.model.attention_backend import AttentionBackend, make_backend, paged_attention
 from runtime.model.families import family
 from runtime.model.families.llama import Params, attention_scale
@@ -74,16 +75,17 @@ def compilations(fun_name: str = STEP_FN_NAME) -> int:
         return sum(v for k, v in _compilations.items() if fun_name in k)
 
 
-def pack_float_for(cfg: ModelConfig, params: Params) -> Params:
+def pack_float_for(cfg: ModelConfig, params: Params, fuse_mlp: bool = True) -> Params:
     """The float32 tree packed for the C++ float kernel as far as the family's layer allows:
     a Llama-style layer (SWIGLU_TAIL) gets the SwiGLU gate|up pair and with it the fused layer
     tail (runtime/kernels/cpu/matmul.py); any other (Gemma: post-norms, GeGLU) gets each
     projection packed on its own (q|k|v still one product), so typed() builds no tail and
     the family applies its own activation and norms; a mixture of experts gets its attention
-    projections packed (its experts stay the family's grouped products)."""
+    projections packed (its experts stay the family's grouped products). `fuse_mlp` False (LoRA: an
+    adapter's delta goes between the products the tail fuses) packs a Llama-style layer the same way."""
     from runtime.kernels.cpu import matmul as cpu_matmul
 
-    if getattr(family(cfg), "SWIGLU_TAIL", True):
+    if fuse_mlp and getattr(family(cfg), "SWIGLU_TAIL", True):
         return cpu_matmul.pack_float_params(params, cfg.tie_word_embeddings)
     layers = dict(params["layers"])
     names = tuple(n for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down") if n in layers)
@@ -190,6 +192,10 @@ def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: An
 
         attention = partial(shard_attention(local, mesh), inp)
 
+    if "lora" in params:  # the step's rows by adapter slot (runtime/model/lora.py)
+        from runtime.model.lora import LoraBatch
+
+        params = {**params, "lora_batch": LoraBatch.of(inp.lora_slots, params["lora"].slots)}
     fam = family(cfg)
     hidden, kv, *stats = fam.forward_hidden(cfg, params, token_ids, inp.positions, attention, kv)
     load = expert_load(cfg, stats[0]["expert_ids"], inp) if stats and "expert_ids" in stats[0] else None
@@ -307,13 +313,18 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, cache: CacheConfig, sched: SchedulerConfig,
                  attention_backend: str = "auto", dtype: Any = jnp.float32, quantization: str = "none",
-                 tensor_parallel_size: int = 1, kernels: KernelConfig | None = None, spec_k: int = 0):
+                 tensor_parallel_size: int = 1, kernels: KernelConfig | None = None, spec_k: int = 0,
+                 lora: LoraConfig | None = None):
         """With a quantization, `params` come quantized (runtime.model.quant.prepare calibrates and
         quantizes them once, in the engine). tensor_parallel_size > 1: params and KV cache
         sharded over a mesh of that many devices (runtime/model/tp.py); 1 is the single-device path.
         `kernels`: the CPU kernels' switches (EngineConfig.kernels), environment overrides applied.
-        `spec_k`: proposals a row may carry for verification (speculative decoding; 0: off)."""
+        `spec_k`: proposals a row may carry for verification (speculative decoding; 0: off).
+        `lora`: hold a table of adapter slots (runtime/model/lora.py); the kernels' fused layer
+        tails are not built then (an adapter's delta goes between their products)."""
         self.spec_k = spec_k
+        if lora is not None and tensor_parallel_size > 1:
+            raise ValueError("lora: LoRA adapters with --tensor-parallel-size > 1 are not supported yet")
         self.kernels = kernels = (kernels or KernelConfig()).with_env()
         self.tp = tensor_parallel_size
         self.mesh = None
@@ -348,7 +359,7 @@ class ModelRunner:
         self.wq_kernel = (quantization == "w4a16" and self.tp == 1 and jax.default_backend() == "cpu"
                           and cpu_matmul.f32_vectorized(kernels))
         if self.wq_kernel:
-            params = cpu_matmul.pack_wq_params(params, swiglu_tail=getattr(family(cfg), "SWIGLU_TAIL", True))
+            params = cpu_matmul.pack_wq_params(params, swiglu_tail=lora is None and getattr(family(cfg), "SWIGLU_TAIL", True))
         # w4a16 on a Hopper GPU: the Mosaic GPU kernel reads the nibbles (runtime/model/mosaic_linear.py)
         from runtime.model import mosaic_linear
 
@@ -360,7 +371,7 @@ class ModelRunner:
         self.f32_kernel = (quantization == "none" and jnp.dtype(dtype) == jnp.float32 and self.tp == 1
                            and jax.default_backend() == "cpu" and cpu_matmul.f32_default(kernels))
         if self.f32_kernel:
-            params = pack_float_for(cfg, params)
+            params = pack_float_for(cfg, params, fuse_mlp=lora is None)
             self.f32_kernel = "qkv" in params["layers"]
         self.params = cast_params(params, dtype)
         # XLA:CPU: float layer weights as separate per-layer arrays (models/llama.py
@@ -387,6 +398,12 @@ class ModelRunner:
             from runtime.kernels.cpu import hugepages
 
             self.params = hugepages.place_weights(self.params, kernels)
+        self.lora = lora
+        if lora is not None:  # a fixed table of adapter slots: loading one never recompiles
+            from runtime.model.lora import LoraTable, lora_names
+
+            self.params = {**self.params, "lora": LoraTable.empty(cfg, lora_names(self.params["layers"]),
+                                                                  lora.max_loras, lora.max_lora_rank)}
         self.max_blocks_per_seq = -(-sched.max_model_len // cache.block_size)
         if cache.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype: {cache.kv_dtype!r} is not supported by the runner "
@@ -459,6 +476,15 @@ class ModelRunner:
         hugepages.collapse(self.kv, self.kernels)  # (a new buffer: back on huge pages, as at start)
         return True
 
+    def write_lora_slot(self, slot: int, weights: dict | None) -> None:
+        """Put an adapter's weights (runtime/core/lora.py Adapter.weights; None: zeros) in a slot
+        of the device table, between steps: the next launch reads it."""
+        from runtime.model.lora import write_slot
+
+        table = self.params["lora"]
+        a, b = table.slot_arrays(self.cfg, weights or {})
+        self.params = {**self.params, "lora": write_slot(table, slot, a, b)}
+
     def kv_cache_bytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.kv))
 
@@ -515,6 +541,8 @@ class ModelRunner:
         from runtime.model.sampling import SamplingParams, SamplingRow
 
         t0 = time.perf_counter()
+        if self.lora is not None:  # the slot-writing program, once (slot 0 is empty at start)
+            self.write_lora_slot(0, None)
         greedy = SamplingRow(SamplingParams(temperature=0.0), 0)
         for s, t in tqdm(self.sched.bucket_pairs(), desc="compiling buckets", unit="shape", disable=not progress):
             per = [t // s] * s
