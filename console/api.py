@@ -184,11 +184,18 @@ async def run_watching_disconnect(request: Request, work: Awaitable[None]) -> No
 
 # --- request -> engine requests --------------------------------------------------------------------
 
-def _check_model(request: Request, model: str) -> None:
-    served = request.app.state.settings.model_name
-    if model != served:
-        raise APIError(400, f"model: unknown model {model!r}; this server serves {served!r}", param="model",
-                       code="model_not_found")
+def _check_model(request: Request, model: str) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model); 404 for anything else."""
+    st = request.app.state
+    served = st.settings.model_name
+    if model == served:
+        return None
+    has_lora = getattr(st.engine, "has_lora", None)
+    if has_lora is not None and has_lora(model):
+        return model
+    raise APIError(404, f"model: the model {model!r} does not exist; this server serves {served!r}"
+                        + (" and its LoRA adapters (GET /v1/models)" if has_lora is not None else ""),
+                   param="model", code="model_not_found", type="invalid_request_error")  # (OpenAI's 404 shape)
 
 
 def _completion_prompts(prompt: Any, tok: Any) -> list[list[int]]:
@@ -271,7 +278,7 @@ def _sampling(body: S.CompletionRequest | S.ChatCompletionRequest, max_tokens: i
 
 
 async def _submit(request: Request, prompts: list[list[int]], params: list[SamplingParams], n: int,
-            priority: str) -> Generation:
+            priority: str, lora: str | None = None) -> Generation:
     st = request.app.state
     rec = record_of(request)
     if len(prompts) * n > MAX_JOBS:
@@ -286,7 +293,9 @@ async def _submit(request: Request, prompts: list[list[int]], params: list[Sampl
                 rid = f"{rec.request_id}-{len(gen.jobs)}"  # the console shows these; X-Request-Id-N
                 # (the API key's check, first in the request's ledger: runtime/core/ledger.py)
                 decisions = [("api_key", f"key {rec.key!r}: within its limits", {})] if rec.key else []
-                _, queue = await st.engine.asubmit(ids, sp, request_id=rid, priority=priority, decisions=decisions)
+                more = {"lora": lora} if lora is not None else {}
+                _, queue = await st.engine.asubmit(ids, sp, request_id=rid, priority=priority, decisions=decisions,
+                                                   **more)
                 gen.jobs.append(Job(len(gen.jobs), p_idx, rid, queue, ids))
     except Overloaded as exc:
         gen.abort_unfinished()
@@ -295,6 +304,9 @@ async def _submit(request: Request, prompts: list[list[int]], params: list[Sampl
         after = st.settings.retry_after_s if drain is None else max(1, math.ceil(drain))
         raise APIError(429, f"the server is overloaded ({exc}); retry later", code=exc.reason,
                        headers={"Retry-After": str(after)}) from None
+    except LookupError as exc:  # its adapter was unloaded since the check
+        gen.abort_unfinished()
+        raise APIError(404, str(exc), param="model", code="model_not_found") from None
     except ValueError as exc:
         gen.abort_unfinished()
         if str(exc).startswith("request_id:"):
@@ -373,7 +385,7 @@ async def _respond(request: Request, gen: Generation, stream: bool, include_usag
       summary="Create a completion")
 async def completions(request: Request) -> Response:
     body = S.decode_body(await request.body(), S.CompletionRequest)
-    _check_model(request, body.model)
+    lora = _check_model(request, body.model)
     if body.user:
         log.info("request %s: user %r", record_of(request).request_id, body.user[:200])
     tok = request.app.state.engine.tokenizer
@@ -384,7 +396,7 @@ async def completions(request: Request) -> Response:
     plp = max(body.prompt_logprobs or 0, body.logprobs or 0) if echo_lp or body.prompt_logprobs is not None else None
     params = [dataclasses.replace(_sampling(body, _max_tokens(request, len(p), body.max_tokens, 16, "prompt"),
                                             body.logprobs, vocab), prompt_logprobs=plp) for p in prompts]
-    gen = await _submit(request, prompts, params, body.n, body.priority)
+    gen = await _submit(request, prompts, params, body.n, body.priority, lora)
     rid, created, model = f"cmpl-{gen.record.request_id}", int(time.time()), body.model
     fmt = Formatter(tok, body.logprobs is not None, echo=body.echo, prompt_top=body.prompt_logprobs)
 
@@ -406,7 +418,7 @@ async def completions(request: Request) -> Response:
       summary="Create a chat completion")
 async def chat_completions(request: Request) -> Response:
     body = S.decode_body(await request.body(), S.ChatCompletionRequest)
-    _check_model(request, body.model)
+    lora = _check_model(request, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     tok = request.app.state.engine.tokenizer
@@ -419,7 +431,7 @@ async def chat_completions(request: Request) -> Response:
     mt = _max_tokens(request, len(ids), body.max_completion_tokens if by_new_name else body.max_tokens, None,
                      "messages", "max_completion_tokens" if by_new_name else "max_tokens")
     vocab = request.app.state.engine.vocab_size
-    gen = await _submit(request, [ids], [_sampling(body, mt, lp, vocab, plan.guide)], body.n, body.priority)
+    gen = await _submit(request, [ids], [_sampling(body, mt, lp, vocab, plan.guide)], body.n, body.priority, lora)
     rid, created, model = f"chatcmpl-{gen.record.request_id}", int(time.time()), body.model
     fmt = Formatter(tok, lp is not None, tools=plan if plan.active else None)
 
@@ -447,9 +459,12 @@ def _continuous_usage(body: S.CompletionRequest | S.ChatCompletionRequest) -> bo
 @get("/models", operation_class=S.operation(None, S.ModelList), summary="List the served model")
 async def list_models(request: Request) -> Response:
     st = request.app.state
-    card = S.ModelCard(st.settings.model_name, int(st.started_at), "pagedjax",
-                       st.engine.max_model_len, str(st.settings.checkpoint))
-    return Response(S.encode(S.ModelList([card])), media_type="application/json")
+    base = st.settings.model_name
+    cards = [S.ModelCard(base, int(st.started_at), "pagedjax", st.engine.max_model_len, str(st.settings.checkpoint))]
+    adapters = getattr(st.engine, "lora_adapters", None)
+    cards += [S.ModelCard(a["name"], int(a["loaded_at"]), "pagedjax", st.engine.max_model_len, a["path"], parent=base)
+              for a in (adapters() if adapters is not None else [])]
+    return Response(S.encode(S.ModelList(cards)), media_type="application/json")
 
 
 @post("/admission/quote", status_code=200, summary="Would this request be admitted now, and how soon served?")

@@ -294,7 +294,9 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
     store = store if store is not None else StateStore()
     gate = KeyGate(store, http_metrics.registry)
     keyed = settings.api_key is not None or store.has_keys()
-    handlers: list = [v1_router(with_security=keyed), root_router(with_security=keyed), health, metrics,
+    from console.lora_api import lora_router
+
+    handlers: list = [v1_router(with_security=keyed), root_router(with_security=keyed), lora_router(), health, metrics,
                       create_static_files_router(path="/static", directories=[static_dir()],
                                                  include_in_schema=False)]
     if fleet:

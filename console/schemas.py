@@ -401,6 +401,17 @@ class ModelCard(Struct):
     max_model_len: int
     root: str
     object: Literal["model"] = "model"
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
+
+
+class LoadLoraAdapterRequest(Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None  # (vLLM's; when given it must be the loaded adapter's id)
 
 
 class ModelList(Struct):

@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from console.app import create_app
     from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.core.engine import LLMEngine
-    from runtime.core.engine_args import engine_config_from_args
+    from runtime.core.engine_args import engine_config_from_args, load_lora_modules
 
     path = resolve_checkpoint(args.checkpoint)
     if not (path / "config.json").is_file():
@@ -96,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = server_settings(args, path)
     _configure_access_log()
     llm = LLMEngine.from_checkpoint(path, engine_config_from_args(args), warmup=False, progress=sys.stderr.isatty())
+    load_lora_modules(llm, args)
     app = create_app(settings, engine_factory=lambda: llm, store=store)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)

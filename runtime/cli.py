@@ -155,16 +155,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from runtime.checkpoint.pull import resolve_checkpoint
     from runtime.core.engine import LLMEngine
-    from runtime.core.engine_args import engine_config_from_args
+    from runtime.core.engine_args import engine_config_from_args, load_lora_modules, lora_modules
     from runtime.model.sampling import SamplingParams
 
+    if args.lora is not None and args.lora not in dict(lora_modules(args)):
+        raise ValueError(f"lora: {args.lora!r} is not one of --lora-modules")
     path = resolve_checkpoint(args.checkpoint)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     engine = LLMEngine.from_checkpoint(path, engine_config_from_args(args), warmup=False)
+    load_lora_modules(engine, args)
     tok = engine.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    for delta in engine.generate_text(tok.encode(text), params):
+    for delta in engine.generate_text(tok.encode(text), params, lora=args.lora):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -233,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--lora", default=None, metavar="NAME", help="generate under this adapter of --lora-modules")
     add_engine_arguments(s, serving=False)
     s.set_defaults(func=cmd_generate)
 

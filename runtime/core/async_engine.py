@@ -112,6 +112,21 @@ class AsyncEngine:
     def retry_after(self) -> float | None:
         return self.engine.retry_after()
 
+    # --- LoRA adapters (runtime/core/lora.py) ---------------------------------------------
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The adapters served (name, path, rank, slot, requests, ...); [] without LoRA."""
+        return self.engine.loras.snapshot()["adapters"] if self.engine.loras is not None else []
+
+    def has_lora(self, name: str) -> bool:
+        return self.engine.loras is not None and self.engine.loras.get(name) is not None
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read and register an adapter off the event loop (AdapterError: nothing changed)."""
+        await asyncio.to_thread(self.engine.load_lora, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
     # --- requests -----------------------------------------------------------------------
     async def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any
                       ) -> tuple[str, asyncio.Queue]:

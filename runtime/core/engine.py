@@ -815,9 +815,9 @@ class LLMEngine:
         self.run_until_done()
         return reqs  # (logprobs stay raw rows: Request.formatted_logprobs() gives the client's form)
 
-    def generate_text(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[str]:
+    def generate_text(self, prompt_ids: Sequence[int], params: SamplingParams, lora: str | None = None) -> Iterator[str]:
         chunks: list[RequestOutput] = []
-        req = self.add_request(prompt_ids, params, on_output=chunks.append)
+        req = self.add_request(prompt_ids, params, on_output=chunks.append, lora=lora)
         while not req.is_finished or chunks:
             if not chunks:
                 self.step()

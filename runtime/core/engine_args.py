@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Callable
 
-from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, EvictionAlert, GiB, KernelConfig, ModelConfig,
-                            SchedulerConfig, SpeculativeConfig, parse_memory)
+from runtime.config import (AdmissionPolicy, CacheConfig, EngineConfig, EvictionAlert, GiB, KernelConfig, LoraConfig,
+                            ModelConfig, SchedulerConfig, SpeculativeConfig, parse_memory)
 
 CPU_DEFAULT_KV_MEMORY = 2 * GiB  # 64 streams of ~700 unshared tokens (SmolLM2, float32) without preemption
 
@@ -85,6 +86,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
                    help="auto: a batch-tier request preempted for blocks has its KV moved to the host tier and "
                         "back instead of recomputed, when the measured copy is cheaper (needs --kv-offload-memory); "
                         "recompute: every preempted request recomputes (default auto)")
+    lo = p.add_argument_group("LoRA adapters (many fine-tunes of the base model in one batch; a request names one "
+                              "as its model)")
+    lo.add_argument("--enable-lora", action="store_true", help="hold adapter slots (implied by --lora-modules)")
+    lo.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="PEFT adapters to serve from the start: name=path, or JSON {\"name\": ..., \"path\": ...}")
+    lo.add_argument("--max-loras", type=int, default=LoraConfig.max_loras,
+                    help="adapter slots on the device: the most adapters one step's rows use")
+    lo.add_argument("--max-lora-rank", type=int, default=LoraConfig.max_lora_rank, help="the largest rank a slot holds")
+    lo.add_argument("--max-cpu-loras", type=int, default=LoraConfig.max_cpu_loras,
+                    help="adapters kept read in host memory (LRU); others are read from disk again when named")
     e = p.add_argument_group("KV eviction signal (the console's dashboard and /metrics kv_eviction_rate)")
     e.add_argument("--eviction-window", type=float, default=EvictionAlert.window_s, metavar="SECONDS",
                    help="the rate's window; a cached block used within it counts as a live prefix when evicted")
@@ -127,6 +138,46 @@ def kernel_config_from_args(args: argparse.Namespace) -> KernelConfig:
                         per_layer_weights=not getattr(args, "no_per_layer_weights", False),
                         huge_pages=not getattr(args, "no_huge_pages", False),
                         linger_us=getattr(args, "linger_us", KernelConfig.linger_us))
+
+
+def lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """--lora-modules as (name, path) pairs: name=path, or vLLM's JSON form {"name", "path"}."""
+    out = []
+    for item in getattr(args, "lora_modules", None) or ():
+        if item.lstrip().startswith("{"):
+            try:
+                d = json.loads(item)
+                out.append((str(d["name"]), str(d["path"])))
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"lora_modules: {item!r} is not JSON with \"name\" and \"path\"") from None
+            extra = set(d) - {"name", "path", "base_model_name"}
+            if extra:
+                raise ValueError(f"lora_modules: {', '.join(sorted(extra))} not supported in {item!r}")
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: {item!r} must be name=path")
+            out.append((name, path))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora_modules: a name is given twice ({', '.join(names)})")
+    return out
+
+
+def load_lora_modules(engine: object, args: argparse.Namespace) -> None:
+    """Load --lora-modules into a built engine (an AdapterError names the file and the problem)."""
+    for name, path in lora_modules(args):
+        engine.load_lora(name, path)  # type: ignore[attr-defined]
+
+
+def lora_config_from_args(args: argparse.Namespace) -> LoraConfig | None:
+    if not (getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None)):
+        for flag in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(args, flag, None) not in (None, getattr(LoraConfig, flag)):
+                raise ValueError(f"{flag}: needs --enable-lora (or --lora-modules)")
+        return None
+    lora_modules(args)  # (its errors before any weights are read)
+    return LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig], EngineConfig]:
@@ -174,7 +225,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig],
                             kv_offload_disk=parse_memory(getattr(args, "kv_offload_disk", None) or "8GiB"),
                             preemption_mode=getattr(args, "preemption_mode", "auto"),
                             request_ledger=not getattr(args, "no_request_ledger", False),
-                            otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None))
+                            otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
+                            lora=lora_config_from_args(args))
 
     # LLMEngine.from_checkpoint reads it before the weights (TP restores them into their shards).
     build.tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)  # type: ignore[attr-defined]

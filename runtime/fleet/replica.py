@@ -119,12 +119,13 @@ class EngineReplica:
 
         from runtime.core.async_engine import AsyncEngine
         from runtime.core.engine import LLMEngine
-        from runtime.core.engine_args import engine_config_from_args
+        from runtime.core.engine_args import engine_config_from_args, load_lora_modules
 
         args = argparse.Namespace(**spec["engine_args"])
         t0 = time.monotonic()
         llm = LLMEngine.from_checkpoint(Path(spec["checkpoint"]), engine_config_from_args(args), warmup=False,
                                         progress=False)
+        load_lora_modules(llm, args)
         llm.pool.record_events()
         llm.pool.events.append(("cleared",))  # a fresh replica holds nothing: say so first
         if llm.disk_tier is not None:  # (but its disk tier may, from before a restart)

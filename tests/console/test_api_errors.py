@@ -71,7 +71,6 @@ CASES = [
     ("messages-image-part", CHAT,
      _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "messages[0].content[0].type", "image_url"),
-    ("model-unknown", C, _c(model="gpt-4"), "model", "gpt-4"),
     ("model-missing", CHAT, {"messages": USER}, "model", "model"),
     ("invalid-json", C, b'{"model": "tiny-test", "prompt": ', None, "not valid JSON"),
     ("not-json", CHAT, b"hello there", None, "not valid JSON"),
@@ -94,6 +93,15 @@ def test_bad_input(server, route, body, param, bit):
         assert param.split("[")[0] in err["message"]
     assert bit.lower() in err["message"].lower(), err
     assert "Traceback" not in r.text
+
+
+def test_unknown_model_is_404_model_not_found(server):
+    """OpenAI's answer for a model (or LoRA adapter) the server does not have."""
+    for route, body in ((C, _c(model="gpt-4")), (CHAT, _chat(model="gpt-4"))):
+        r = httpx.post(server.url + route, json=body, headers=server.headers)
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model" and "'gpt-4' does not exist" in err["message"]
 
 
 def test_routing_errors_in_openai_shape(server):
