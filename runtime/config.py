@@ -569,11 +569,13 @@ class LoraConfig:
     """Multi-LoRA serving (runtime/core/lora.py, runtime/model/lora.py): `max_loras` adapter slots
     on the device (a step's rows use at most that many adapters), each up to `max_lora_rank`;
     `max_cpu_loras` adapters kept read on the host beyond them (LRU; others are read from disk
-    again when a request names them)."""
+    again when a request names them). `dtype`: how the slots hold the adapters' matrices
+    (float32: exact; bfloat16: half the bytes each step reads, the products still in float32)."""
 
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int = 32
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_loras, int) and 1 <= self.max_loras <= 256, "max_loras",
@@ -582,6 +584,7 @@ class LoraConfig:
                f"must be 1..512, got {self.max_lora_rank!r}")
         _check(isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
                f"must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
+        _check(self.dtype in ("float32", "bfloat16"), "lora_dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = True) -> No
     lo.add_argument("--max-lora-rank", type=int, default=LoraConfig.max_lora_rank, help="the largest rank a slot holds")
     lo.add_argument("--max-cpu-loras", type=int, default=LoraConfig.max_cpu_loras,
                     help="adapters kept read in host memory (LRU); others are read from disk again when named")
+    lo.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default=LoraConfig.dtype,
+                    help="the adapter slots' storage (bfloat16: half the bytes per step, products in float32)")
     e = p.add_argument_group("KV eviction signal (the console's dashboard and /metrics kv_eviction_rate)")
     e.add_argument("--eviction-window", type=float, default=EvictionAlert.window_s, metavar="SECONDS",
                    help="the rate's window; a cached block used within it counts as a live prefix when evicted")
@@ -172,12 +174,13 @@ def load_lora_modules(engine: object, args: argparse.Namespace) -> None:
 
 def lora_config_from_args(args: argparse.Namespace) -> LoraConfig | None:
     if not (getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None)):
-        for flag in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-            if getattr(args, flag, None) not in (None, getattr(LoraConfig, flag)):
+        for flag, field in (("max_loras", "max_loras"), ("max_lora_rank", "max_lora_rank"),
+                            ("max_cpu_loras", "max_cpu_loras"), ("lora_dtype", "dtype")):
+            if getattr(args, flag, None) not in (None, getattr(LoraConfig, field)):
                 raise ValueError(f"{flag}: needs --enable-lora (or --lora-modules)")
         return None
     lora_modules(args)  # (its errors before any weights are read)
-    return LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+    return LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras, getattr(args, "lora_dtype", "float32"))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Callable[[ModelConfig], EngineConfig]:

@@ -14,11 +14,11 @@ rows on CPU, jax.lax.ragged_dot elsewhere), so the FLOPs are the rows' own T * R
 not S times that. Rows without an adapter sort last and take no product; a step with none
 skips the whole thing (one lax.cond per product).
 
-A stored projection may hold several of the model's (the runner fuses q|k|v and gate|up):
-its slot holds each part's a side by side ([in, P*R]) and each part's b on its own rows and
-columns ([P*R, out], block-diagonal), so one product gives every part's delta. A rank below
-the table's is zero-padded; the adapter's scaling (alpha / r, rsLoRA alpha / sqrt r) is folded
-into b when it is written.
+A stored projection may hold several of the model's (the runner fuses q|k|v): its slot holds
+each part's a side by side ([in, P*R]) and each part's b in its own columns ([R, out]); part p's
+columns take u[:, pR:(p+1)R] @ b (`parts`: each stored name's column offsets). A rank below the
+table's is zero-padded; the adapter's scaling (alpha / r, rsLoRA alpha / sqrt r) is folded into
+b when it is written.
 """
 
 from __future__ import annotations
@@ -62,22 +62,29 @@ def lora_names(layers: dict[str, Any]) -> tuple[str, ...]:
 @pytree
 class LoraTable:
     """The adapter slots on the device, per stored projection name."""
-    a: dict   # name -> [L, S, in, P*R] float32
-    b: dict   # name -> [L, S, P*R, out] float32 (the adapter's scaling folded in)
+    a: dict   # name -> [L, S, in, P*R] float32 or bfloat16 (LoraConfig.dtype)
+    b: dict   # name -> [L, S, R, out] (the adapter's scaling folded in)
+    parts: tuple = static(())  # ((name, (0, out of part 0, ..., out)), ...): each name's part columns
     rank: int = static(16)
     slots: int = static(1)
+    kernel: bool = static(False)  # the C++ CPU kernel's products (runtime/kernels/cpu/lora.py), else XLA's
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, names: tuple[str, ...], slots: int, rank: int) -> "LoraTable":
+    def empty(cls, cfg: ModelConfig, names: tuple[str, ...], slots: int, rank: int,
+              kernel: bool = False, dtype: Any = jnp.float32) -> "LoraTable":
         L = cfg.num_layers
-        a, b = {}, {}
+        a, b, cols = {}, {}, []
         for name in names:
             parts = PARTS.get(name, (name,))
             din = module_shape(cfg, parts[0])[0]
-            dout = sum(module_shape(cfg, p)[1] for p in parts)
-            a[name] = jnp.zeros((L, slots, din, len(parts) * rank), jnp.float32)
-            b[name] = jnp.zeros((L, slots, len(parts) * rank, dout), jnp.float32)
-        return cls(a, b, rank, slots)
+            offsets = tuple(int(x) for x in np.cumsum([0, *(module_shape(cfg, p)[1] for p in parts)]))
+            a[name] = jnp.zeros((L, slots, din, len(parts) * rank), dtype)
+            b[name] = jnp.zeros((L, slots, rank, offsets[-1]), dtype)
+            cols.append((name, offsets))
+        return cls(a, b, tuple(cols), rank, slots, kernel)
+
+    def columns(self, name: str) -> tuple[int, ...]:
+        return dict(self.parts)[name]
 
     def nbytes(self) -> int:
         return sum(x.nbytes for x in jax.tree.leaves(self))
@@ -92,7 +99,7 @@ class LoraTable:
         for name in self.a:
             parts = PARTS.get(name, (name,))
             sa = np.zeros(self.a[name].shape[:1] + self.a[name].shape[2:], np.float32)  # [L, in, P*R]
-            sb = np.zeros(self.b[name].shape[:1] + self.b[name].shape[2:], np.float32)  # [L, P*R, out]
+            sb = np.zeros(self.b[name].shape[:1] + self.b[name].shape[2:], np.float32)  # [L, R, out]
             col = 0
             for i, part in enumerate(parts):
                 width = module_shape(cfg, part)[1]
@@ -100,7 +107,7 @@ class LoraTable:
                     wa, wb = weights[part]
                     r = wa.shape[-1]
                     sa[:, :, i * R:i * R + r] = wa
-                    sb[:, i * R:i * R + r, col:col + width] = wb
+                    sb[:, :r, col:col + width] = wb
                 col += width
             a_out[name], b_out[name] = sa, sb
         assert all(x.shape[0] == L for x in a_out.values())
@@ -123,6 +130,7 @@ def write_slot(table: LoraTable, slot: int, a: dict, b: dict) -> LoraTable:
 @pytree
 class LoraBatch:
     """The step's rows by LoRA slot, made once per step in the jitted step."""
+    slots: jax.Array  # [T] int32 each row's slot (-1: none)
     order: jax.Array  # [T] int32 rows sorted by slot, rows without an adapter last
     inv: jax.Array    # [T] int32 the inverse permutation
     sizes: jax.Array  # [S] int32 rows per slot
@@ -136,7 +144,7 @@ class LoraBatch:
         order = jnp.argsort(key, stable=True).astype(jnp.int32)
         inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
         sizes = jnp.zeros(num_slots, jnp.int32).at[jnp.where(on, slots, num_slots)].add(1, mode="drop")
-        return cls(order, inv, sizes, on, jnp.any(on))
+        return cls(slots, order, inv, sizes, on, jnp.any(on))
 
 
 @pytree
@@ -145,9 +153,11 @@ class LoraLinear(Linear, HeldPerLayer):
     Held per layer (the scan hands it the layer): its slots are read for that layer only."""
     base: Any          # the Linear it wraps: stacked over the layers, or held per layer
     a: jax.Array       # [L, S, in, P*R]
-    b: jax.Array       # [L, S, P*R, out]
+    b: jax.Array       # [L, S, R, out]
     batch: LoraBatch
     index: jax.Array | None = None
+    parts: tuple = static((0,))  # the parts' column offsets (LoraTable.parts)
+    kernel: bool = static(False)
 
     def at(self, index: jax.Array) -> "LoraLinear":
         base = self.base.at(index) if isinstance(self.base, HeldPerLayer) else jax.tree.map(lambda w: w[index], self.base)
@@ -162,9 +172,16 @@ class LoraLinear(Linear, HeldPerLayer):
         bt = self.batch
 
         def run() -> jax.Array:
+            if self.kernel:
+                from runtime.kernels.cpu.lora import lora_products
+
+                return lora_products(x, bt.slots, self.a, self.b, self.parts, self.index)
             xs = x.astype(jnp.float32)[bt.order]
             u = expert_products(xs, self.a, bt.sizes, self.index)
-            d = expert_products(u, self.b, bt.sizes, self.index)
+            R, cols = self.b.shape[-2], jnp.arange(self.b.shape[-1])
+            d = sum(jnp.where((cols >= lo) & (cols < hi), expert_products(u[:, p * R:(p + 1) * R], self.b, bt.sizes,
+                                                                        self.index), 0.0)
+                    for p, (lo, hi) in enumerate(zip(self.parts[:-1], self.parts[1:])))
             return jnp.where(bt.on[:, None], d[bt.inv], 0.0)
         return jax.lax.cond(bt.any, run, lambda: jnp.zeros((x.shape[0], self.b.shape[-1]), jnp.float32))
 
@@ -175,4 +192,5 @@ class LoraLinear(Linear, HeldPerLayer):
 
 def wrap(layers: dict[str, Any], table: LoraTable, batch: LoraBatch) -> dict[str, Any]:
     """A typed layer tree with each projection the table covers as a LoraLinear."""
-    return {k: LoraLinear(v, table.a[k], table.b[k], batch) if k in table.a else v for k, v in layers.items()}
+    return {k: LoraLinear(v, table.a[k], table.b[k], batch, parts=table.columns(k), kernel=table.kernel)
+            if k in table.a else v for k, v in layers.items()}

@@ -95,8 +95,12 @@ def pack_float_for(cfg: ModelConfig, params: Params, fuse_mlp: bool = True) -> P
         return params
     layers["qkv"] = cpu_matmul.pack_float(np.concatenate([np.asarray(layers.pop(n), np.float32)
                                                           for n in ("wq", "wk", "wv")], axis=-1))
+    if not fuse_mlp and "w_gate" in layers and "w_up" in layers:  # (LoRA: gate|up one plain product)
+        layers["gate_up"] = cpu_matmul.pack_float(np.concatenate([np.asarray(layers.pop(n), np.float32)
+                                                                  for n in ("w_gate", "w_up")], axis=-1))
     for n in names[3:]:
-        layers[n] = cpu_matmul.pack_float(layers[n])
+        if n in layers:
+            layers[n] = cpu_matmul.pack_float(layers[n])
     return cpu_matmul.with_float_head({**params, "layers": layers}, cfg.tie_word_embeddings)
 
 
@@ -402,8 +406,10 @@ class ModelRunner:
         if lora is not None:  # a fixed table of adapter slots: loading one never recompiles
             from runtime.model.lora import LoraTable, lora_names
 
+            kernel = jax.default_backend() == "cpu" and cpu_kernels.enabled(kernels)
             self.params = {**self.params, "lora": LoraTable.empty(cfg, lora_names(self.params["layers"]),
-                                                                  lora.max_loras, lora.max_lora_rank)}
+                                                                  lora.max_loras, lora.max_lora_rank, kernel,
+                                                                  KV_DTYPES[lora.dtype])}
         self.max_blocks_per_seq = -(-sched.max_model_len // cache.block_size)
         if cache.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype: {cache.kv_dtype!r} is not supported by the runner "

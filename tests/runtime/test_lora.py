@@ -261,3 +261,51 @@ def test_expert_targets_and_latent_attention_are_refused(tmp_path):
     with pytest.raises(ValueError, match="latent attention"):
         make_engine(tmp_path / "dck", num_blocks=32, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128,
                     lora=LoraConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=1))
+
+
+@pytest.mark.parametrize("kernels,dtype", [(False, "float32"), (True, "bfloat16"), (False, "bfloat16")],
+                         ids=["xla", "kernel-bf16", "xla-bf16"])
+def test_xla_path_and_bfloat16_slots_give_the_kernels_tokens(llama, kernels, dtype):
+    """The XLA products (sorted segments; no C++ kernels) and bfloat16 slots: the mixed batch's
+    tokens equal peft's (the tiny model's answers are decisive enough for bfloat16's rounding)."""
+    from runtime.config import KernelConfig
+
+    src, ck, adapters = llama
+    eng = make_engine(ck, num_blocks=96, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                      kernels=KernelConfig(cpu_kernels=kernels),
+                      lora=LoraConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=4, dtype=dtype))
+    assert eng.runner.params["lora"].kernel == kernels
+    for i, a in enumerate(adapters):
+        eng.load_lora(f"a{i}", str(a))
+    got = run(eng, [(PROMPT, "a0"), (PROMPT, None), (PROMPT, "a1"), (PROMPT, "a2")])
+    assert got == [peft_greedy(src, adapters[0], PROMPT), peft_greedy(src, None, PROMPT),
+                   peft_greedy(src, adapters[1], PROMPT), peft_greedy(src, adapters[2], PROMPT)]
+
+
+def test_lora_kernel_matches_its_reference():
+    """The C++ products (parts, -1 rows, ranks, float32 and bfloat16 tables) against numpy."""
+    import jax.numpy as jnp
+
+    from runtime.kernels.cpu.build import available
+    from runtime.kernels.cpu.lora import lora_products
+
+    if not available():
+        pytest.skip("the C++ CPU kernels are not built here")
+    rng = np.random.default_rng(0)
+    L, S, K, R, parts = 3, 4, 40, 5, (0, 24, 32, 40)
+    P, N = len(parts) - 1, parts[-1]
+    a = rng.standard_normal((L, S, K, P * R)).astype(np.float32)
+    b = rng.standard_normal((L, S, R, N)).astype(np.float32)
+    x = rng.standard_normal((13, K)).astype(np.float32)
+    slots = rng.integers(-1, S, 13).astype(np.int32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        aa, bb = np.asarray(jnp.asarray(a, dtype), np.float32), np.asarray(jnp.asarray(b, dtype), np.float32)
+        got = np.asarray(lora_products(jnp.asarray(x), jnp.asarray(slots), jnp.asarray(a, dtype), jnp.asarray(b, dtype),
+                                       parts, 2))
+        want = np.zeros((13, N), np.float32)
+        for t, s in enumerate(slots):
+            if s >= 0:
+                u = x[t] @ aa[2, s]
+                for p in range(P):
+                    want[t, parts[p]:parts[p + 1]] = u[p * R:(p + 1) * R] @ bb[2, s][:, parts[p]:parts[p + 1]]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

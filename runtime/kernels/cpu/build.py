@@ -1,5 +1,5 @@
 """Building, caching and loading the C++ CPU kernels (cpu_attention.cc, cpu_matmul.cc,
-cpu_linear_f32.cc, cpu_linear_wq.cc, cpu_experts.cc with cpu_parallel.h, cpu_exp.h and cpu_norm.h, in this package) as
+cpu_linear_f32.cc, cpu_linear_wq.cc, cpu_experts.cc, cpu_lora.cc with cpu_parallel.h, cpu_exp.h and cpu_norm.h, in this package) as
 XLA FFI targets.
 
 Built with the system C++ compiler against jaxlib's FFI headers into one shared library per
@@ -55,7 +55,7 @@ from runtime.config import KernelConfig
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.cc", HERE / "cpu_matmul.cc", HERE / "cpu_linear_f32.cc", HERE / "cpu_linear_wq.cc",
-           HERE / "cpu_experts.cc")
+           HERE / "cpu_experts.cc", HERE / "cpu_lora.cc")
 HEADERS = (HERE / "cpu_parallel.h", HERE / "cpu_exp.h", HERE / "cpu_norm.h")
 # FFI target name -> exported handler symbol
 TARGETS = {
@@ -69,6 +69,8 @@ TARGETS = {
     "pagedjax_wq_layer_tail": "PagedjaxWqLayerTail",
     "pagedjax_kv_write": "PagedjaxKvWrite",
     "pagedjax_expert_products": "PagedjaxExpertProducts",
+    "pagedjax_lora_products": "PagedjaxLoraProducts",
+    "pagedjax_lora_products_bf16": "PagedjaxLoraProductsBf16",
 }
 # Flags every variant shares (its -march/-m flags come after).
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++20", "-fPIC")
