@@ -56,20 +56,43 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-// u[i] = x[rows[i]] @ a for B rows at once: each of a's rows is loaded once for all B (B
-// independent FMA chains hide the latency).
+// u[i][r0 .. r0 + 16C) = x[rows[i]] @ a[:, those] for B rows at once: each of a's rows is loaded
+// once for all B, and B x C independent FMA chains hide the FMA latency.
+template <int B, int C, typename W>
+void shrink_block(const float* const* xr, const W* a, float* u, int64_t K, int64_t R, int64_t r0) {
+  __mmask16 m[C];
+  for (int c = 0; c < C; ++c) m[c] = tail_mask(std::max<int64_t>(0, R - r0 - 16 * c));
+  __m512 acc[B][C];
+  for (int i = 0; i < B; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 ak[C];
+    for (int c = 0; c < C; ++c) ak[c] = load16(a + k * R + r0 + 16 * c, m[c]);
+#pragma GCC unroll 8
+    for (int i = 0; i < B; ++i) {
+      const __m512 xb = _mm512_set1_ps(xr[i][k]);
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(xb, ak[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < B; ++i)
+    for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(u + i * kMaxRank + r0 + 16 * c, m[c], acc[i][c]);
+}
+
+// u[i] = x[rows[i]] @ a, R columns (P * rank) in groups of up to 48 (B x 3 accumulators).
 template <int B, typename W>
 void shrink(const float* const* xr, const W* a, float* u, int64_t K, int64_t R) {
-  for (int64_t r0 = 0; r0 < R; r0 += 16) {
-    const __mmask16 m = tail_mask(R - r0);
-    __m512 acc[B];
-    for (int i = 0; i < B; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; ++k) {
-      const __m512 ak = load16(a + k * R + r0, m);
-#pragma GCC unroll 8
-      for (int i = 0; i < B; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xr[i][k]), ak, acc[i]);
+  for (int64_t r0 = 0; r0 < R;) {
+    const int64_t left = R - r0;
+    if (left > 32) {
+      shrink_block<B, 3>(xr, a, u, K, R, r0);
+      r0 += 48;
+    } else if (left > 16) {
+      shrink_block<B, 2>(xr, a, u, K, R, r0);
+      r0 += 32;
+    } else {
+      shrink_block<B, 1>(xr, a, u, K, R, r0);
+      r0 += 16;
     }
-    for (int i = 0; i < B; ++i) _mm512_mask_storeu_ps(u + i * kMaxRank + r0, m, acc[i]);
   }
 }
 
@@ -99,11 +122,17 @@ void expand(const float* u, const W* b, float* const* orow, int64_t R, int64_t n
   }
 }
 
+// B rows: u by shrink (all B at once), then each part's columns by expand, 4 rows at a time
+// (4 x 4 accumulators and 4 weight vectors stay within the 32 registers).
 template <int B, typename W>
 void rows_block(const float* const* xr, float* const* orow, const W* a, const W* b, int64_t K, int64_t R,
                 int64_t N, const int32_t* parts, int64_t P, float* u) {
   shrink<B>(xr, a, u, K, P * R);
-  for (int64_t p = 0; p < P; ++p) expand<B>(u + p * R, b, orow, R, parts[p], parts[p + 1], N);
+  for (int64_t p = 0; p < P; ++p) {
+    int i = 0;
+    for (; i + 4 <= B; i += 4) expand<4>(u + i * kMaxRank + p * R, b, orow + i, R, parts[p], parts[p + 1], N);
+    for (; i < B; ++i) expand<1>(u + i * kMaxRank + p * R, b, orow + i, R, parts[p], parts[p + 1], N);
+  }
 }
 #endif
 
@@ -120,7 +149,10 @@ void run_item(const Item& it, const int32_t* rows, const float* x, const W* a, c
 #if defined(PAGEDJAX_LORA_AVX512)
   for (int64_t i = 0; i < it.count;) {
     const int64_t left = it.count - i;
-    if (left >= 4) {
+    if (left >= 8) {
+      rows_block<8>(xr + i, orow + i, a, b, K, R, N, parts, P, u);
+      i += 8;
+    } else if (left >= 4) {
       rows_block<4>(xr + i, orow + i, a, b, K, R, N, parts, P, u);
       i += 4;
     } else if (left >= 2) {
