@@ -298,11 +298,12 @@ class BlockPool:
             info.last_used = now
 
     def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int],
-                    parent: BlockHash | None = None, group: int = 0) -> None:
+                    parent: BlockHash | None = None, group: int = 0, lora_id: int = 0) -> None:
         """Register a newly full used block under (group, hash) (first holder wins). `parent`
         is the previous block's hash (None for a prompt's first block): kept as the block's
         link for prefix chains and reported in residency events (group 0's only: one event
-        per prompt block, as a router keys prefixes by hash alone)."""
+        per prompt block, as a router keys prefixes by hash alone). `lora_id`: the adapter whose KV
+        it is (0: the base model's), reported in the event as vLLM's lora_id."""
         if not self.enable_prefix_cache:
             return
         info = self._blocks[block_id]
@@ -324,7 +325,7 @@ class BlockPool:
         info.group = group
         self._index[(group, block_hash)] = block_id
         if self.events is not None and group == 0:
-            self.events.append(("stored", block_hash, parent, info.token_ids))
+            self.events.append(("stored", block_hash, parent, info.token_ids, *((None, lora_id) if lora_id else ())))
 
     def reset_prefix_cache(self) -> int:
         """Operator flush: forget every cached (ref 0) block. Used blocks keep their hashes."""

@@ -61,18 +61,21 @@ def to_vllm_events(pool_events: Iterable[tuple], block_size: int) -> list[KVCach
     """Pool events -> vLLM events; consecutive stores of one chain become one BlockStored
     (vLLM batches a request's new blocks the same way), consecutive removals one BlockRemoved.
     A KV tier's events (runtime/core/kv_tiers.py) end in their medium ("CPU", "DISK"); the
-    device pool's carry none (vLLM's default medium)."""
+    device pool's carry none (vLLM's default medium). A block computed under a LoRA adapter carries
+    its lora_id (runtime/core/lora.py: the id of that adapter's load)."""
     out: list[KVCacheEvent] = []
     for ev in pool_events:
         if ev[0] == "stored":
-            _, h, parent, tokens, *medium = ev
-            where = medium[0] if medium else None
+            _, h, parent, tokens, *rest = ev  # (then: medium, lora_id; each optional)
+            where = rest[0] if rest else None
+            lora = rest[1] if len(rest) > 1 else None
             last = out[-1] if out else None
-            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent and last.medium == where:
+            if (isinstance(last, BlockStored) and last.block_hashes[-1] == parent and last.medium == where
+                    and last.lora_id == lora):
                 last.block_hashes.append(h)
                 last.token_ids.extend(tokens)
             else:
-                out.append(BlockStored([h], parent, list(tokens), block_size, medium=where))
+                out.append(BlockStored([h], parent, list(tokens), block_size, lora_id=lora, medium=where))
         elif ev[0] == "removed":
             where = ev[2] if len(ev) > 2 else None
             if out and isinstance(out[-1], BlockRemoved) and out[-1].medium == where:

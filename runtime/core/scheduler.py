@@ -564,5 +564,5 @@ class Scheduler:
                 for g, table in enumerate(req.block_tables):
                     if table[b] != NULL_BLOCK:  # (a sliding group may have released it already)
                         self.pool.cache_block(table[b], req.block_hashes[b], toks[b * self.bs:(b + 1) * self.bs],
-                                              req.block_hashes[b - 1] if b else None, group=g)
+                                              req.block_hashes[b - 1] if b else None, group=g, lora_id=req.lora_id)
             req.num_registered_blocks = full

@@ -309,3 +309,19 @@ def test_lora_kernel_matches_its_reference():
                 for p in range(P):
                     want[t, parts[p]:parts[p + 1]] = u[p * R:(p + 1) * R] @ bb[2, s][:, parts[p]:parts[p + 1]]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_kv_events_carry_the_adapters_lora_id(llama):
+    """vLLM's BlockStored.lora_id: the id of the adapter's load for its blocks, none for the base's."""
+    from runtime.core.kv_events import BlockStored, to_vllm_events
+
+    src, ck, adapters = llama
+    eng = make_engine(ck, num_blocks=96, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                      lora=LoraConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=1))
+    reg = eng.load_lora("a0", str(adapters[0]))
+    eng.pool.record_events()
+    eng.generate([PROMPT], SP, lora="a0")
+    eng.generate([OTHER], SP)
+    stored = [e for e in to_vllm_events(eng.pool.take_events(), 16) if isinstance(e, BlockStored)]
+    assert {e.lora_id for e in stored} == {reg.lora_id, None} and reg.lora_id > 0
+    assert sum(len(e.block_hashes) for e in stored if e.lora_id == reg.lora_id) == (len(PROMPT) + N - 1) // 16
