@@ -268,7 +268,59 @@ def model_page(request: Request) -> Template:
     engine = _engine(request)
     if engine is None:
         return _starting(request, "model")
-    return _render(request, "model", views.model_view(engine, request.app.state.get("settings")))
+    return _render(request, "model", {**views.model_view(engine, request.app.state.get("settings")),
+                                       "lora": engine.lora_view(), "lora_form": {}})
+
+
+def _lora_card(request: Request, engine: Any, msg: str, error: bool, form: dict, status: int = 200) -> Response:
+    if not is_htmx(request):
+        return Redirect("/admin/model", status_code=303) if not error else _render(
+            request, "model", {**views.model_view(engine, request.app.state.get("settings")), "lora": engine.lora_view(),
+                               "lora_form": form, "lora_msg": msg, "lora_error": True}, status)
+    return _render(request, "lora", {"lora": engine.lora_view(), "lora_form": form, "lora_msg": msg,
+                                     "lora_error": error}, status)
+
+
+@post("/model/lora", name="admin_lora_load", status_code=200)
+async def lora_load(request: Request) -> Response:
+    """Load a PEFT adapter under a name (audited); the file is read and checked first."""
+    from runtime.core.lora import AdapterError
+
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "model")
+    form = await request.form()
+    name, path = (form.get("name") or "").strip(), (form.get("path") or "").strip()
+    if engine.loras is None:
+        return _lora_card(request, engine, "LoRA is off: start the server with --enable-lora", True, {}, 400)
+    if name == getattr(request.app.state.get("settings"), "model_name", None):
+        return _lora_card(request, engine, f"{name!r} is the base model's name", True, {"name": name, "path": path}, 422)
+    try:
+        await asyncio.to_thread(engine.load_lora, name, path)
+    except AdapterError as exc:
+        return _lora_card(request, engine, f"Nothing was loaded: {exc}", True, {"name": name, "path": path}, 422)
+    s = request.state.admin_session
+    request.app.state.store.record(s.who, "load_lora", name=name, path=path, client=s.client)
+    return _lora_card(request, engine, f"Loaded adapter {name}.", False, {})
+
+
+@post("/model/lora/unload", name="admin_lora_unload", status_code=200)
+async def lora_unload(request: Request) -> Response:
+    from runtime.core.lora import AdapterError
+
+    engine = _engine(request)
+    if engine is None:
+        return _starting(request, "model")
+    name = ((await request.form()).get("name") or "").strip()
+    if engine.loras is None:
+        return _lora_card(request, engine, "LoRA is off: start the server with --enable-lora", True, {}, 400)
+    try:
+        engine.unload_lora(name)
+    except (AdapterError, LookupError) as exc:
+        return _lora_card(request, engine, f"Not unloaded: {str(exc).split(': ', 1)[-1]}", True, {}, 409)
+    s = request.state.admin_session
+    request.app.state.store.record(s.who, "unload_lora", name=name, client=s.client)
+    return _lora_card(request, engine, f"Unloaded adapter {name}.", False, {})
 
 
 def admin_router() -> Router:
@@ -277,7 +329,7 @@ def admin_router() -> Router:
     return Router(
         path="/admin",
         route_handlers=[login_form, login, logout, dashboard, blocks, requests_page, request_ledger, abort, policy_page,
-                        policy_update, policy_json, prefix_cache_page, flush_confirm, flush, model_page,
+                        policy_update, policy_json, prefix_cache_page, flush_confirm, flush, model_page, lora_load, lora_unload,
                         *STATE_ROUTES, *JSON_ROUTES],
         before_request=auth.before_request,
         opt={"admin_auth": auth},

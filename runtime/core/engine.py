@@ -40,7 +40,7 @@ from runtime.kv_groups import KVGroups
 from runtime.core.block_pool import BlockPool
 from runtime.config import AdmissionPolicy, EngineConfig
 from runtime.core.metrics import (EVICTION_STATES, SLO_WINDOWS, EngineMetrics, EngineState, EvictionSignal,
-                                  ExpertLoad, SLOSample, StepSample, eviction_signal, slo_attainment)
+                                  ExpertLoad, LoraCollector, SLOSample, StepSample, eviction_signal, slo_attainment)
 from runtime.model.runner import ModelRunner, StepHandle, compilations
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.request import Request
@@ -177,6 +177,8 @@ class LLMEngine:
                 self.swap_space = self.scheduler.swap = kv_tiers.SwapSpace(self.host_tier, self.runner.kv_block_bytes())
         self.metrics = EngineMetrics(lambda: EngineState.read(self.scheduler, self.pool, compilations))
         self.metrics.vllm_cache_config.labels(str(config.cache.block_size), str(config.cache.num_blocks)).set(1)
+        if self.loras is not None:
+            self.metrics.registry.register(LoraCollector(self.lora_view))
         model = config.model  # a mixture of experts: the steps' routing balance (console, /metrics)
         self.expert_load = (ExpertLoad(model.num_layers, model.num_experts, model.moe_layers())
                             if model.num_experts else None)
@@ -723,6 +725,16 @@ class LLMEngine:
         if reg is None:
             raise LookupError(f"model: no adapter named {name!r} is loaded")
         return reg
+
+    def lora_view(self) -> dict[str, Any]:
+        """The adapters, their slots, and which adapters running and waiting requests name (the
+        console's LoRA card and /metrics; read without the lock, as a scrape)."""
+        if self.loras is None:
+            return {}
+        s = self.scheduler
+        running = sorted({r.lora_name for r in list(s.running) if r.lora_name})
+        waiting = sorted({r.lora_name for r in s.waiting_requests() if r.lora_name})
+        return {**self.loras.snapshot(), "running_adapters": running, "waiting_adapters": waiting}
 
     def load_lora(self, name: str, path: str) -> Any:
         """Read, check and register an adapter under `name` (runtime/core/lora.py AdapterError: nothing

@@ -103,6 +103,37 @@ class EngineStateCollector(Collector):
         yield gauge(V + "kv_cache_usage_perc", "KV cache usage 0-1 (model-server protocol)", st.kv_usage)
 
 
+class LoraCollector(Collector):
+    """LoRA adapters at scrape time (runtime/core/lora.py LoraSlots.snapshot plus the scheduler's
+    running and waiting adapters): vLLM's lora_requests_info and per-adapter totals."""
+
+    def __init__(self, read: Callable[[], dict]) -> None:
+        self.read = read
+        self.created = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        v = self.read()
+        info = GaugeMetricFamily(V + "lora_requests_info", "Running and waiting LoRA adapters (vLLM's)",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(v["max_loras"]), ",".join(v["running_adapters"]), ",".join(v["waiting_adapters"])],
+                        time.time())
+        yield info
+        reqs = CounterMetricFamily(P + "lora_requests", "Requests that named each LoRA adapter", labels=["adapter"],
+                                   created=self.created)
+        toks = CounterMetricFamily(P + "lora_generation_tokens", "Tokens generated under each LoRA adapter (finished "
+                                   "requests)", labels=["adapter"], created=self.created)
+        for a in v["adapters"]:
+            reqs.add_metric([a["name"]], a["requests"])
+            toks.add_metric([a["name"]], a["tokens"])
+        yield reqs
+        yield toks
+        yield GaugeMetricFamily(P + "lora_adapters_loaded", "LoRA adapters served", value=len(v["adapters"]))
+        yield GaugeMetricFamily(P + "lora_slots_used", "Device slots holding an adapter",
+                                value=sum(s["adapter"] is not None for s in v["slots"]))
+        yield CounterMetricFamily(P + "lora_slot_loads", "Adapters written into a device slot", value=v["swaps_in"],
+                                  created=self.created)
+
+
 class EngineMetrics:
     def __init__(self, read_state: Callable[[], EngineState] | None = None) -> None:
         r = self.registry = CollectorRegistry()

@@ -54,6 +54,10 @@ def test_adapter_from_the_command_line_is_listed_and_served(served):
     assert body["choices"][0]["text"] == text_of(srv, peft_greedy(src, a0, PROMPT))
     code, base = complete(srv, srv.model)
     assert base["choices"][0]["text"] == text_of(srv, peft_greedy(src, None, PROMPT))
+    assert srv.metric("pagedjax:lora_requests_total", adapter="tenant-a") == 1
+    assert srv.metric("pagedjax:lora_generation_tokens_total", adapter="tenant-a") == N
+    assert srv.metric("vllm:lora_requests_info", max_lora="2", running_lora_adapters="",
+                      waiting_lora_adapters="") is not None
     code, err = complete(srv, "tenant-zz")
     assert code == 404 and err["error"]["code"] == "model_not_found" and "'tenant-zz' does not exist" in err["error"]["message"]
 

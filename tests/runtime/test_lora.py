@@ -325,3 +325,30 @@ def test_kv_events_carry_the_adapters_lora_id(llama):
     stored = [e for e in to_vllm_events(eng.pool.take_events(), 16) if isinstance(e, BlockStored)]
     assert {e.lora_id for e in stored} == {reg.lora_id, None} and reg.lora_id > 0
     assert sum(len(e.block_hashes) for e in stored if e.lora_id == reg.lora_id) == (len(PROMPT) + N - 1) // 16
+
+
+def test_console_model_page_loads_and_unloads_adapters_audited(llama):
+    """The model page's LoRA card: slots, adapters with their requests and tokens, a load form and
+    an unload button (both audited; a bad path refused with the reason, nothing loaded)."""
+    from tests.console.admin_util import console_client, logged_in
+
+    src, ck, adapters = llama
+    eng = make_engine(ck, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128,
+                      lora=LoraConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=2))
+    with console_client(eng) as client:
+        csrf = logged_in(client)
+        hx = {"HX-Request": "true", "X-CSRF-Token": csrf}
+        r = client.post("/admin/model/lora", data={"name": "t1", "path": str(adapters[0])}, headers=hx)
+        assert r.status_code == 200 and "Loaded adapter t1." in r.text and "<code>t1</code>" in r.text
+        r = client.post("/admin/model/lora", data={"name": "t2", "path": "/nowhere"}, headers=hx)
+        assert r.status_code == 422 and "Nothing was loaded" in r.text and "not a directory" in r.text
+        eng.generate([PROMPT], SP, lora="t1")
+        page = client.get("/admin/model").text
+        assert 'id="lora-adapters"' in page and 'id="lora-t1"' in page
+        row = page[page.index('id="lora-t1"'):].split("</tr>")[0]
+        assert f">{N}<" in row and ">1<" in row  # tokens and requests
+        r = client.post("/admin/model/lora/unload", data={"name": "t1"}, headers=hx)
+        assert r.status_code == 200 and "Unloaded adapter t1." in r.text and "No adapters loaded." in r.text
+        rows = [(a.who, a.action, a.detail.get("name")) for a in client.app.state.store.iter_audit()
+                if a.action.endswith("_lora")]
+        assert rows == [("admin", "load_lora", "t1"), ("admin", "unload_lora", "t1")]
