@@ -34,8 +34,9 @@ def require_operator_when_keyed(connection: ASGIConnection, _: BaseRouteHandler)
         who = name
     connection.scope[LORA_WHO] = who  # type: ignore[literal-required]
     require_ready(connection, _)
-    if not hasattr(st.engine, "load_lora"):  # (a fleet's gateway: adapters are the replicas' flags)
-        raise APIError(400, "lora: this server does not serve LoRA adapters", code="lora_unsupported")
+    if not hasattr(st.engine, "load_lora"):  # a fleet's gateway
+        raise APIError(400, "lora: a fleet serves the adapters its replicas load at start (--lora-modules); "
+                            "it loads none at run time yet", code="lora_unsupported")
 
 
 def _client(request: Request) -> str:

@@ -3,9 +3,10 @@ adapter holds which device slot (runtime/model/lora.py holds the slots themselve
 
 An adapter is served under its own name (a request's `model`). Loading it reads and checks the
 whole file at once (`read_adapter`: a bad file fails there, naming the problem, and nothing is
-registered); every load gets a new `lora_id`, which keys the prefix cache (a prefix computed
-under one adapter is never served to another, nor to a later adapter of the same name) and is
-the KV events' `lora_id`.
+registered). Its `lora_id` is a hash of its files' contents: it keys the prefix cache (a prefix
+computed under one adapter is never served to another, nor to a different adapter later loaded
+under the same name), it is the KV events' `lora_id`, and every replica of a fleet that loads
+the same files gives it the same id (the gateway hashes prompts as the replicas do).
 
 Device slots: a request takes its adapter's slot when it starts running and gives it back when
 it finishes or is preempted (`LoraSlots.acquire` / `release`). An adapter not in a slot goes into
@@ -17,7 +18,6 @@ and are read again when a request names one that fell out.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
@@ -170,6 +170,21 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, supported: t
     return Adapter(name, str(d), lora_id, rank, tuple(sorted(trimmed)), trimmed)
 
 
+def content_id(path: str | Path) -> int:
+    """A positive 63-bit id of the adapter directory's config and weights (the same files, the same id)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            with open(Path(path) / f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+        except OSError:
+            pass  # (read_adapter names what is missing)
+    return int.from_bytes(h.digest()[:8], "big") >> 1 or 1
+
+
 @dataclass
 class Registered:
     """A name the server serves: where its adapter is and the id of this load."""
@@ -196,7 +211,6 @@ class LoraSlots:
         self.refs: dict[int, int] = {}  # lora_id -> running requests
         self.swaps_in = 0
         self.swap_seconds = 0.0
-        self._ids = itertools.count(1)
         self.lock = threading.Lock()
 
     # --- the registry (API thread) -------------------------------------------------------
@@ -207,7 +221,7 @@ class LoraSlots:
         with self.lock:
             if name in self.registered:
                 raise AdapterError(f"lora_name: an adapter named {name!r} is already loaded (unload it first)")
-        ad = read_adapter(path, self.cfg, self.lcfg.max_lora_rank, self.supported, name, next(self._ids), self.folds)
+        ad = read_adapter(path, self.cfg, self.lcfg.max_lora_rank, self.supported, name, content_id(path), self.folds)
         with self.lock:
             if name in self.registered:
                 raise AdapterError(f"lora_name: an adapter named {name!r} is already loaded (unload it first)")

@@ -188,10 +188,34 @@ class FleetClient:
         return bool(self._streams)
 
     # --- requests ------------------------------------------------------------------------------
-    def route_request(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str | None) -> RouteRequest:
-        hashes = hash_prompt_blocks(prompt_ids, self.block_size, (cache_salt,) if cache_salt else ())
+    def route_request(self, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str | None,
+                      lora: str | None = None) -> RouteRequest:
+        """Hashed as the replicas hash it (runtime/core/request.py Request.extra_keys: the salt, then
+        the adapter's id, which every replica loading the same files gives it)."""
+        lora_id = self.lora_id(lora) if lora is not None else 0
+        extra = ((cache_salt,) if cache_salt else ()) + ((("lora", lora_id),) if lora_id else ())
+        hashes = hash_prompt_blocks(prompt_ids, self.block_size, extra)
         usable = (len(prompt_ids) - 1) // self.block_size  # the engine recomputes the last token
-        return RouteRequest(tuple(hashes[:usable]), len(prompt_ids), params.max_tokens)
+        return RouteRequest(tuple(hashes[:usable]), len(prompt_ids), params.max_tokens, lora)
+
+    # --- LoRA adapters: what the replicas serve (their --lora-modules) -------------------------
+    def _loras(self) -> dict[str, tuple[str, int, bool, str]]:
+        out: dict[str, tuple[str, int, bool, str]] = {}
+        for s in self.view.live():
+            for a in s.loras:
+                out.setdefault(a[0], a)
+        return out
+
+    def lora_id(self, name: str) -> int:
+        a = self._loras().get(name)
+        return a[1] if a else 0
+
+    def has_lora(self, name: str) -> bool:
+        return name in self._loras()
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """For /v1/models: each adapter some live replica serves."""
+        return [{"name": n, "lora_id": a[1], "path": a[3], "loaded_at": 0} for n, a in sorted(self._loras().items())]
 
     async def quote(self, prompt_ids: Sequence[int], max_tokens: int, priority: str = "interactive",
                     uses_prefix_cache: bool = True) -> dict[str, Any]:
@@ -277,7 +301,7 @@ class FleetClient:
 
     async def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str,
                       priority: str = "interactive", cache_salt: str | None = None,
-                      decisions: Sequence[tuple] = ()) -> tuple[str, asyncio.Queue]:
+                      decisions: Sequence[tuple] = (), lora: str | None = None) -> tuple[str, asyncio.Queue]:
         """`decisions`: taken before it came here (the API key's), for the request's ledger on the
         replica, ahead of the gateway's own (its routing)."""
         if not self.accepting:
@@ -286,13 +310,16 @@ class FleetClient:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not prompt_ids:
             raise ValueError("prompt: must contain at least one token")
-        req = self.route_request(prompt_ids, params, cache_salt)
+        req = self.route_request(prompt_ids, params, cache_salt, lora)
         if self.pools is not None:  # disaggregated prefill/decode (runtime/fleet/pools.py)
+            if lora is not None:
+                raise ValueError("lora: adapters on disaggregated prefill/decode are not supported yet")
             return await self.pools.asubmit(prompt_ids, params, request_id, priority, cache_salt, req)
         decisions = list(decisions)
         hint = await self._admit(request_id, req, decisions)
         payload = {"prompt_ids": [int(t) for t in prompt_ids], "params": params, "request_id": request_id,
                    "priority": priority, "cache_salt": cache_salt, "replica_hint": hint, "decisions": decisions,
+                   "lora": lora,
                    "route": {"block_hashes": list(req.block_hashes), "prompt_tokens": req.prompt_tokens,
                              "max_tokens": req.max_tokens}}
         for attempt in range(3):

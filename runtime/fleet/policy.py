@@ -51,6 +51,11 @@ class ReplicaStats:
     kv_transfers: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_ms: float = 0.0  # mean per transfer: export, or receive + import
+    # LoRA adapters it serves: (name, lora_id, in a device slot now, path) each
+    loras: tuple[tuple[str, int, bool, str], ...] = ()
+
+    def lora(self, name: str) -> tuple[str, int, bool, str] | None:
+        return next((a for a in self.loras if a[0] == name), None)
     kv_transfer_failures: int = 0
 
     @property
@@ -69,6 +74,7 @@ class ReplicaStats:
         names = cls.__dataclass_fields__
         kw = {k: v for k, v in d.items() if k in names}
         kw["recent_requests"] = tuple(kw.get("recent_requests", ()))
+        kw["loras"] = tuple(tuple(a) for a in kw.get("loras", ()))
         return cls(**kw)
 
 
@@ -79,12 +85,13 @@ class RouteRequest:
     block_hashes: tuple[bytes, ...]
     prompt_tokens: int
     max_tokens: int
+    lora: str | None = None  # the LoRA adapter it names (its model), None: the base model
 
 
 @dataclass(frozen=True)
 class Decision:
     replica: str | None         # None: no replica can take it now
-    reason: str                 # prefix | free_blocks | tie | full
+    reason: str                 # prefix | lora | free_blocks | tie | full
     matched_blocks: int = 0
     skipped: dict[str, str] = field(default_factory=dict)  # replica -> why
 
@@ -92,7 +99,7 @@ class Decision:
         if self.replica is None:
             return "no replica can hold it: " + ", ".join(f"{r}: {w}" for r, w in self.skipped.items())
         why = {"prefix": f"matched {self.matched_blocks} cached blocks", "free_blocks": "most free blocks",
-               "tie": "tie (round-robin)"}[self.reason]
+               "tie": "tie (round-robin)", "lora": "its LoRA adapter is in a device slot there"}[self.reason]
         return why + ("; skipped " + ", ".join(f"{r} ({w})" for r, w in self.skipped.items()) if self.skipped else "")
 
 
@@ -113,6 +120,9 @@ def route(req: RouteRequest, replicas: Sequence[ReplicaStats], matched: Callable
         if s.draining:
             skipped[s.replica] = "draining"
             continue
+        if req.lora is not None and s.lora(req.lora) is None:
+            skipped[s.replica] = f"does not serve adapter {req.lora}"
+            continue
         m = matched(s.replica)
         need, room = blocks_needed(s, req, m), s.headroom_blocks - pending_blocks(s.replica)
         # An idle replica takes anything that fits its cache at all (the engine's own rule:
@@ -132,13 +142,20 @@ def route(req: RouteRequest, replicas: Sequence[ReplicaStats], matched: Callable
         else:
             balanced.append((s, m, q))
     best_match = max(m for _, m, _ in balanced)
+    # LoRA affinity (vLLM's and llm-d's), after the prefix (its blocks were computed under the
+    # adapter, and a hit saves more than a slot write): where the adapter already holds a device
+    # slot, the request starts without writing it into one.
+    resident = [t for t in balanced if req.lora is not None and t[0].lora(req.lora)[2]]
+    affinity = best_match == 0 and bool(resident) and len(resident) < len(balanced)
+    if affinity:
+        balanced = resident
     if best_match > 0:
         top = [(s, m, q) for s, m, q in balanced if m == best_match]
         reason = "prefix"
     else:
         most = max(s.headroom_blocks - pending_blocks(s.replica) for s, _, _ in balanced)
         top = [(s, m, q) for s, m, q in balanced if s.headroom_blocks - pending_blocks(s.replica) == most]
-        reason = "free_blocks"
+        reason = "lora" if affinity else "free_blocks"
     if len(top) > 1:
         # Among equal matches prefer free blocks before falling back to the turn.
         most = max(s.headroom_blocks - pending_blocks(s.replica) for s, _, _ in top)
@@ -146,7 +163,7 @@ def route(req: RouteRequest, replicas: Sequence[ReplicaStats], matched: Callable
     if len(top) > 1:
         top.sort(key=lambda t: t[0].replica)
         chosen = next((t for t in top if last_tie is not None and t[0].replica > last_tie), top[0])
-        return Decision(chosen[0].replica, "prefix" if reason == "prefix" else "tie", chosen[1], skipped)
+        return Decision(chosen[0].replica, reason if reason in ("prefix", "lora") else "tie", chosen[1], skipped)
     return Decision(top[0][0].replica, reason, top[0][1], skipped)
 
 

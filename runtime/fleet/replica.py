@@ -92,7 +92,9 @@ def replica_stats(engine: Any, name: str, draining: bool = False, window_s: floa
             cached_blocks=pool.num_cached_blocks, used_blocks=pool.num_used_blocks,
             prefix_hit_rate=c.prefix_hits / c.prefix_queries if c.prefix_queries else 0.0,
             queued_tokens=queued, time=time.time(), draining=draining, pid=os.getpid(), node=node,
-            recent_requests=recent, **(_transfer_totals(engine, role) if role != "engine" else {}))
+            recent_requests=recent, **(_transfer_totals(engine, role) if role != "engine" else {}),
+            loras=tuple((a["name"], a["lora_id"], a["slot"] >= 0, a["path"])
+                        for a in (engine.loras.snapshot()["adapters"] if getattr(engine, "loras", None) else ())))
 
 
 class EngineReplica:
@@ -188,13 +190,15 @@ class EngineReplica:
             yield {"rejected": "overloaded", "reason": "draining", "message": "replica is draining"}
             return
         try:
+            more = {"lora": req["lora"]} if req.get("lora") else {}
             rid, queue = await self.engine.asubmit(req["prompt_ids"], req["params"], request_id=req["request_id"],
                                             priority=req.get("priority", "interactive"),
-                                            cache_salt=req.get("cache_salt"), decisions=req.get("decisions", ()))
+                                            cache_salt=req.get("cache_salt"), decisions=req.get("decisions", ()),
+                                            **more)
         except Overloaded as exc:
             yield {"rejected": "overloaded", "reason": exc.reason, "message": str(exc)}
             return
-        except ValueError as exc:
+        except (ValueError, LookupError) as exc:
             yield {"rejected": "invalid", "message": str(exc)}
             return
         async for outs in self._accepted(rid, queue):

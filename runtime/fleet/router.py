@@ -154,7 +154,8 @@ def _route_request(pending_request: Any) -> tuple[str, RouteRequest, str | None]
         return None
     r = payload["route"]
     return (payload.get("request_id", "?"), RouteRequest(tuple(r["block_hashes"]), r["prompt_tokens"],
-                                                         r["max_tokens"]), payload.get("replica_hint"))
+                                                         r["max_tokens"], payload.get("lora")),
+            payload.get("replica_hint"))
 
 
 def _pinned(pending_request: Any) -> str | None:

@@ -181,3 +181,45 @@ def test_pool_resize_validates_then_redeploys_only_what_changed():
     assert 'pagedjax:fleet_pool_replicas{pool="decode"} 2' in pools.metric_lines([])
     with pytest.raises(ValueError, match="cannot be resized"):
         Pools({}, {"prefill": 1, "decode": 1}, 3).resize({"decode": 2})
+
+
+def test_lora_affinity_prefers_the_replica_holding_the_adapter_in_a_slot():
+    """A request naming an adapter goes where it is resident in a device slot, over more free
+    blocks elsewhere; never to a replica that does not serve it; a cached prefix (computed under
+    that adapter) wins over residency, and a base request ignores adapters."""
+    import dataclasses
+
+    ad = lambda resident: (("tenant-a", 7, resident, "/ad"),)  # noqa: E731
+    reps = [stats("a", free=90, loras=ad(False)), stats("b", free=40, loras=ad(True)), stats("c", free=95)]
+    req = dataclasses.replace(REQ, lora="tenant-a")
+    d = route(req, reps, lambda r: 0)
+    assert (d.replica, d.reason) == ("b", "lora") and "device slot" in d.describe()
+    assert d.skipped["c"] == "does not serve adapter tenant-a"
+    assert route(req, reps, lambda r: {"a": 4, "b": 0, "c": 0}[r]).replica == "a"
+    held_a = [stats("a", free=90, loras=ad(True)), stats("b", free=40, loras=ad(True))]
+    assert route(req, held_a, lambda r: {"a": 0, "b": 3}[r]).reason == "prefix"
+    assert route(REQ, reps, lambda r: 0).replica == "c"
+    none_resident = [stats("a", free=90, loras=ad(False)), stats("b", free=40, loras=ad(False))]
+    assert route(req, none_resident, lambda r: 0).replica == "a"
+    assert ReplicaStats.from_dict(reps[1].to_dict()).loras == ad(True)
+
+
+def test_gateway_hashes_an_adapters_prompt_as_the_replica_does():
+    """The gateway's block hashes for a request naming an adapter equal the engine's (the salt,
+    then the adapter's content id), so the router's prefix matches are the replicas' hits."""
+    from runtime.core.request import Request
+    from runtime.fleet.gateway import FleetClient
+    from runtime.model.sampling import SamplingParams
+
+    class View:
+        def live(self):
+            return [stats("a", loras=(("tenant-a", 12345, True, "/ad"),))]
+
+    gw = FleetClient.__new__(FleetClient)
+    gw.view, gw.block_size = View(), 16
+    ids = list(range(3, 70))
+    rr = gw.route_request(ids, SamplingParams(max_tokens=4), "salt", "tenant-a")
+    req = Request("r", ids, SamplingParams(), cache_salt="salt", lora_id=12345)
+    req.extend_block_hashes(16)
+    assert rr.block_hashes == tuple(req.block_hashes[:len(rr.block_hashes)]) and len(rr.block_hashes) == 4
+    assert gw.route_request(ids, SamplingParams(max_tokens=4), "salt").block_hashes != rr.block_hashes
