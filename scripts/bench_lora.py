@@ -11,7 +11,8 @@ decode steps are `--requests` rows; the requests go round-robin over the adapter
     N adapters    the LoRA engine (--max-loras 16, --max-lora-rank R), rows over N adapters
 
 Each run is timed whole (prefill and decode) and its tokens per second of output reported; runs
-alternate over `--rounds` and medians are kept. Also reported: the step programs compiled after
+alternate over `--rounds` and medians are kept. Then one decode step of all the rows per setting
+(the step program replayed on that step's input) is timed, settings alternating, medians. Also reported: the step programs compiled after
 warm-up while adapters were loaded and swapped (goal: 0), and an adapter's swap into a device
 slot (the host -> device write; its disk read separately). The CPU, its vector flags and the
 load are printed.
@@ -120,11 +121,32 @@ def main(argv: list[str] | None = None) -> int:
         for name, (eng, n) in settings.items():
             wall, outs[name] = run(eng, n)
             walls[name].append(wall)
+    # One decode step of all the rows, replayed: the same 64-row step per setting, alternating.
+    step_inputs = {}
+    for name, (eng, n) in settings.items():
+        orig, seen = eng.runner.launch, {}
+
+        def launch(seqs, *a, _orig=orig, _eng=eng, _seen=seen, **k):
+            h = _orig(seqs, *a, **k)
+            if len(seqs) == args.requests and all(len(sq.token_ids) == 1 for sq in seqs):
+                _seen.setdefault("inp", _eng.runner.last_input)
+            return h
+        eng.runner.launch = launch
+        run(eng, n)
+        eng.runner.launch = orig
+        step_inputs[name] = seen["inp"]
+    step_times: dict[str, list[float]] = {n: [] for n in settings}
+    for _ in range(args.rounds * 4):
+        for name, (eng, _n) in settings.items():
+            step_times[name] += [eng.runner.replay(step_inputs[name]) for _ in range(3)]
     compiled_after = (compilations() - compiled[0], compilations("_write") - compiled[1])
     toks = args.requests * args.max_tokens
     base_tps = toks / statistics.median(walls["base"])
+    base_step = statistics.median(step_times["base"])
     rows = [{"setting": n, "wall_s": statistics.median(walls[n]), "tok_s": toks / statistics.median(walls[n]),
-             "vs_base": toks / statistics.median(walls[n]) / base_tps} for n in settings]
+             "vs_base": toks / statistics.median(walls[n]) / base_tps,
+             "step_ms": 1e3 * statistics.median(step_times[n]),
+             "step_vs_base": base_step / statistics.median(step_times[n])} for n in settings]
     snap = lora.loras.snapshot()
     swap_ms = 1e3 * snap["swap_seconds"] / max(1, snap["swaps_in"])
     load = loadavg_1m() or 0.0
@@ -133,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.requests} requests x ({args.prompt_tokens} prompt + {args.max_tokens} output tokens) in one batch, "
           f"adapters of rank {args.rank} on all 7 projections, round-robin; medians of {args.rounds} alternating "
           f"rounds; load {load:.2f}")
-    print("| setting | wall s | output tok/s | vs base |")
-    print("|---|---|---|---|")
+    print("| setting | wall s | output tok/s | vs base | decode step ms | step vs base |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['setting']} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {r['vs_base']:.2f}x |")
+        print(f"| {r['setting']} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {r['vs_base']:.2f}x | {r['step_ms']:.1f} | "
+              f"{r['step_vs_base']:.2f}x |")
     print(f"base rows on the LoRA engine give the base engine's tokens: {same_base}")
     print(f"bfloat16 slots give float32 slots' tokens on {same16}/{args.requests} requests")
     print(f"adapter swap into a device slot: {swap_ms:.1f} ms (mean of {snap['swaps_in']}); read from disk: "

@@ -12,7 +12,8 @@ from runtime.bench.report import _ms, _num, _pct
 from scripts.bench_render.engine_md import render_engine_sections, render_tp
 from scripts.bench_render.seam_md import render_seam_ab, render_yardstick
 from scripts.bench_render.spec_md import render_speculative
-from scripts.bench_render.tier_md import render_kv_tier, render_ledger, render_prefill_profile, render_quote, render_swap
+from scripts.bench_render.tier_md import (render_kv_tier, render_ledger, render_lora, render_prefill_profile, render_quote,
+                                         render_swap)
 from scripts.bench_render.md import load as _load, table as _table
 from scripts.bench_render.peers_md import (render_disagg, render_fleet, render_gemma3, render_peers, render_sampler,
                                           render_w4a16)
@@ -214,6 +215,7 @@ def render_benchmarks(results: str | Path, commands: str | None = None) -> str:
     L += render_ledger(d)
     L += render_quote(d)
     L += render_prefill_profile(d)
+    L += render_lora(d)
 
     L += ["## Independent client: guidellm", "",
           "guidellm runs from its own venv (`$GUIDELLM_VENV`, default /tmp/guidellm-venv): installing it into the "
