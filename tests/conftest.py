@@ -50,6 +50,7 @@ LONGEST_FIRST = (
     "tests/runtime/test_kv_quant.py",
     "tests/runtime/test_quant.py",
     "tests/pallas_kernels/test_paged_attention.py",
+    "tests/runtime/test_lora.py",
     # then the fast tier's longest (`-m fast` hands these out first; 14-24 s each unloaded)
     "tests/console/test_api_errors.py",
     "tests/console/test_api_openai.py",
@@ -119,6 +120,11 @@ SLOW = (
     # 20 mixed requests through both schedulers, and four CLI processes
     "tests/runtime/test_engine_async.py::test_async_and_sync_scheduling_give_the_same_outputs",
     "tests/console/test_state.py::test_an_unusable_state_dir_is_one_line_and_exit_2",
+    # LoRA: every family and the quantized bases against transformers + peft; a served adapter
+    "tests/runtime/test_lora.py::test_every_family_matches_peft_alone_and_beside_the_base",
+    "tests/runtime/test_lora.py::test_quantized_bases_under_lora",
+    "tests/runtime/test_lora.py::test_xla_path_and_bfloat16_slots_give_the_kernels_tokens",
+    "tests/console/test_api_lora.py",
 )
 
 

@@ -352,3 +352,41 @@ def test_console_model_page_loads_and_unloads_adapters_audited(llama):
         rows = [(a.who, a.action, a.detail.get("name")) for a in client.app.state.store.iter_audit()
                 if a.action.endswith("_lora")]
         assert rows == [("admin", "load_lora", "t1"), ("admin", "unload_lora", "t1")]
+
+
+def test_lora_flags_parse_and_refuse_in_one_line(tmp_path):
+    from runtime.core.engine_args import lora_config_from_args, lora_modules
+    from tests.runtime.test_families_config import engine_args
+
+    args = engine_args("--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}',
+                       "--max-loras", "2", "--lora-dtype", "bfloat16")
+    assert lora_modules(args) == [("a", "/x"), ("b", "/y")]
+    assert lora_config_from_args(args) == LoraConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=32, dtype="bfloat16")
+    assert lora_config_from_args(engine_args()) is None
+    with pytest.raises(ValueError, match="max_loras: needs --enable-lora"):
+        lora_config_from_args(engine_args("--max-loras", "8"))
+    with pytest.raises(ValueError, match="must be name=path"):
+        lora_config_from_args(engine_args("--lora-modules", "nopath"))
+    with pytest.raises(ValueError, match="given twice"):
+        lora_config_from_args(engine_args("--lora-modules", "a=/x", "a=/y"))
+    with pytest.raises(ValueError, match="lora_modules: extra not supported"):
+        lora_config_from_args(engine_args("--lora-modules", '{"name": "a", "path": "/x", "extra": 1}'))
+    with pytest.raises(ValueError, match="max_cpu_loras: must be at least max_loras"):
+        lora_config_from_args(engine_args("--enable-lora", "--max-loras", "8", "--max-cpu-loras", "4"))
+
+
+def test_the_benchmarks_adapters_are_valid_peft_adapters(tmp_path):
+    """scripts/bench_lora.py writes its random adapters in PEFT's format: the reader takes them."""
+    import sys
+
+    from runtime.core.lora import read_adapter
+    from tests.tiny import tiny_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from bench_lora import write_adapter
+
+    cfg = tiny_config(300)
+    ad = read_adapter(write_adapter(tmp_path / "a", cfg, 8, 0), cfg, 16, ("wq", "wk", "wv", "wo", "w_gate", "w_up",
+                                                                           "w_down"))
+    assert ad.rank == 8 and set(ad.modules) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    assert ad.weights["wq"][0].shape == (cfg.num_layers, cfg.hidden_size, 8)
