@@ -296,7 +296,8 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None,
     keyed = settings.api_key is not None or store.has_keys()
     from console.lora_api import lora_router
 
-    handlers: list = [v1_router(with_security=keyed), root_router(with_security=keyed), lora_router(), health, metrics,
+    handlers: list = [v1_router(with_security=keyed), root_router(with_security=keyed), lora_router(require_ready),
+                      health, metrics,
                       create_static_files_router(path="/static", directories=[static_dir()],
                                                  include_in_schema=False)]
     if fleet:

@@ -8,6 +8,8 @@ every client of that name is served. Each load and unload is in the audit log wi
 
 from __future__ import annotations
 
+from typing import Any
+
 from litestar import Request, Response, Router, post
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
@@ -19,7 +21,6 @@ LORA_WHO = "pagedjax.lora_who"  # scope key: the operator the guard let through
 
 
 def require_operator_when_keyed(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    from console.app import require_ready
     from console.auth import _operator_for
 
     st = connection.app.state
@@ -33,7 +34,11 @@ def require_operator_when_keyed(connection: ASGIConnection, _: BaseRouteHandler)
                                 "keys are on (an API key is not enough)", code="operator_required")
         who = name
     connection.scope[LORA_WHO] = who  # type: ignore[literal-required]
-    require_ready(connection, _)
+
+
+def require_lora_engine(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """After readiness: the engine can load adapters."""
+    st = connection.app.state
     if not hasattr(st.engine, "load_lora"):  # a fleet's gateway
         raise APIError(400, "lora: a fleet serves the adapters its replicas load at start (--lora-modules); "
                             "it loads none at run time yet", code="lora_unsupported")
@@ -83,6 +88,8 @@ async def unload_lora_adapter(request: Request) -> Response:
     return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
 
-def lora_router() -> Router:
+def lora_router(require_ready: Any) -> Router:
+    """`require_ready`: the app's readiness guard (console/app.py), run after the operator check."""
     return Router(path="/v1", route_handlers=[load_lora_adapter, unload_lora_adapter],
-                  guards=[require_operator_when_keyed], exception_handlers=EXCEPTION_HANDLERS, tags=["LoRA"])
+                  guards=[require_operator_when_keyed, require_ready, require_lora_engine],
+                  exception_handlers=EXCEPTION_HANDLERS, tags=["LoRA"])

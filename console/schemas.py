@@ -458,6 +458,7 @@ def encode(obj: object) -> bytes:
 
 REF = "#/components/schemas/{name}"
 ERROR_STATUSES = {"400": "Invalid request (the message names the field)", "401": "Missing or wrong API key",
+                  "404": "No such model or LoRA adapter (code model_not_found)",
                   "429": "Admission queue full; see Retry-After", "500": "Internal error (no details leak)",
                   "503": "Warming up or shutting down"}
 

@@ -479,10 +479,8 @@ def typed(params: dict[str, Any]) -> dict[str, Any]:
     head = LmHead(params["embed"] if tied else params["lm_head"], int8=int8,
                   f32=leaf(params["head_f32"]) if "head_f32" in params else None,
                   tied=tied, int8_any_rows=bool(int8 is not None and int8.fast_at_one_row))
-    if "lora" in params:  # the step's adapters (runtime/model/lora.py), before any fusion sees the projections
-        from runtime.model import lora
-
-        layers = lora.wrap(layers, params["lora"], params["lora_batch"])
+    if "lora" in params:  # the step's adapters (runtime/model/lora.py LoraTable), before any fusion sees them
+        layers = params["lora"].wrap(layers, params["lora_batch"])
     rest = {k: v for k, v in params.items() if k not in ("layers", "lm_head", "head", "head_f32", "lora", "lora_batch")}
     out = {**rest, "layers": layers, "head": head}
     for fuse in _FUSERS:

@@ -86,6 +86,12 @@ class LoraTable:
     def columns(self, name: str) -> tuple[int, ...]:
         return dict(self.parts)[name]
 
+    def wrap(self, layers: dict[str, Any], batch: "LoraBatch") -> dict[str, Any]:
+        """A typed layer tree with each projection the table covers as a LoraLinear (linear.typed
+        calls it: the table rides in the parameter tree, so linear.py needs no import of this module)."""
+        return {k: LoraLinear(v, self.a[k], self.b[k], batch, parts=self.columns(k), kernel=self.kernel)
+                if k in self.a else v for k, v in layers.items()}
+
     def nbytes(self) -> int:
         return sum(x.nbytes for x in jax.tree.leaves(self))
 
@@ -189,8 +195,3 @@ class LoraLinear(Linear, HeldPerLayer):
     def out_features(self):
         return self.base.out_features
 
-
-def wrap(layers: dict[str, Any], table: LoraTable, batch: LoraBatch) -> dict[str, Any]:
-    """A typed layer tree with each projection the table covers as a LoraLinear."""
-    return {k: LoraLinear(v, table.a[k], table.b[k], batch, parts=table.columns(k), kernel=table.kernel)
-            if k in table.a else v for k, v in layers.items()}

@@ -44,7 +44,6 @@ def test_tokenize_messages_with_the_chat_template(client):
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "prompt"),
     ({}, "prompt"),
-    ({"prompt": "x", "model": "other"}, "model"),
     ({"prompt": 5}, "prompt"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
 ])
@@ -52,6 +51,12 @@ def test_tokenize_bad_input_is_400_naming_the_field(client, body, param):
     r = client.post("/tokenize", json=body, headers=AUTH)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_tokenize_unknown_model_is_404(client):
+    r = client.post("/tokenize", json={"prompt": "x", "model": "other"}, headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["code"] == "model_not_found"
 
 
 def test_detokenize_refuses_ids_outside_the_vocabulary_and_needs_the_key(client):

@@ -89,7 +89,7 @@ def test_the_endpoint_and_retry_after(tiny_ckpt):
         chat = c.post("/v1/admission/quote", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
                       headers=h)
         assert chat.status_code == 200 and chat.json()["admit"] is True
-        assert c.post("/v1/admission/quote", json={"model": "other", "prompt": "x"}, headers=h).status_code == 400
+        assert c.post("/v1/admission/quote", json={"model": "other", "prompt": "x"}, headers=h).status_code == 404
         assert c.post("/v1/admission/quote", json={"model": "tiny", "prompt": "x"}).status_code == 401
         eng.add_request(prompt(5, 40), SamplingParams(temperature=0.0, max_tokens=4))  # the queue is full now
         full = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt(6, 40), "max_tokens": 4}, headers=h)
