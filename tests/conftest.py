@@ -123,6 +123,7 @@ SLOW = (
     # LoRA: every family and the quantized bases against transformers + peft; a served adapter
     "tests/runtime/test_lora.py::test_every_family_matches_peft_alone_and_beside_the_base",
     "tests/runtime/test_lora.py::test_quantized_bases_under_lora",
+    "tests/runtime/test_lora.py::test_deepseek_latent_attention_adapters_match_peft",
     "tests/runtime/test_lora.py::test_xla_path_and_bfloat16_slots_give_the_kernels_tokens",
     "tests/console/test_api_lora.py",
 )

@@ -138,8 +138,6 @@ class LLMEngine:
         if config.quantization == "auto":  # serve the checkpoint as it is stored
             config = self.config = dataclasses.replace(config, quantization=quantization_of(params),
                                                        quantize_lm_head=config.quantize_lm_head or "head" in params)
-        if config.lora is not None and config.model.mla:
-            raise ValueError("lora: LoRA on multi-head latent attention models (deepseek_v2) is not supported yet")
         folds: dict = {}  # what SmoothQuant did to the projections' inputs and outputs (LoRA follows it)
         if config.lora is not None and quantization_of(params) == "w8a8":
             raise ValueError("lora: this checkpoint is stored as w8a8 (SmoothQuant's scales folded into its weights, "

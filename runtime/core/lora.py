@@ -38,6 +38,9 @@ PEFT_MODULES: dict[str, tuple[str, ...]] = {
     "q_proj": ("wq",), "k_proj": ("wk",), "v_proj": ("wv",), "o_proj": ("wo",),
     "gate_proj": ("w_gate",), "up_proj": ("w_up",), "down_proj": ("w_down",),
     "qkv_proj": ("wq", "wk", "wv"), "gate_up_proj": ("w_gate", "w_up"),
+    # multi-head latent attention (deepseek_v2); its kv_b_proj is absorbed into the attention
+    # (the family reads it as a matrix, not as a product): refused
+    "q_a_proj": ("wq_a",), "q_b_proj": ("wq_b",), "kv_a_proj_with_mqa": ("wkv_a",),
 }
 _KEY = re.compile(r"^base_model\.model\.(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])\.weight$")
@@ -124,6 +127,9 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, supported: t
             raise AdapterError(f"{st_path}: tensor {key} is not a LoRA weight of an attention or MLP projection "
                                f"({', '.join(PEFT_MODULES)})")
         layer, module, side = int(m[1]), m[2], m[3]
+        if module == "kv_b_proj":
+            raise AdapterError(f"{st_path}: kv_b_proj is not supported (latent attention absorbs it into the "
+                               "attention; adapters on q_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa and o_proj are)")
         if module not in PEFT_MODULES:
             raise AdapterError(f"{st_path}: {module} is not a supported target module "
                                f"(supported: {', '.join(PEFT_MODULES)})")

@@ -36,12 +36,19 @@ from runtime.model.linear import HeldPerLayer, Linear, expert_products, pytree, 
 
 # a stored projection -> the model's projections it holds, in its column order
 PARTS = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
-MODULES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+MODULES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "wq_a", "wq_b", "wkv_a")  # (the last three: MLA's)
 
 
 def module_shape(cfg: ModelConfig, name: str) -> tuple[int, int]:
     """(in, out) of one of the model's projections."""
     d, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    if cfg.mla:  # latent attention: queries of qk_nope + qk_rope per head, values of v_head_dim
+        H, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q_in = cfg.q_lora_rank or d
+        mla = {"wq": (d, H * qk), "wq_a": (d, cfg.q_lora_rank), "wq_b": (q_in, H * qk),
+               "wkv_a": (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), "wo": (H * cfg.v_head_dim, d)}
+        if name in mla:
+            return mla[name]
     return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
             "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}[name]
 

@@ -241,7 +241,7 @@ def test_every_family_matches_peft_alone_and_beside_the_base(arch, tmp_path):
     assert run(eng, [(PROMPT, None), (PROMPT, "ad"), (PROMPT, None)]) == [base, want, base]
 
 
-def test_expert_targets_and_latent_attention_are_refused(tmp_path):
+def test_expert_targets_are_refused(tmp_path):
     src = build_hf(tmp_path / "hf", "mixtral", num_local_experts=4, num_experts_per_tok=2)
     convert(HFSource(src), tmp_path / "ck", progress=False)
     ad = build_adapter(src, tmp_path / "ad", 4, targets=["q_proj"])
@@ -254,13 +254,28 @@ def test_expert_targets_and_latent_attention_are_refused(tmp_path):
                       lora=LoraConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=1))
     with pytest.raises(AdapterError, match="experts.0.gate_proj.lora_A.weight is not a LoRA weight"):
         eng.load_lora("ad", str(ad))
-    from tests.runtime.test_families_deepseek import DEEPSEEK
 
-    src = build_hf(tmp_path / "ds", "deepseek_v2", **DEEPSEEK)
-    convert(HFSource(src), tmp_path / "dck", progress=False)
-    with pytest.raises(ValueError, match="latent attention"):
-        make_engine(tmp_path / "dck", num_blocks=32, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128,
-                    lora=LoraConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=1))
+
+@pytest.mark.parametrize("variant", ["plain", "lora_grouped_yarn"])
+def test_deepseek_latent_attention_adapters_match_peft(variant, tmp_path):
+    """DeepSeek-V2 (multi-head latent attention, with and without a low-rank query): adapters on
+    its query, latent kv_a and output projections give peft's tokens; kv_b_proj (absorbed into
+    the attention) is refused naming it."""
+    from tests.runtime.test_families_deepseek import DEEPSEEK, VARIANTS
+
+    src = build_hf(tmp_path / "hf", "deepseek_v2", **{**DEEPSEEK, **VARIANTS[variant]})
+    convert(HFSource(src), tmp_path / "ck", progress=False)
+    q = ["q_a_proj", "q_b_proj"] if variant != "plain" else ["q_proj"]
+    ad = build_adapter(src, tmp_path / "ad", 6, targets=[*q, "kv_a_proj_with_mqa", "o_proj"])
+    want, base = peft_greedy(src, ad, PROMPT), peft_greedy(src, None, PROMPT)
+    assert want != base
+    eng = make_engine(tmp_path / "ck", num_blocks=96, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                      lora=LoraConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=1))
+    eng.load_lora("ad", str(ad))
+    assert run(eng, [(PROMPT, None), (PROMPT, "ad")]) == [base, want]
+    kvb = build_adapter(src, tmp_path / "kvb", 6, targets=["kv_b_proj"])
+    with pytest.raises(AdapterError, match="kv_b_proj is not supported"):
+        eng.load_lora("kvb", str(kvb))
 
 
 @pytest.mark.parametrize("kernels,dtype", [(False, "float32"), (True, "bfloat16"), (False, "bfloat16")],
