@@ -8,11 +8,12 @@ The table's shape depends only on the model and `--max-loras` / `--max-lora-rank
 which adapters are loaded: writing an adapter into a slot (`write_slot`) is a data update of
 a jitted step's argument, so adding and removing adapters compiles nothing.
 
-A row's product is Punica's SGMV: the step's rows sorted by slot, each slot's rows multiplied
-by its own matrices (runtime/model/linear.py expert_products: a loop over the slots that have
-rows on CPU, jax.lax.ragged_dot elsewhere), so the FLOPs are the rows' own T * R * (in + out),
-not S times that. Rows without an adapter sort last and take no product; a step with none
-skips the whole thing (one lax.cond per product).
+A row's product is Punica's SGMV: each slot's rows multiplied by its own matrices, so the FLOPs
+are the rows' own T * R * (in + out), not S times that. On CPU the C++ kernel
+(runtime/kernels/cpu/cpu_lora.cc) groups the rows by slot and reads each active adapter's
+matrices once; elsewhere the rows are sorted by slot here (LoraBatch) and multiplied as
+segments (runtime/model/linear.py expert_products: jax.lax.ragged_dot off CPU). Rows without an
+adapter take no product; a step with none skips the whole thing (one lax.cond per product).
 
 A stored projection may hold several of the model's (the runner fuses q|k|v): its slot holds
 each part's a side by side ([in, P*R]) and each part's b in its own columns ([R, out]); part p's
@@ -99,15 +100,11 @@ class LoraTable:
         return {k: LoraLinear(v, self.a[k], self.b[k], batch, parts=self.columns(k), kernel=self.kernel)
                 if k in self.a else v for k, v in layers.items()}
 
-    def nbytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree.leaves(self))
-
-    def slot_arrays(self, cfg: ModelConfig, weights: dict[str, tuple[np.ndarray, np.ndarray]],
-                    layers: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
+    def slot_arrays(self, cfg: ModelConfig, weights: dict[str, tuple[np.ndarray, np.ndarray]]) -> tuple[dict, dict]:
         """One slot's host arrays in the table's layout from an adapter's per-module weights:
         module -> (a [L, in, r], b [L, r, out]) with the scaling already in b (runtime/core/lora.py
         Adapter). Modules the adapter leaves out, and ranks below the table's, are zeros."""
-        L, R = next(iter(self.a.values())).shape[0], self.rank
+        R = self.rank
         a_out, b_out = {}, {}
         for name in self.a:
             parts = PARTS.get(name, (name,))
@@ -123,7 +120,6 @@ class LoraTable:
                     sb[:, :r, col:col + width] = wb
                 col += width
             a_out[name], b_out[name] = sa, sb
-        assert all(x.shape[0] == L for x in a_out.values())
         return a_out, b_out
 
 
