@@ -29,7 +29,7 @@ FINISHED_KEPT = 256   # finished requests whose ledgers the engine keeps
 @dataclass
 class Decision:
     t: float                  # wall-clock seconds (time.time()) of the first occurrence
-    kind: str                 # queued | waiting | admitted | chunk | preempted | swapped_in | promoted | speculation | finished
+    kind: str                 # queued | waiting | admitted | lora | chunk | preempted | swapped_in | promoted | speculation | finished
     reason: str               # one line, for a person
     inputs: dict[str, Any] = field(default_factory=dict)  # the numbers the decision read (of the last occurrence)
     count: int = 1            # occurrences folded into this entry

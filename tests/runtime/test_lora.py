@@ -94,6 +94,11 @@ def test_llama_adapters_match_peft_alone_and_mixed_in_one_batch(llama):
     assert other[0] == peft_greedy(src, adapters[0], OTHER) and other[2] == peft_greedy(src, None, OTHER)
     snap = eng.loras.snapshot()
     assert {a["name"]: a["requests"] for a in snap["adapters"]} == {"a0": 4, "a1": 2, "a2": 2}
+    # the ledger of a request that waited for a slot says so, then where its adapter went
+    kinds = [(d.kind, d.reason) for r in eng._finished_ledgers.values() for d in r[1].entries]
+    assert any(k == "waiting" and "LoRA slot" in why for k, why in kinds)
+    assert any(k == "lora" and "written into device slot" in why for k, why in kinds)
+    assert any(k == "lora" and "already in device slot" in why for k, why in kinds)
     assert snap["swaps_in"] >= 3
 
 
