@@ -152,7 +152,7 @@ def lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
                 out.append((str(d["name"]), str(d["path"])))
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"lora_modules: {item!r} is not JSON with \"name\" and \"path\"") from None
-            extra = set(d) - {"name", "path", "base_model_name"}
+            extra = set(d) - {"name", "path"}
             if extra:
                 raise ValueError(f"lora_modules: {', '.join(sorted(extra))} not supported in {item!r}")
         else:

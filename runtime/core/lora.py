@@ -72,10 +72,6 @@ class Adapter:
     modules: tuple[str, ...]
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def read_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, supported: tuple[str, ...],
                  name: str = "", lora_id: int = 0, folds: dict | None = None) -> Adapter:
@@ -275,11 +271,12 @@ class LoraSlots:
         """Its adapter is in a slot, or a slot can take it (free, or no running request uses its adapter)."""
         return lora_id in self.slots or any(s is None or not self.refs.get(s) for s in self.slots)
 
-    def acquire(self, lora_id: int) -> int:
-        """The slot a starting request uses (its adapter written there if it was not)."""
+    def acquire(self, lora_id: int) -> tuple[int, bool]:
+        """(the slot a starting request uses, whether its adapter was written there now)."""
         with self.lock:
             slot = self.slot_of(lora_id)
-            if slot < 0:
+            written = slot < 0
+            if written:
                 free = [i for i, s in enumerate(self.slots) if s is None or not self.refs.get(s)]
                 if not free:
                     raise RuntimeError("no LoRA slot is free (the scheduler checks can_run first)")
@@ -291,7 +288,7 @@ class LoraSlots:
                 self.slots[slot] = lora_id
             self.refs[lora_id] = self.refs.get(lora_id, 0) + 1
             self.slot_used[slot] = time.monotonic()
-            return slot
+            return slot, written
 
     def release(self, lora_id: int) -> None:
         with self.lock:

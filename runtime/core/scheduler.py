@@ -504,11 +504,9 @@ class Scheduler:
         req.num_registered_blocks = cached // self.bs
         req.state_row = self.free_rows.pop()
         if req.lora_id:
-            loads = self.loras.swaps_in
-            req.lora_slot = self.loras.acquire(req.lora_id)
-            req.ledger.add("lora", f"adapter {req.lora_name} " + ("written into" if self.loras.swaps_in > loads
-                                                                 else "already in") + f" device slot {req.lora_slot}",
-                           slot=req.lora_slot)
+            req.lora_slot, written = self.loras.acquire(req.lora_id)
+            req.ledger.add("lora", f"adapter {req.lora_name} {'written into' if written else 'already in'} device slot "
+                                   f"{req.lora_slot}", slot=req.lora_slot)
         req.needs_row_reset = True
         req.row_counted_upto = 0
         req.status = Status.RUNNING

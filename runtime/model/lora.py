@@ -138,22 +138,25 @@ def write_slot(table: LoraTable, slot: int, a: dict, b: dict) -> LoraTable:
 
 @pytree
 class LoraBatch:
-    """The step's rows by LoRA slot, made once per step in the jitted step."""
+    """The step's rows by LoRA slot, made once per step in the jitted step. The sorted fields are
+    the XLA products' (the C++ kernel groups the rows itself: None there)."""
     slots: jax.Array  # [T] int32 each row's slot (-1: none)
-    order: jax.Array  # [T] int32 rows sorted by slot, rows without an adapter last
-    inv: jax.Array    # [T] int32 the inverse permutation
-    sizes: jax.Array  # [S] int32 rows per slot
     on: jax.Array     # [T] bool the row has an adapter
     any: jax.Array    # [] bool some row has one
+    order: jax.Array | None = None  # [T] int32 rows sorted by slot, rows without an adapter last
+    inv: jax.Array | None = None    # [T] int32 the inverse permutation
+    sizes: jax.Array | None = None  # [S] int32 rows per slot
 
     @classmethod
-    def of(cls, slots: jax.Array, num_slots: int) -> "LoraBatch":
+    def of(cls, slots: jax.Array, table: LoraTable) -> "LoraBatch":
         on = slots >= 0
-        key = jnp.where(on, slots, num_slots)
+        if table.kernel:
+            return cls(slots, on, jnp.any(on))
+        key = jnp.where(on, slots, table.slots)
         order = jnp.argsort(key, stable=True).astype(jnp.int32)
         inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-        sizes = jnp.zeros(num_slots, jnp.int32).at[jnp.where(on, slots, num_slots)].add(1, mode="drop")
-        return cls(slots, order, inv, sizes, on, jnp.any(on))
+        sizes = jnp.zeros(table.slots, jnp.int32).at[key].add(1, mode="drop")
+        return cls(slots, on, jnp.any(on), order, inv, sizes)
 
 
 @pytree
@@ -174,18 +177,20 @@ class LoraLinear(Linear, HeldPerLayer):
 
     def apply(self, x, residual=None, norm=None):
         y = self.base.apply(x, residual, norm)
-        return y + self.delta(x if norm is None else rms_norm(x, *norm)).astype(y.dtype)
+        return y + self.delta(x, norm).astype(y.dtype)
 
-    def delta(self, x: jax.Array) -> jax.Array:
-        """[T, out] float32: each row's (x @ a[slot]) @ b[slot], zero for rows without an adapter."""
+    def delta(self, x: jax.Array, norm: Any = None) -> jax.Array:
+        """[T, out] float32: each row's (rms_norm(x) @ a[slot]) @ b[slot] (x as it is without
+        `norm`), zero for rows without an adapter; a step with none computes nothing here."""
         bt = self.batch
 
         def run() -> jax.Array:
+            x_ = x if norm is None else rms_norm(x, *norm)
             if self.kernel:
                 from runtime.kernels.cpu.lora import lora_products
 
-                return lora_products(x, bt.slots, self.a, self.b, self.parts, self.index)
-            xs = x.astype(jnp.float32)[bt.order]
+                return lora_products(x_, bt.slots, self.a, self.b, self.parts, self.index)
+            xs = x_.astype(jnp.float32)[bt.order]
             u = expert_products(xs, self.a, bt.sizes, self.index)
             R, cols = self.b.shape[-2], jnp.arange(self.b.shape[-1])
             d = sum(jnp.where((cols >= lo) & (cols < hi), expert_products(u[:, p * R:(p + 1) * R], self.b, bt.sizes,

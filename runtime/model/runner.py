@@ -199,7 +199,7 @@ def _step(cfg: ModelConfig, backend: AttentionBackend, num_blocks: int, mesh: An
     if "lora" in params:  # the step's rows by adapter slot (runtime/model/lora.py)
         from runtime.model.lora import LoraBatch
 
-        params = {**params, "lora_batch": LoraBatch.of(inp.lora_slots, params["lora"].slots)}
+        params = {**params, "lora_batch": LoraBatch.of(inp.lora_slots, params["lora"])}
     fam = family(cfg)
     hidden, kv, *stats = fam.forward_hidden(cfg, params, token_ids, inp.positions, attention, kv)
     load = expert_load(cfg, stats[0]["expert_ids"], inp) if stats and "expert_ids" in stats[0] else None

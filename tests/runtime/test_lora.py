@@ -378,7 +378,7 @@ def test_lora_flags_parse_and_refuse_in_one_line(tmp_path):
     from runtime.core.engine_args import lora_config_from_args, lora_modules
     from tests.runtime.test_families_config import engine_args
 
-    args = engine_args("--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}',
+    args = engine_args("--lora-modules", "a=/x", '{"name": "b", "path": "/y"}',
                        "--max-loras", "2", "--lora-dtype", "bfloat16")
     assert lora_modules(args) == [("a", "/x"), ("b", "/y")]
     assert lora_config_from_args(args) == LoraConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=32, dtype="bfloat16")
@@ -391,6 +391,8 @@ def test_lora_flags_parse_and_refuse_in_one_line(tmp_path):
         lora_config_from_args(engine_args("--lora-modules", "a=/x", "a=/y"))
     with pytest.raises(ValueError, match="lora_modules: extra not supported"):
         lora_config_from_args(engine_args("--lora-modules", '{"name": "a", "path": "/x", "extra": 1}'))
+    with pytest.raises(ValueError, match="lora_modules: base_model_name not supported"):  # (not checked: refused)
+        lora_config_from_args(engine_args("--lora-modules", '{"name": "a", "path": "/x", "base_model_name": "m"}'))
     with pytest.raises(ValueError, match="max_cpu_loras: must be at least max_loras"):
         lora_config_from_args(engine_args("--enable-lora", "--max-loras", "8", "--max-cpu-loras", "4"))
 
